@@ -1,0 +1,284 @@
+"""Artifact folders: a Hugging Face model folder plus a `llamactl.json` manifest.
+
+Opening validates what a stage needs before any work starts; writing goes through a temporary
+folder beside the output that is renamed into place only when everything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from llamactl import __version__
+from llamactl.config import LlamaArgs
+from llamactl.errors import CheckpointError, InputError, OutputExistsError
+
+MANIFEST = "llamactl.json"
+SCHEMA_VERSION = 1
+ST_INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+SIDE_FILES = ("generation_config.json", "README.md")
+
+
+@dataclass
+class Artifact:
+    """A validated model folder. Nothing in it is ever modified."""
+
+    path: Path
+    config: dict[str, Any]
+    manifest: dict[str, Any] | None
+    weight_files: list[Path]
+    weight_format: str  # "safetensors" or "pickle"
+
+    @property
+    def args(self) -> LlamaArgs:
+        return LlamaArgs.from_hf(self.config, where=str(self.path / "config.json"))
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        return self.config.get("quantization_config")
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.weight_files)
+
+    def tensor_index(self) -> dict[str, dict[str, Any]]:
+        """name -> {dtype, shape, file} read from safetensors headers, without loading data."""
+        index: dict[str, dict[str, Any]] = {}
+        for f in self.weight_files:
+            if self.weight_format != "safetensors":
+                raise InputError(f"{f}: tensor headers are only readable from safetensors files")
+            for name, meta in read_safetensors_header(f).items():
+                if name != "__metadata__":
+                    index[name] = {"dtype": meta["dtype"], "shape": meta["shape"], "file": f.name}
+        return index
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file; raises CheckpointError if the file is truncated or corrupt."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)", "re-download or re-export it")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100_000_000:
+            raise CheckpointError(f"{path} is truncated or corrupt (header length {n}, file {size} bytes)",
+                                  "re-download or re-export it")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} has a corrupt safetensors header ({e})", "re-download or re-export it")
+    end = max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt: its header describes {8 + n + end} bytes, the file has {size}",
+            "re-download or re-export it",
+        )
+    return header
+
+
+def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
+    for index_name, fmt in ((ST_INDEX, "safetensors"), (PICKLE_INDEX, "pickle")):
+        index = path / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid weight index ({e})")
+            missing = [s for s in shards if not (path / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{path} is missing the files: {missing} (listed in {index_name})",
+                                      "copy the complete checkpoint")
+            files = [path / s for s in shards]
+            break
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        fmt = "safetensors"
+        if not files:
+            files = sorted(list(path.glob("*.bin")) + list(path.glob("*.pth")) + list(path.glob("*.pt")))
+            fmt = "pickle"
+    if not files:
+        raise CheckpointError(
+            f"{path} is missing the files: ['model.safetensors' or '{ST_INDEX}' with its shards]",
+            "point at a Hugging Face checkpoint folder",
+        )
+    if fmt == "pickle" and not allow_pickle:
+        raise CheckpointError(
+            f"{path} holds pickled weights ({files[0].name}), which can run code when loaded",
+            "convert them to safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)",
+        )
+    if fmt == "safetensors":
+        for f in files:
+            read_safetensors_header(f)
+    return files, fmt
+
+
+def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
+    """Validate a model folder; raises CheckpointError saying exactly what is wrong."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model folder {path} does not exist",
+                              "pass a folder holding a Hugging Face LLaMA checkpoint")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a model folder",
+                              "pass the folder that holds config.json and the weights")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{path} is missing the files: ['config.json']",
+                              "point at a Hugging Face checkpoint folder")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
+    LlamaArgs.from_hf(config, where=str(cfg_path))  # validates model_type and shapes
+    files, fmt = _weight_files(path, allow_pickle)
+    manifest = None
+    if (path / MANIFEST).is_file():
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path / MANIFEST} is not valid JSON ({e})")
+    return Artifact(path=path, config=config, manifest=manifest, weight_files=files, weight_format=fmt)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def lineage(art: Artifact, max_depth: int = 32) -> list[dict[str, Any]]:
+    """The manifest chain from this artifact up to its root, checking each parent's manifest hash."""
+    chain: list[dict[str, Any]] = []
+    path, manifest = art.path, art.manifest
+    while manifest is not None and len(chain) < max_depth:
+        entry = {"path": str(path), "stage": manifest.get("stage"), "params": manifest.get("params", {})}
+        parent = manifest.get("parent")
+        chain.append(entry)
+        if not parent:
+            break
+        ppath = Path(parent["path"])
+        pman = ppath / MANIFEST
+        entry["parent_path"] = str(ppath)
+        if not ppath.is_dir():
+            entry["parent_status"] = "missing"
+            break
+        if parent.get("manifest_sha256") is None:
+            chain.append({"path": str(ppath), "stage": "source", "params": {}})
+            break
+        if not pman.is_file() or sha256_file(pman) != parent["manifest_sha256"]:
+            entry["parent_status"] = "changed since this artifact was made"
+            break
+        entry["parent_status"] = "ok"
+        path, manifest = ppath, json.loads(pman.read_text())
+    return chain
+
+
+def check_output(out: Path, force: bool, inputs: list[Path] = ()) -> None:
+    """Refuse an existing output without --force, and any output that is one of the inputs."""
+    out = Path(out)
+    for src in inputs:
+        if out.resolve() == Path(src).resolve() or Path(src).resolve() in out.resolve().parents:
+            raise InputError(f"output {out} is the input folder or inside it", "inputs are never modified: choose another -o")
+    if out.exists() and not force:
+        raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; rename it into place only if the block succeeds."""
+    out = Path(out)
+    check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """Copy tokenizer files and generation_config.json from a parent folder."""
+    for name in TOKENIZER_FILES + SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def write_manifest(folder: Path, stage: str, parent: Artifact | None, params: dict[str, Any],
+                   metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write llamactl.json into `folder`, hashing every weight file in it."""
+    import torch
+
+    parent_entry = None
+    if parent is not None:
+        pman = parent.path / MANIFEST
+        parent_entry = {
+            "path": str(parent.path.resolve()),
+            "manifest_sha256": sha256_file(pman) if pman.is_file() else None,
+        }
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pth", ".pt"))
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "stage": stage,
+        "parent": parent_entry,
+        "params": params,
+        "llamactl_version": __version__,
+        "torch_version": torch.__version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "files": {p.name: sha256_file(p) for p in weights},
+        "metrics": metrics or {},
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def save_weights(state: dict[str, Any], folder: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
+    """Save a state dict as safetensors, sharded with an index when larger than max_shard_bytes."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in state.items()}
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (folder / ST_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names

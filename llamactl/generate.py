@@ -1,0 +1,168 @@
+"""Decoding loop over the runtime's static KV cache. Yields steps; never prints."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from llamactl.errors import InputError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8  # 0 means greedy
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Step:
+    """One generated token and the text it completed (may be empty mid-character)."""
+
+    token_id: int
+    text: str
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    stop_reason: str  # "eos" or "length"
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_mem_bytes: int
+    device: str
+    dtype: str
+    extra: dict = field(default_factory=dict)
+
+
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """logits: [B, V] -> next token ids [B]. Greedy when temperature is 0."""
+    if s.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) > s.top_p  # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory on CUDA; the process's peak resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> tuple[list[int], bool]:
+    """Token ids for the prompt; with chat, through the tokenizer's chat template when it has one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids), True
+    return tokenizer(prompt).input_ids, False
+
+
+def eos_ids(model, tokenizer, art=None) -> set[int]:
+    ids = set(model.args.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if art is not None and (art.path / "generation_config.json").is_file():
+        import json
+
+        eos = json.loads((art.path / "generation_config.json").read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    return ids
+
+
+@torch.inference_mode()
+def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+             stop_ids: set[int] | None = None, ignore_eos: bool = False) -> Iterator[Step | Result]:
+    """Prefill the prompt, then decode one token per step; yields Steps, then one Result.
+
+    Raises InputError when the prompt and the new tokens do not fit the model's context.
+    """
+    ctx = model.args.max_position_embeddings
+    n = len(prompt_ids)
+    if n == 0:
+        raise InputError("the prompt is empty after tokenization", "pass some text with --prompt")
+    if n >= ctx:
+        raise InputError(f"the prompt has {n} tokens; the model's context is {ctx}", "shorten the prompt")
+    max_new_tokens = min(max_new_tokens, ctx - n)
+    device = model.device
+    model.setup_caches(1, n + max_new_tokens)
+    gen = None
+    if sampling.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(sampling.seed)
+    stop_ids = set() if ignore_eos else (stop_ids or set())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    out: list[int] = []
+    text = ""
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids], device=device), torch.arange(n, device=device), last_only=True)
+    token = sample(logits[:, -1], sampling, gen)  # [1]
+    _sync(device)
+    t_first = time.perf_counter()
+    stop_reason = "length"
+    pos = torch.tensor([n], device=device)
+    steps = 0  # decode forwards, each producing one token (the EOS one included)
+    while True:
+        tid = int(token.item())
+        if tid in stop_ids:
+            stop_reason = "eos"
+            break
+        out.append(tid)
+        full = tokenizer.decode(out, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
+            yield Step(tid, full[len(text):])
+            text = full
+        else:
+            yield Step(tid, "")
+        if len(out) >= max_new_tokens:
+            break
+        logits = model(token.view(1, 1), pos)
+        token = sample(logits[:, -1], sampling, gen)
+        pos += 1
+        steps += 1
+    _sync(device)
+    t_end = time.perf_counter()
+    final = tokenizer.decode(out, skip_special_tokens=True)
+    if final != text:
+        yield Step(-1, final[len(text):])
+    ttft = t_first - t0
+    yield Result(
+        text=final,
+        token_ids=out,
+        prompt_tokens=n,
+        stop_reason=stop_reason,
+        ttft_s=ttft,
+        prefill_tok_s=n / ttft if ttft > 0 else 0.0,
+        decode_tok_s=steps / (t_end - t_first) if steps and t_end > t_first else 0.0,
+        peak_mem_bytes=peak_memory_bytes(device),
+        device=str(device),
+        dtype=str(model.dtype).replace("torch.", ""),
+    )

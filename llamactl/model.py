@@ -1,0 +1,193 @@
+"""llamactl's LLaMA runtime: RMSNorm, RoPE, grouped-query attention, SwiGLU and a static KV cache.
+
+Module and parameter names follow transformers' LlamaForCausalLM, so a Hugging Face state dict
+loads with `load_state_dict(..., assign=True)` and quantized linears can be swapped in by name.
+Every decode step has the same shapes (a [B, 1] token, a [1] position, a fixed-size cache), which
+is what CUDA graphs and torch.compile need.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llamactl.config import LlamaArgs
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with `linear` or `llama3` scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = args.rope_scaling
+    if args.rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if args.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(args: LlamaArgs, max_seq: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_seq, head_dim] in float32, in the rotate-half layout of HF checkpoints."""
+    inv_freq = rope_inv_freq(args).to(device)
+    freqs = torch.outer(torch.arange(max_seq, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, S, D], cos/sin: [S, D]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values: [B, H_kv, max_seq, D], written in place at input_pos."""
+
+    def __init__(self, batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # input_pos: [S], k/v: [B, H_kv, S, D]
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        h, kv, d = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.attention_bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        # x: [B, S, hidden], cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S]
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """LLaMA decoder with a static KV cache. Call `setup_caches` before `forward`."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.max_batch = 0
+        self.max_seq = 0
+        self.cache_dtype: torch.dtype | None = None
+
+    def tie_weights(self):
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None):
+        """Allocate KV caches, RoPE tables and the causal mask for up to `max_seq` positions."""
+        dtype = dtype or self.dtype
+        device = self.device
+        if (batch, max_seq, dtype) == (self.max_batch, self.max_seq, self.cache_dtype):
+            return  # stale entries are never read: the mask hides positions not yet written
+        self.max_batch, self.max_seq, self.cache_dtype = batch, max_seq, dtype
+        a = self.args
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache = KVCache(batch, a.num_key_value_heads, max_seq, a.head_dim, dtype, device)
+        cos, sin = rope_cos_sin(a, max_seq, device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq, D] float32
+        self.register_buffer("rope_sin", sin, persistent=False)
+        causal = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool, device=device))
+        self.register_buffer("causal_mask", causal, persistent=False)  # [max_seq, max_seq]
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """idx: [B, S] token ids at positions input_pos: [S]. Returns logits [B, S or 1, vocab]."""
+        mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D]
+        x = self.model.embed_tokens(idx)  # [B, S, hidden]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, input_pos)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,95 @@
+"""The only module that imports rich: stderr console for progress and logs, stdout for results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Iterable, Iterator, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+_state = {"quiet": False}
+
+
+def _console(stderr: bool) -> Console:
+    # rich turns colour and live displays off by itself when the stream is not a terminal.
+    return Console(stderr=stderr, no_color="NO_COLOR" in os.environ, highlight=False, soft_wrap=not stderr)
+
+
+def set_quiet(quiet: bool) -> None:
+    _state["quiet"] = quiet
+
+
+def log(message: str) -> None:
+    """A progress or status line on stderr (silenced by --quiet)."""
+    if not _state["quiet"]:
+        _console(stderr=True).print(message)
+
+
+def warn(message: str) -> None:
+    _console(stderr=True).print(f"[yellow]warning:[/yellow] {message}")
+
+
+def error(message: str, hint: str | None = None) -> None:
+    line = f"error: {message}" + (f"; {hint}" if hint else "")
+    Console(stderr=True, highlight=False, soft_wrap=True, no_color="NO_COLOR" in os.environ).print(
+        line, markup=False, style="bold red")
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def emit_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], stderr: bool = False) -> None:
+    t = Table(title=title, show_header=True, header_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*(str(x) for x in r))
+    _console(stderr=stderr).print(t)
+
+
+def kv_table(title: str | None, items: Iterable[tuple[str, Any]]) -> None:
+    t = Table(title=title, show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in items:
+        t.add_row(k, str(v))
+    _console(stderr=False).print(t)
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int | None) -> Iterator[Any]:
+    """A progress bar with ETA on stderr; yields advance(n=1, description=None)."""
+    if _state["quiet"]:
+        yield lambda n=1, description=None: None
+        return
+    p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 TextColumn("eta"), TimeRemainingColumn(), console=_console(stderr=True), transient=False)
+    with p:
+        task = p.add_task(description, total=total)
+
+        def advance(n: int = 1, description: str | None = None) -> None:
+            p.update(task, advance=n, **({"description": description} if description else {}))
+
+        yield advance
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
