@@ -103,6 +103,8 @@ def generate(
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\n")
+        if not prompt:
+            raise InputError("no prompt given: stdin was empty", "pass --prompt TEXT or pipe the prompt on stdin")
     art, m, tok, _ = load(model, device, dtype, allow_pickle)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:

@@ -1,0 +1,68 @@
+"""Fixtures: tiny random LLaMA folders in Hugging Face format, and the trained shared model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llamactl.load import DEFAULT_MODEL
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The trained model of ../shared/models; the embedded copy is the same files.
+SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "docs-llama-17m"
+
+
+def trained_model_path() -> Path:
+    return SHARED_MODEL if SHARED_MODEL.is_dir() else DEFAULT_MODEL
+
+
+def make_hf_model(folder: Path, *, kv_heads: int = 4, heads: int = 4, rope: dict | None = None,
+                  tie: bool = False, max_pos: int = 256, seed: int = 0, shard_bytes: str | None = None,
+                  hidden: int = 64, layers: int = 2, head_dim: int | None = None) -> Path:
+    """Save a random LlamaForCausalLM with the embedded model's tokenizer (vocab 8192)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {}
+    if rope is not None:
+        kwargs["rope_parameters"] = rope
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=3, **kwargs)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random init is tiny; widen it so logits differ visibly between positions
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    save_kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    model.save_pretrained(folder, **save_kwargs)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("tiny_gqa"), heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("tiny_mha"), heads=4, kv_heads=4, tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory) -> Path:
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return make_hf_model(tmp_path_factory.mktemp("tiny_llama3"), heads=4, kv_heads=1, rope=rope, max_pos=512)
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> Path:
+    return trained_model_path()

@@ -1,0 +1,142 @@
+"""The CLI contract through Typer's CliRunner: exit codes, stdout/stderr, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from llamactl.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None, env=None):
+    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_generate_from_embedded_model_streams_text():
+    r = invoke("generate", "-p", "The kernel", "--max-new-tokens", "40", "--seed", "0")
+    assert r.exit_code == 0, r.output
+    assert len(r.stdout.strip()) > 20
+    assert "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_generate_json_has_the_documented_keys_and_seed_repeats():
+    args = ("generate", "-p", "Python", "-n", "12", "--seed", "3", "--temperature", "1.0", "--json")
+    a, b = invoke(*args), invoke(*args)
+    assert a.exit_code == 0, a.output
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    for key in ("text", "token_ids", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_mem_bytes"):
+        assert key in ja
+    assert len(ja["token_ids"]) <= 12 and ja["text"] == jb["text"] and ja["token_ids"] == jb["token_ids"]
+    assert ja["peak_mem_bytes"] > 0 and ja["decode_tok_s"] > 0
+
+
+def test_prompt_from_stdin_and_greedy_is_deterministic():
+    a = invoke("generate", "-n", "8", "--temperature", "0", "--json", input="The file system\n")
+    b = invoke("generate", "-p", "The file system", "-n", "8", "--temperature", "0", "--json")
+    assert a.exit_code == 0, a.output
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def test_quiet_silences_stderr():
+    r = invoke("--quiet", "generate", "-p", "x", "-n", "3")
+    assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_inspect_json(tiny_gqa, trained_model):
+    r = invoke("inspect", tiny_gqa, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["num_attention_heads"] == 4 and info["num_key_value_heads"] == 2
+    # 2 (K and V) x 2 layers x 2 KV heads x head_dim 16 x 2 bytes
+    assert info["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert info["quantization"] is None and info["lineage"] == []
+    big = json.loads(invoke("inspect", trained_model, "--json").stdout)
+    assert big["params"] == 16_913_280
+    assert big["kv_bytes_per_token"] == 2 * 6 * 6 * 64 * 2
+    assert big["kv_bytes_at_4k"] == big["kv_bytes_per_token"] * 4096
+
+
+def test_inspect_table_on_embedded_model():
+    r = invoke("inspect")
+    assert r.exit_code == 0
+    assert "16,913,280" in r.stdout and "9.0 KiB/token" in r.stdout
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(invoke("inspect", tmp_path / "nope"), str(tmp_path / "nope"), "does not exist")
+
+
+def test_folder_that_is_not_a_checkpoint(tmp_path):
+    assert_one_line_error(invoke("generate", tmp_path, "-p", "x"), "missing the files", "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+                                                      "intermediate_size": 8, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 2}))
+    assert_one_line_error(invoke("inspect", tmp_path), "missing the files", "model.safetensors")
+
+
+def test_non_llama_model_type(tmp_path, tiny_gqa):
+    bad = tmp_path / "gpt2"
+    shutil.copytree(tiny_gqa, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(invoke("inspect", bad), "'gpt2'", "not a LLaMA")
+
+
+def test_truncated_safetensors(tmp_path, tiny_gqa):
+    bad = tmp_path / "trunc"
+    shutil.copytree(tiny_gqa, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    assert_one_line_error(invoke("generate", bad, "-p", "x"), "model.safetensors", "truncated or corrupt")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    from conftest import make_hf_model
+
+    short = make_hf_model(tmp_path / "short", max_pos=32)
+    assert_one_line_error(invoke("generate", short, "-p", "word " * 100), "prompt has", "context is 32")
+
+
+def test_no_prompt_at_all():
+    assert_one_line_error(invoke("generate", input=""), "no prompt")
+
+
+@pytest.mark.parametrize("args", [
+    ("generate", "-p", "x", "--max-new-tokens", "0"),
+    ("generate", "-p", "x", "--temperature", "-1"),
+    ("generate", "-p", "x", "--top-p", "1.5"),
+    ("generate", "-p", "x", "--device", "tpu"),
+    ("generate", "-p", "x", "--dtype", "int3"),
+    ("generate", "--no-such-option"),
+])
+def test_impossible_option_values_are_usage_errors(args):
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+
+
+def test_debug_shows_traceback(tmp_path):
+    r = invoke("inspect", tmp_path / "nope", env={"LLAMACTL_DEBUG": "1"})
+    assert r.exit_code == 1 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
+
+
+def test_cuda_requested_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert_one_line_error(invoke("generate", "-p", "x", "--device", "cuda"), "no CUDA device")
