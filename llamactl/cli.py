@@ -154,5 +154,63 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
     ])
 
 
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
+OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
+EvalOpt = Annotated[Optional[str], typer.Option("--eval", help="Plain-text file for the quality report (default: packaged docs-eval.txt).")]
+EvalTokensOpt = Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens scored in the quality report; 0 skips it.")]
+
+
+@app.command()
+def quantize(
+    model: ModelReq,
+    output: OutOpt,
+    method: Annotated[str, typer.Option(help="gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes).")] = "gptq",
+    bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8 (gptq, rtn); nf4 is 4, int8 is 8.")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", min=-1, help="Columns per quantization group; -1 = one group per output channel.")] = 128,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (zero point fixed) or asymmetric groups.")] = True,
+    desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="GPTQ act-order: quantize columns by decreasing activation.")] = False,
+    damp: Annotated[float, typer.Option(help="GPTQ Hessian dampening, as a fraction of its mean diagonal.")] = 0.01,
+    clip_search: Annotated[bool, typer.Option("--clip-search", help="Search each group's clipping range (rtn: llamactl's grid; gptq: GPTQModel's mse grid).")] = False,
+    gptq_variant: Annotated[str, typer.Option("--gptq-variant", help="GPTQModel algorithm: gptq, gptaq or foem.")] = "gptq",
+    lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Quantize lm_head too (kept 16-bit by default).")] = False,
+    calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
+    n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 128).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 2048).")] = None,
+    eval_file: EvalOpt = None,
+    eval_tokens: EvalTokensOpt = 32768,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Quantize a 16-bit model to 4 or 8 bits and report what it cost in quality."""
+    from llamactl.quantize import QuantOptions, quantize as run
+
+    opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
+                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, calib=calib, n_samples=n_samples, seq_len=seq_len)
+    manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
+                   progress=ui.progress, log=ui.log)
+    _report(manifest, json_out)
+
+
+def _report(manifest: dict, json_out: bool) -> None:
+    m = manifest["metrics"]
+    q = m.get("quality")
+    if json_out:
+        ui.emit_json({"output": manifest["output"], "stage": manifest["stage"], "params": manifest["params"],
+                      "quality": q, "metrics": {k: v for k, v in m.items() if k != "quality"}})
+        return
+    rows = [("weight bytes", ui.human_bytes(m.get("parent_weight_bytes")), ui.human_bytes(m.get("weight_bytes")))]
+    if "compression" in m:
+        rows.append(("compression", "1.00x", f"{m['compression']:.2f}x"))
+    if q:
+        rows += [("perplexity", f"{q['ppl_parent']:.3f}", f"{q['ppl']:.3f} ({(q['ppl'] / q['ppl_parent'] - 1) * 100:+.2f}%)"),
+                 ("KL(parent || child), mean", "0", f"{q['kl_mean']:.5f}"),
+                 ("KL, p99", "0", f"{q['kl_p99']:.5f}"),
+                 ("top-1 agreement", "100%", f"{q['top1_agreement'] * 100:.2f}%")]
+    rows.append(("time", "", f"{m.get('quantize_seconds', 0):.1f} s"))
+    title = f"{manifest['stage']} -> {manifest['output']}" + (f" ({q['tokens']} eval tokens)" if q else "")
+    ui.table(title, ["", "parent", "child"], rows)
+
+
 def main() -> None:
     app(prog_name="llamactl")

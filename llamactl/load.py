@@ -26,6 +26,13 @@ QuantHook = Callable[[Artifact, torch.nn.Module], None]
 QUANT_HOOKS: dict[str, QuantHook] = {}
 
 
+def _register_quant_hooks() -> None:
+    from llamactl.quantize.runtime import bnb_hook, gptq_hook
+
+    QUANT_HOOKS.setdefault("gptq", gptq_hook)
+    QUANT_HOOKS.setdefault("bitsandbytes", bnb_hook)
+
+
 def resolve_model_path(model: str | None) -> Path:
     return DEFAULT_MODEL if model is None else Path(model)
 
@@ -86,15 +93,18 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype) -> "Llam
         model = LlamaModel(args)
     quant = art.quantization
     if quant:
+        _register_quant_hooks()
         method = quant.get("quant_method")
         if method not in QUANT_HOOKS:
             raise CheckpointError(f"{art.path}: quantization method {method!r} is not supported by this runtime")
         QUANT_HOOKS[method](art, model)
 
+    rename = _key_renamer(art)
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for name, t in iter_checkpoint(art):
-        if name.endswith(IGNORED_SUFFIXES):
+        name = rename(name)
+        if name is None or name.endswith(IGNORED_SUFFIXES):
             continue
         if name not in expected:
             raise CheckpointError(f"{art.path}: unexpected tensor {name!r} in the checkpoint",
@@ -115,6 +125,14 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype) -> "Llam
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model.eval()
+
+
+def _key_renamer(art: Artifact) -> Callable[[str], str | None]:
+    if (art.quantization or {}).get("quant_method") == "bitsandbytes":
+        from llamactl.quantize.bnb import rename_bnb_key
+
+        return rename_bnb_key
+    return lambda name: name
 
 
 def load_tokenizer(art: Artifact):

@@ -1,0 +1,79 @@
+"""Quality of a child model against its parent on an eval text: perplexity, KL divergence, top-1 agreement."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from llamactl.errors import InputError
+
+DEFAULT_EVAL = Path(__file__).resolve().parent / "assets" / "docs-eval.txt"
+
+
+@dataclass
+class Quality:
+    ppl: float
+    ppl_parent: float
+    kl_mean: float  # mean over tokens of KL(parent || child), nats
+    kl_p99: float
+    top1_agreement: float
+    tokens: int
+    windows: int
+    window_len: int
+    eval_file: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def eval_windows(tokenizer, path: Path | None, window: int, max_tokens: int) -> torch.Tensor:
+    """Non-overlapping token windows [n, window] from the start of the eval text."""
+    path = Path(path) if path else DEFAULT_EVAL
+    if not path.is_file():
+        raise InputError(f"eval file {path} does not exist", "pass --eval FILE with plain text")
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise InputError(f"eval file {path} is empty", "pass --eval FILE with plain text")
+    ids = tokenizer(text[: max_tokens * 12]).input_ids  # ~4 chars a token; 12 leaves room
+    n = min(len(ids) // window, max(1, max_tokens // window))
+    if n == 0:
+        raise InputError(f"eval file {path} has {len(ids)} tokens, fewer than one window of {window}")
+    return torch.tensor(ids[: n * window]).view(n, window)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.setup_caches(ids.shape[0], ids.shape[1])
+    return model(ids.to(model.device), torch.arange(ids.shape[1], device=model.device)).float()
+
+
+@torch.inference_mode()
+def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
+            progress: Callable[[int], None] | None = None) -> Quality:
+    """Score child against parent on windows [n, T]; both are llamactl runtime models."""
+    nll_p = nll_c = 0.0
+    kls: list[torch.Tensor] = []
+    agree = count = 0
+    for i in range(windows.shape[0]):
+        ids = windows[i : i + 1]
+        lp = F.log_softmax(_logits(parent, ids)[0, :-1], dim=-1)  # [T-1, V]
+        lc = F.log_softmax(_logits(child, ids)[0, :-1].to(lp.device), dim=-1)
+        target = ids[0, 1:].to(lp.device)
+        nll_p += -lp.gather(1, target[:, None]).sum().item()
+        nll_c += -lc.gather(1, target[:, None]).sum().item()
+        kls.append((lp.exp() * (lp - lc)).sum(-1).cpu())  # [T-1]
+        agree += (lp.argmax(-1) == lc.argmax(-1)).sum().item()
+        count += target.numel()
+        if progress:
+            progress(1)
+    kl = torch.cat(kls)
+    return Quality(
+        ppl=math.exp(nll_c / count), ppl_parent=math.exp(nll_p / count), kl_mean=kl.mean().item(),
+        kl_p99=kl.quantile(0.99).item() if kl.numel() < 16_000_000 else float("nan"),
+        top1_agreement=agree / count, tokens=count, windows=windows.shape[0], window_len=windows.shape[1],
+        eval_file=eval_file,
+    )

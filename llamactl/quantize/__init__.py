@@ -1,0 +1,177 @@
+"""The quantize stage: options, validation, the method dispatch and the quality report.
+
+Each method writes a Hugging Face folder into a staging directory; this module adds the side files,
+measures quality against the parent with llamactl's runtime, writes the manifest and renames the
+folder into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
+from llamactl.errors import InputError
+
+GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
+BITS = {"gptq": (4, 8), "rtn": (4, 8), "nf4": (4,), "int8": (8,)}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 128  # -1: one group per output channel (the whole input row)
+    sym: bool = True
+    desc_act: bool = False
+    damp: float = 0.01
+    clip_search: bool = False
+    gptq_variant: str = "gptq"  # gptq, gptaq (asymmetric calibration) or foem, from GPTQModel
+    lm_head: bool = False
+    calib: str = "docs"
+    n_samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+
+
+def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
+    """name -> (in_features, out_features) of every linear layer the stage quantizes."""
+    a = art.args
+    shapes = {
+        "self_attn.q_proj": (a.hidden_size, a.num_attention_heads * a.head_dim),
+        "self_attn.k_proj": (a.hidden_size, a.num_key_value_heads * a.head_dim),
+        "self_attn.v_proj": (a.hidden_size, a.num_key_value_heads * a.head_dim),
+        "self_attn.o_proj": (a.num_attention_heads * a.head_dim, a.hidden_size),
+        "mlp.gate_proj": (a.hidden_size, a.intermediate_size),
+        "mlp.up_proj": (a.hidden_size, a.intermediate_size),
+        "mlp.down_proj": (a.intermediate_size, a.hidden_size),
+    }
+    out = {f"model.layers.{i}.{n}": s for i in range(a.num_hidden_layers) for n, s in shapes.items()}
+    if lm_head:
+        out["lm_head"] = (a.hidden_size, a.vocab_size)
+    return out
+
+
+def validate(art: Artifact, opts: QuantOptions) -> None:
+    """Raise InputError for anything that would fail after work has started."""
+    if opts.method not in BITS:
+        raise InputError(f"--method {opts.method!r} is not known", f"use one of {', '.join(BITS)}")
+    if opts.bits not in BITS[opts.method]:
+        raise InputError(f"--bits {opts.bits} is not supported by --method {opts.method}",
+                         f"{opts.method} supports {', '.join(map(str, BITS[opts.method]))} bits")
+    if art.quantization:
+        method = art.quantization.get("quant_method", "?")
+        raise InputError(f"{art.path} is already quantized ({method})",
+                         "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
+    if opts.method in ("gptq", "rtn"):
+        if opts.group_size not in (-1,) and opts.group_size < 1:
+            raise InputError(f"--group-size {opts.group_size} is not valid", "use a positive size such as 128, or -1")
+        if opts.group_size > 0:
+            for name, (fin, _) in target_linears(art, opts.lm_head).items():
+                if fin % opts.group_size:
+                    raise InputError(f"--group-size {opts.group_size} does not divide the {fin} input features of {name}",
+                                     "choose a divisor, for example 32, 64 or 128, or -1 for one group per row")
+    if opts.method == "gptq" and not 0 < opts.damp < 1:
+        raise InputError(f"--damp {opts.damp} is outside (0, 1)", "the usual value is 0.01")
+    if opts.gptq_variant not in GPTQ_VARIANTS:
+        raise InputError(f"--gptq-variant {opts.gptq_variant!r} is not known", f"use one of {', '.join(GPTQ_VARIANTS)}")
+    if opts.method != "gptq" and opts.gptq_variant != "gptq":
+        raise InputError("--gptq-variant applies to --method gptq only")
+    if opts.method != "gptq" and opts.desc_act:
+        raise InputError("--desc-act applies to --method gptq only")
+    if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head):
+        raise InputError(f"--clip-search and --quantize-lm-head are not available with --method {opts.method}")
+    _require_engine(opts.method)
+    if opts.method == "gptq":
+        from llamactl.calib import check_spec, resolve_spec
+
+        spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
+        check_spec(spec)
+        if spec.seq_len > art.args.max_position_embeddings:
+            raise InputError(f"--seq-len {spec.seq_len} is longer than the model's context "
+                             f"({art.args.max_position_embeddings})", "lower --seq-len")
+
+
+def _require_engine(method: str) -> None:
+    from importlib.util import find_spec
+
+    from llamactl.errors import MissingDependencyError
+
+    if method == "gptq" and find_spec("gptqmodel") is None:
+        raise MissingDependencyError("gptqmodel", "gptq", "--method gptq")
+    if method in ("nf4", "int8") and find_spec("bitsandbytes") is None:
+        raise MissingDependencyError("bitsandbytes", "bnb", f"--method {method}")
+
+
+NoProgress = Callable[..., Any]
+
+
+@contextlib.contextmanager
+def _no_progress(description: str, total: int | None):
+    yield lambda n=1, description=None: None
+
+
+def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: bool = False,
+             eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
+             progress=_no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Quantize the model folder `model` into `out`; returns the manifest written.
+
+    Raises InputError/CheckpointError/MissingDependencyError before anything is written.
+    """
+    from llamactl.load import resolve_device
+
+    art = open_artifact(model)
+    validate(art, opts)
+    out = Path(out)
+    check_output(out, force, [art.path])
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    with staged_output(out, force) as tmp:
+        engine = _run_method(art, opts, tmp, dev, progress, log)
+        copy_side_files(art.path, tmp)
+        seconds = time.perf_counter() - t0
+        metrics: dict[str, Any] = {"quantize_seconds": round(seconds, 2)}
+        child = open_artifact(tmp)
+        metrics["weight_bytes"] = child.disk_bytes
+        metrics["parent_weight_bytes"] = art.disk_bytes
+        metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
+        if eval_tokens > 0:
+            log("measuring quality against the parent")
+            metrics["quality"] = measure_quality(art, child, dev, eval_file, eval_tokens, progress).to_dict()
+        params = asdict(opts) | {"engine": engine}
+        return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
+
+
+def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
+    if opts.method == "rtn":
+        from llamactl.quantize.rtn import write_rtn
+
+        return write_rtn(art, opts, tmp, progress)
+    if opts.method == "gptq":
+        from llamactl.quantize.gptq import write_gptq
+
+        return write_gptq(art, opts, tmp, dev, progress, log)
+    from llamactl.quantize.bnb import write_bnb
+
+    return write_bnb(art, opts, tmp, progress, log)
+
+
+def measure_quality(parent: Artifact, child: Artifact, dev, eval_file, eval_tokens: int, progress):
+    """Perplexity, KL and top-1 agreement of child against parent with llamactl's runtime."""
+    import torch
+
+    from llamactl.load import load_model, load_tokenizer
+    from llamactl.quality import compare, eval_windows
+
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    tok = load_tokenizer(parent)
+    windows = eval_windows(tok, eval_file, window=min(512, parent.args.max_position_embeddings), max_tokens=eval_tokens)
+    p_model = load_model(parent, dev, dtype)
+    c_model = load_model(child, dev, dtype)
+    with progress("eval", windows.shape[0]) as advance:
+        return compare(p_model, c_model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance)

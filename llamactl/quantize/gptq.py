@@ -1,0 +1,104 @@
+"""GPTQ through GPTQModel (the maintained successor of auto-gptq).
+
+GPTQModel 7.6.0 facts this module depends on (checked against its source and output):
+- `desc_act=False` silently turns on `act_group_aware` unless it is passed explicitly: llamactl
+  passes `act_group_aware=False` so --no-desc-act means plain column order.
+- its default `damp_percent` is 0.05; llamactl passes --damp (0.01, the GPTQ paper's value).
+- it writes v1 checkpoints (`checkpoint_format: gptq`, stored zero point = zero - 1) with fp16 scales.
+- on a CPU it needs GPTQMODEL_CPU_WORKERS set to the cores it may use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from llamactl import __version__
+
+
+def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
+    """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
+    from llamactl.calib import build_samples, resolve_spec
+    from llamactl.load import load_tokenizer
+    from llamactl.quantize import target_linears
+
+    spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
+    tok = load_tokenizer(art)
+    with progress(f"calibration data ({spec.name})", spec.n_samples * spec.seq_len) as advance:
+        seen = [0]
+
+        def on_tokens(n: int) -> None:
+            advance(min(n, spec.n_samples * spec.seq_len) - seen[0])
+            seen[0] = min(n, spec.n_samples * spec.seq_len)
+
+        samples = build_samples(spec, tok, on_tokens)  # [n, seq_len]
+    if samples.shape[0] < spec.n_samples:
+        log(f"calibration set {spec.name!r} gave {samples.shape[0]} samples of {spec.seq_len} tokens, not {spec.n_samples}")
+
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, os.cpu_count() or 1)))
+    with contextlib.redirect_stdout(sys.stderr):  # GPTQModel prints its own logs to stdout
+        from gptqmodel import GPTQModel, QuantizeConfig
+        from gptqmodel.version import __version__ as gptqmodel_version
+
+        qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
+                              damp_percent=opts.damp, act_group_aware=False, lm_head=opts.lm_head,
+                              mse=2.4 if opts.clip_search else 0.0, **_variant(opts.gptq_variant))
+        model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
+        layers = model.model.model.layers
+        calib = [{"input_ids": s.tolist(), "attention_mask": [1] * len(s)} for s in samples]
+        with progress("gptq layers", len(layers)) as advance:
+            hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
+            try:
+                model.quantize(calib, batch_size=1, calibration_sort=None)
+            finally:
+                for h in hooks:
+                    h.remove()
+        model.save(str(folder))
+    for extra in ("quant_log.csv",):
+        (folder / extra).unlink(missing_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.get("quantization_config", {})
+    return {
+        "name": "gptqmodel", "version": gptqmodel_version,
+        "checkpoint_format": f"{qc.get('checkpoint_format', 'gptq')} (v1: stored zero = zero - 1)",
+        "scales_dtype": "float16",
+        "damp_percent": qc.get("meta", {}).get("damp_percent", opts.damp),
+        "act_group_aware": qc.get("meta", {}).get("act_group_aware"),
+        "mse": qc.get("meta", {}).get("mse"),
+        "variant": opts.gptq_variant,
+        "gptaq": qc.get("meta", {}).get("gptaq"),
+        "foem": qc.get("meta", {}).get("foem"),
+        "desc_act": qc.get("desc_act"),
+        "calibration": spec.describe() | {"n_samples": int(samples.shape[0]), "tokens": int(samples.numel())},
+        "quantized_modules": sorted(target_linears(art, opts.lm_head)),
+        "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}",
+        "device": str(dev),
+    }
+
+
+def _variant(name: str) -> dict[str, Any]:
+    """GPTQModel's newer error-propagation rules (alpha/beta are their papers' recommended values)."""
+    from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
+
+    if name == "gptaq":
+        return {"gptaq": GPTAQConfig(alpha=0.25)}
+    if name == "foem":
+        return {"foem": FOEMConfig(alpha=0.0, beta=0.2)}
+    return {}
+
+
+def _once(advance):
+    """A forward pre-hook that advances the progress bar the first time its layer runs."""
+    done = [False]
+
+    def hook(module, args):
+        if not done[0]:
+            done[0] = True
+            advance(1)
+
+    return hook

@@ -1,0 +1,87 @@
+"""The GPTQ checkpoint format (transformers/optimum/GPTQModel "gptq", v1), packing and a runtime module.
+
+Per linear layer with weight W: [out, in], b bits, group size g (in / g groups):
+  qweight: int32 [in * b / 32, out]   b-bit codes packed along the input dimension
+  qzeros:  int32 [groups, out * b / 32] zero points packed along the output dimension, stored minus 1 (v1)
+  scales:  fp16  [groups, out]
+  g_idx:   int32 [in]                 group of each input column (not monotone under act-order)
+  W[o, i] = scales[g_idx[i], o] * (code[i, o] - zero[g_idx[i], o])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: [R, C] ints in [0, 2^bits) -> int32 [R * bits / 32, C], packed along rows (low bits first)."""
+    per = 32 // bits
+    r, c = codes.shape
+    codes = codes.to(torch.int64).view(r // per, per, c)
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    packed = (codes << shifts).sum(dim=1)  # [R / per, C], fits in 32 bits unsigned
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R / per, C] -> int32 codes [R, C]."""
+    per = 32 // bits
+    shifts = (torch.arange(per, dtype=torch.int32, device=packed.device) * bits).view(1, per, 1)
+    codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R / per, per, C]
+    return codes.reshape(-1, packed.shape[-1])
+
+
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
+              bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] -> the checkpoint tensors (v1 zeros)."""
+    t = {
+        "qweight": pack_rows(codes.t().contiguous(), bits),
+        "qzeros": pack_rows((zeros.to(torch.int64) - 1).t().contiguous() & ((1 << bits) - 1), bits).t().contiguous(),
+        "scales": scales.to(torch.float16).contiguous(),
+        "g_idx": g_idx.to(torch.int32).contiguous(),
+    }
+    if bias is not None:
+        t["bias"] = bias.to(torch.float16)
+    return t
+
+
+def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool = True) -> torch.Tensor:
+    """The float weight [out, in] (in the dtype of scales) of a GPTQ-packed layer."""
+    codes = unpack_rows(qweight, bits)  # [in, out]
+    zeros = unpack_rows(qzeros.t().contiguous(), bits).t()  # [groups, out]
+    if v1:  # writers keep zero points >= 1 so that v1's "stored = zero - 1" never wraps
+        zeros = (zeros + 1) & ((1 << bits) - 1)
+    g = g_idx.long()
+    w = (codes - zeros[g]).to(scales.dtype) * scales[g]  # [in, out]
+    return w.t().contiguous()
+
+
+class GPTQLinear(nn.Module):
+    """A linear layer stored in the GPTQ format; forward dequantizes (the plain, portable path)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
+                 v1: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.bits, self.v1 = in_features, out_features, bits, v1
+        groups = 1 if group_size in (-1, 0) else in_features // group_size
+        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        w = dequantize_gptq(self.qweight, self.qzeros, self.scales.to(torch.float32), self.g_idx, self.bits, self.v1)
+        return w.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+def swap_linears(model: nn.Module, names: list[str], make) -> None:
+    """Replace the nn.Linear modules called `names` with make(linear)."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, make(getattr(parent, child)))

@@ -1,0 +1,108 @@
+"""llamactl's own round-to-nearest quantization, per group, written in the GPTQ format.
+
+The grid follows GPTQ's quantizer so RTN and GPTQ differ only in how codes are chosen:
+the range always includes 0; symmetric uses zero point 2^(b-1) and scale 2*absmax/(2^b - 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CLIP_GRID = torch.linspace(1.0, 0.70, 16).tolist()  # shrink factors tried by the clipping search
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool, shrink: float | torch.Tensor = 1.0):
+    """w: [out, groups, g] -> scales, zeros: [out, groups] (zeros are integer-valued floats)."""
+    maxq = 2**bits - 1
+    wmin = (w.amin(dim=-1).clamp(max=0) * shrink)
+    wmax = (w.amax(dim=-1).clamp(min=0) * shrink)
+    if sym:
+        wmax = torch.maximum(wmin.abs(), wmax)
+        wmin = -wmax
+    scale = (wmax - wmin) / maxq
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if sym:
+        zero = torch.full_like(scale, (maxq + 1) / 2)
+    else:
+        # v1 checkpoints store zero - 1, so a zero point of 0 is not representable: keep it >= 1.
+        zero = torch.round(-wmin / scale).clamp(1, maxq)
+    return scale, zero
+
+
+def quantize_groups(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [out, groups, g] for w: [out, groups, g] with per-group scale/zero: [out, groups]."""
+    return torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 2**bits - 1)
+
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, clip_search: bool = False,
+                 col_weight: torch.Tensor | None = None):
+    """weight: [out, in] -> (codes [out, in], zeros [groups, out], scales [groups, out], g_idx [in]).
+
+    With clip_search, each group's range is shrunk by the factor in CLIP_GRID that minimises the
+    squared error, weighted per input column by col_weight: [in] (for example the mean squared
+    activation of that input) when given.
+    """
+    out_f, in_f = weight.shape
+    g = in_f if group_size in (-1, 0) else group_size
+    w = weight.float().view(out_f, in_f // g, g)  # [out, groups, g]
+    scale, zero = group_params(w, bits, sym)
+    if clip_search:
+        cw = torch.ones(in_f) if col_weight is None else col_weight.float()
+        cw = cw.to(w.device).view(1, in_f // g, g)
+        best = torch.full(scale.shape, float("inf"), device=w.device)
+        for r in CLIP_GRID:
+            s, z = group_params(w, bits, sym, r)
+            err = (((quantize_groups(w, s, z, bits) - z[..., None]) * s[..., None] - w) ** 2 * cw).sum(-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+    scale = scale.half().float()  # the checkpoint stores fp16 scales: round against those
+    codes = quantize_groups(w, scale, zero, bits).view(out_f, in_f).to(torch.int32)
+    g_idx = torch.arange(in_f, dtype=torch.int32) // g
+    return codes, zero.t().contiguous(), scale.t().contiguous(), g_idx
+
+
+def write_rtn(art, opts, folder, progress) -> dict:
+    """Quantize every target linear of `art` with RTN and write a GPTQ-format folder."""
+    import json
+
+    from llamactl import __version__
+    from llamactl.artifact import save_weights
+    from llamactl.load import iter_checkpoint
+    from llamactl.quantize import target_linears
+    from llamactl.quantize.gptq_format import pack_gptq
+
+    targets = target_linears(art, opts.lm_head)
+    state: dict[str, torch.Tensor] = {}
+    tensors = dict(iter_checkpoint(art))
+    if art.args.tie_word_embeddings and opts.lm_head and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    with progress("rtn", len(targets)) as advance:
+        for name, t in tensors.items():
+            module = name.rsplit(".", 1)[0]
+            if module in targets and name.endswith(".weight"):
+                codes, zeros, scales, g_idx = rtn_quantize(t, opts.bits, opts.group_size, opts.sym, opts.clip_search)
+                bias = tensors.get(f"{module}.bias")
+                for k, v in pack_gptq(codes, zeros, scales, g_idx, opts.bits, bias).items():
+                    state[f"{module}.{k}"] = v
+                advance(1)
+            elif not (name.endswith(".bias") and name.rsplit(".", 1)[0] in targets):
+                state[name] = t
+    save_weights(state, folder)
+    engine = {"name": "llamactl-rtn", "version": __version__, "checkpoint_format": "gptq (v1: stored zero = zero - 1)",
+              "scales_dtype": "float16", "clip_search": opts.clip_search, "clip_grid": CLIP_GRID if opts.clip_search else None,
+              "quantized_modules": sorted(targets), "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}"}
+    config = dict(art.config)
+    config["quantization_config"] = gptq_config(opts, quantizer=f"llamactl:{__version__}", method="rtn")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return engine
+
+
+def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None) -> dict:
+    """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint."""
+    return {
+        "quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size, "desc_act": opts.desc_act,
+        "sym": opts.sym, "lm_head": opts.lm_head, "checkpoint_format": "gptq", "format": "gptq",
+        "pack_dtype": "int32", "true_sequential": True, "static_groups": False,
+        "meta": {"quantizer": [quantizer], "method": method, **(extra_meta or {})},
+    }
