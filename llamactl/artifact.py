@@ -282,3 +282,16 @@ def save_weights(state: dict[str, Any], folder: Path, max_shard_bytes: int = 2 <
     total = sum(t.numel() * t.element_size() for t in state.values())
     (folder / ST_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file through a temporary sibling and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -210,6 +211,84 @@ def _report(manifest: dict, json_out: bool) -> None:
     rows.append(("time", "", f"{m.get('quantize_seconds', 0):.1f} s"))
     title = f"{manifest['stage']} -> {manifest['output']}" + (f" ({q['tokens']} eval tokens)" if q else "")
     ui.table(title, ["", "parent", "child"], rows)
+
+
+@app.command()
+def bench(
+    models: Annotated[Optional[list[str]], typer.Argument(help="Model folders (default: the embedded model).", show_default=False)] = None,
+    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt tokens; a comma list sweeps.")] = "128",
+    gen_len: Annotated[int, typer.Option("--gen-len", min=2, help="New tokens per generation.")] = 256,
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes; a comma list sweeps.")] = "1",
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed runs first (compilation, graph capture).")] = 2,
+    repeat: Annotated[int, typer.Option(min=1, help="Timed runs; the median is reported.")] = 5,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
+    stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
+    synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
+    quality: Annotated[bool, typer.Option("--quality", help="Also perplexity, and KL/top-1 against --reference.")] = False,
+    reference: Annotated[Optional[str], typer.Option(help="Reference model for KL (default: the root of the manifest chain).")] = None,
+    eval_file: EvalOpt = None,
+    eval_tokens: EvalTokensOpt = 16384,
+    fmt: Annotated[str, typer.Option("--format", help="table, json, csv or markdown.")] = "table",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Also write the result in --format to this file.")] = None,
+    profile: Annotated[Optional[str], typer.Option(help="Write a torch.profiler trace of the decode loop to this folder.")] = None,
+    compare_files: Annotated[Optional[tuple[str, str]], typer.Option("--compare", help="BASE.json NEW.json: compare two results instead of measuring.")] = None,
+    max_slowdown: Annotated[str, typer.Option("--max-slowdown", help="With --compare: exit 1 when decode or prefill got slower than this.")] = "5%",
+):
+    """Speed, memory and quality of one or more models, as tables or JSON."""
+    from llamactl import bench as core, report
+    from llamactl import bench_targets as bt
+    from llamactl.load import resolve_device
+
+    if fmt not in ("table", "json", "csv", "markdown"):
+        raise typer.BadParameter(f"--format {fmt!r}: use table, json, csv or markdown")
+    if compare_files:
+        diffs, ok = report.compare(report.load_report(compare_files[0]), report.load_report(compare_files[1]),
+                                   bt.parse_percent(max_slowdown))
+        ui.table(f"{compare_files[0]} -> {compare_files[1]} (max slowdown {max_slowdown})",
+                 ["model", "stage", "batch", "prompt", "decode tok/s", "change", "prefill tok/s", "change", ""],
+                 [[d["model"], d["stage"], d["batch"], d["prompt_len"], f"{d['decode_tok_s'][0]:.1f} -> {d['decode_tok_s'][1]:.1f}",
+                   f"{d['decode_tok_s'][2]:+.1%}", f"{d['prefill_tok_s'][0]:.0f} -> {d['prefill_tok_s'][1]:.0f}",
+                   f"{d['prefill_tok_s'][2]:+.1%}", "SLOWER" if d.get("regressed") else "ok"] for d in diffs])
+        if not ok:
+            raise typer.Exit(1)
+        return
+    trial = core.Trial(prompt_lens=bt.parse_int_list(prompt_len, "--prompt-len"), gen_len=gen_len,
+                       batches=bt.parse_int_list(batch, "--batch"), warmup=warmup, repeat=repeat)
+    dev = resolve_device(device)
+    modes = [m for m in mode.split(",") if m]
+    if modes == ["auto"]:
+        modes = ["graphs"] if dev.type == "cuda" else ["eager"]
+    if stages:
+        modes = ["eager", "graphs", "compile"]
+    bad = [m for m in modes if m not in ("eager", "graphs", "compile")]
+    if bad:
+        raise typer.BadParameter(f"--mode {','.join(bad)}: use eager, graphs or compile")
+    targets = bt.load_targets(models or [], synthetic, dev, dtype)
+    dt = targets[0].model.dtype
+    hf = bt.hf_stages(targets[0], dev, dt) if stages else []
+    ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
+    total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + len(targets) * len(modes))
+    with ui.progress("bench", total) as advance:
+        result = core.run(targets, trial, modes, hf, dev, dt, on_result=lambda r: advance(1),
+                          profile_dir=Path(profile) if profile else None)
+    if quality:
+        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress)
+        for r in result["results"]:
+            r["quality"] = qs.get(r["model"])
+    report.add_speedups(result["results"])
+    text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
+    if output:
+        from llamactl.artifact import atomic_write_text
+
+        atomic_write_text(Path(output), (text or report.to_markdown)(result))
+    if text:
+        ui.emit_text(text(result))
+    else:
+        headers, body = report.rows(result["results"])
+        env = result["env"]
+        ui.table(f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s", headers, body)
 
 
 def main() -> None:

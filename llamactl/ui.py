@@ -51,12 +51,15 @@ def emit_text(text: str) -> None:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], stderr: bool = False) -> None:
+    console = _console(stderr=stderr)
+    if not console.is_terminal:  # piped: do not squeeze wide tables into 80 columns
+        console.width = 240
     t = Table(title=title, show_header=True, header_style="bold")
     for i, c in enumerate(columns):
         t.add_column(c, justify="left" if i == 0 else "right")
     for r in rows:
         t.add_row(*(str(x) for x in r))
-    _console(stderr=stderr).print(t)
+    console.print(t)
 
 
 def kv_table(title: str | None, items: Iterable[tuple[str, Any]]) -> None:

@@ -1,0 +1,293 @@
+"""bench: trials of prefill + decode -> result dicts, the optimization ladder, and the environment.
+
+Speed follows ../shared/bench/PROTOCOL.md: random prompt tokens, greedy, EOS ignored, warm-up
+runs excluded, the median of the timed runs. decode tok/s = (new tokens - 1) / (total - TTFT).
+The bandwidth ceiling is this machine's measured copy bandwidth divided by the bytes a decode
+step must read: every weight except the embedding table, plus the KV cache at the mean context.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llamactl import __version__
+from llamactl.decode import Decoder, attention_backend
+from llamactl.stats import median, percentile, spread
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Trial:
+    prompt_lens: list[int] = field(default_factory=lambda: [128])
+    gen_len: int = 256
+    batches: list[int] = field(default_factory=lambda: [1])
+    warmup: int = 2
+    repeat: int = 5
+    seed: int = 0
+
+
+@dataclass
+class Target:
+    """A model to measure: a folder or a synthetic shape, loaded once."""
+
+    label: str
+    model: Any
+    artifact: Any = None  # llamactl.artifact.Artifact for folders
+    synthetic: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device (or RAM-to-RAM) copy bandwidth in bytes/s, counting read + write."""
+    nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(8):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / median(times)
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(all weight bytes, bytes of the embedding table), counting tied tensors once."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    emb = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is emb if hasattr(model.lm_head, "weight") else False
+    return total, 0 if tied else emb.numel() * emb.element_size()
+
+
+def kv_bytes_per_token(model) -> int:
+    a = model.args
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def _peak(device: torch.device) -> int:
+    from llamactl.generate import peak_memory_bytes
+
+    return peak_memory_bytes(device)
+
+
+def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial, mode: str,
+                  profile_dir: Path | None = None) -> dict[str, Any]:
+    """Run warm-up + timed generations through Decoder in `mode`; per-run timings and latencies."""
+    device = model.device
+    gen = torch.Generator(device="cpu").manual_seed(trial.seed)
+    ids = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    dec = Decoder(model, batch, prompt_len + gen_len, mode)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = []
+    for r in range(trial.warmup + trial.repeat):
+        runs.append(_one_run(dec, ids, gen_len))
+    if profile_dir is not None:
+        profile_decode(dec, ids, gen_len, profile_dir)
+    timed = runs[trial.warmup:]
+    return {"runs": timed, "backend": attention_backend(model, batch, device), "kv_bytes": _kv_alloc(model)}
+
+
+def _kv_alloc(model) -> int:
+    return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size() for l in model.model.layers)
+
+
+def _one_run(dec: Decoder, ids: torch.Tensor, gen_len: int) -> dict[str, Any]:
+    device, p = dec.device, ids.shape[1]
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(gen_len + 1)]
+        _sync(device)
+        events[0].record()
+        tok = dec.prefill(ids)
+        events[1].record()
+        for i in range(gen_len - 1):
+            tok = dec.step(tok, p + i)
+            events[i + 2].record()
+        _sync(device)
+        marks = [0.0] + [events[0].elapsed_time(e) / 1000 for e in events[1:]]
+    else:
+        t0 = time.perf_counter()
+        tok = dec.prefill(ids)
+        marks = [0.0, time.perf_counter() - t0]
+        for i in range(gen_len - 1):
+            tok = dec.step(tok, p + i)
+            marks.append(time.perf_counter() - t0)
+    return {"ttft": marks[1], "total": marks[-1], "latencies": [b - a for a, b in zip(marks[1:], marks[2:])]}
+
+
+def time_transformers(hf_model, batch: int, prompt_len: int, gen_len: int, trial: Trial, static: bool,
+                      vocab: int) -> dict[str, Any]:
+    """transformers' generate(): greedy, EOS ignored; per-token times from a logits processor."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    device = hf_model.device
+    marks: list[float] = []
+
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            _sync(device)
+            marks.append(time.perf_counter())
+            return scores
+
+    gen = torch.Generator(device="cpu").manual_seed(trial.seed)
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=gen).to(device)
+    kwargs = dict(do_sample=False, max_new_tokens=gen_len, min_new_tokens=gen_len, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([Clock()]))
+    if static:
+        kwargs["cache_implementation"] = "static"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = []
+    with torch.inference_mode():
+        for r in range(trial.warmup + trial.repeat):
+            marks.clear()
+            _sync(device)
+            t0 = time.perf_counter()
+            hf_model.generate(ids, **kwargs)
+            _sync(device)
+            t_end = time.perf_counter()
+            # marks[i]: when the logits for new token i were ready (before sampling it)
+            runs.append({"ttft": marks[0] - t0, "total": t_end - t0,
+                         "latencies": [b - a for a, b in zip(marks, marks[1:])]})
+    backend = getattr(hf_model.config, "_attn_implementation", "sdpa")
+    return {"runs": runs[trial.warmup:], "backend": f"transformers:{backend}", "kv_bytes": None}
+
+
+def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) -> dict[str, Any]:
+    runs = raw["runs"]
+    decode = [batch * (gen_len - 1) / (r["total"] - r["ttft"]) for r in runs if r["total"] > r["ttft"]]
+    ttft = [r["ttft"] for r in runs]
+    lat = [x * 1000 for r in runs for x in r["latencies"]]
+    return {
+        "ttft_s": median(ttft),
+        "prefill_tok_s": batch * prompt_len / median(ttft),
+        "decode_tok_s": median(decode) if decode else 0.0,
+        "decode_tok_s_spread": spread(decode),
+        "latency_ms_p50": percentile(lat, 50) if lat else None,
+        "latency_ms_p95": percentile(lat, 95) if lat else None,
+        "repeats": len(runs),
+        "attention_backend": raw["backend"],
+        "kv_bytes": raw["kv_bytes"],
+    }
+
+
+def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float) -> dict[str, float]:
+    """Bytes one decode step must read, and the tokens/s that bandwidth allows."""
+    total, emb = weight_bytes(model)
+    kv_read = kv_bytes_per_token(model) * batch * (prompt_len + gen_len / 2)
+    step_bytes = total - emb + kv_read
+    return {"weight_bytes": total, "bytes_per_step": step_bytes, "ceiling_tok_s": batch * bandwidth / step_bytes}
+
+
+def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict[str, Any]:
+    commit = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+                    platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    import transformers
+
+    return {"schema_version": SCHEMA_VERSION, "llamactl_version": __version__, "commit": commit,
+            "torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
+            "transformers": transformers.__version__, "device": str(device), "device_name": name,
+            "cpu_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+            "copy_bandwidth_gbs": round(bandwidth / 1e9, 2), "host": platform.node(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def profile_decode(dec: Decoder, ids: torch.Tensor, gen_len: int, out_dir: Path) -> None:
+    """One generation under torch.profiler; the trace opens in TensorBoard and Perfetto."""
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dec.device.type == "cuda" else [])
+    with profile(activities=acts, on_trace_ready=tensorboard_trace_handler(str(out_dir))):
+        _one_run(dec, ids, min(gen_len, 32))
+
+
+def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
+        device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
+        profile_dir: Path | None = None) -> dict[str, Any]:
+    """Measure every target x mode x batch x prompt length; hf_stages run transformers first."""
+    bw = copy_bandwidth(device)
+    results = []
+
+    def add(base: dict, model, batch: int, p: int, raw: dict | None, skipped: str | None = None):
+        row = dict(base, batch=batch, prompt_len=p, gen_len=trial.gen_len, device=str(device),
+                   dtype=str(dtype).replace("torch.", ""))
+        if skipped:
+            row["skipped"] = skipped
+        else:
+            row.update(summarize(raw, batch, p, trial.gen_len))
+            row.update(ceiling(model, batch, p, trial.gen_len, bw))
+            row["peak_mem_bytes"] = _peak(device)
+            row["bandwidth_ceiling_frac"] = row["decode_tok_s"] / row["ceiling_tok_s"]
+            if row.get("kv_bytes") is None:
+                row["kv_bytes"] = kv_bytes_per_token(model) * batch * (p + trial.gen_len)
+        results.append(row)
+        on_result(row)
+
+    for batch in trial.batches:
+        for p in trial.prompt_lens:
+            for label, make_hf, static in hf_stages:
+                target = targets[0]
+                stage = f"transformers generate() {'static cache' if static else 'eager'}"
+                try:
+                    hf = make_hf()
+                except SkipStage as e:
+                    add({"model": target.label, "stage": stage}, target.model, batch, p, None, str(e))
+                    continue
+                raw = time_transformers(hf, batch, p, trial.gen_len, trial, static, target.model.args.vocab_size)
+                del hf
+                add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
+                _free(device)
+            for target in targets:
+                for mode in modes:
+                    stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
+                             "compile": "llamactl + compile + CUDA graphs"}[mode]
+                    if mode != "eager" and device.type != "cuda":
+                        add({"model": target.label, "stage": stage}, target.model, batch, p, None,
+                            "needs a CUDA device")
+                        continue
+                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir)
+                    add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
+    return {"env": environment(device, dtype, bw), "results": results}
+
+
+class SkipStage(Exception):
+    """A stage that cannot run here; its message is the reason shown in the table."""
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

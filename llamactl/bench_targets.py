@@ -1,0 +1,115 @@
+"""What bench measures: model folders or synthetic shapes, transformers references, quality."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llamactl.bench import SkipStage, Target
+from llamactl.errors import InputError
+
+
+def parse_int_list(value: str, option: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"{option} {value!r} is not a comma list of integers", f"for example {option} 128,2048")
+    if not out or min(out) < 1:
+        raise InputError(f"{option} {value!r} needs positive integers", f"for example {option} 128,2048")
+    return out
+
+
+def parse_percent(value: str) -> float:
+    try:
+        return float(value.rstrip("%")) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise InputError(f"--max-slowdown {value!r} is not a percentage", "for example --max-slowdown 5%")
+
+
+def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str) -> list[Target]:
+    from llamactl.load import load_model, resolve_dtype, resolve_model_path
+    from llamactl.artifact import open_artifact
+    from llamactl.synthetic import build_synthetic
+
+    targets = []
+    if synthetic:
+        dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
+            torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
+        targets.append(Target(label=f"synthetic:{synthetic}", model=build_synthetic(synthetic, device, dtype),
+                              synthetic=synthetic))
+    for m in models or ([] if synthetic else [None]):
+        art = open_artifact(resolve_model_path(m))
+        model = load_model(art, device, resolve_dtype(dtype_name, device, art))
+        targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
+    dtypes = {t.model.dtype for t in targets}
+    if len(dtypes) > 1:
+        raise InputError(f"the models load in different dtypes ({', '.join(map(str, dtypes))})", "pass --dtype")
+    return targets
+
+
+def hf_factory(target: Target, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    """A function that builds transformers' LlamaForCausalLM for the same weights or shape."""
+
+    def make():
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+        if target.synthetic:
+            from llamactl.synthetic import hf_config
+
+            cfg = LlamaConfig(**{k: v for k, v in hf_config(target.model.args).items() if k != "model_type"})
+            cfg._attn_implementation = "sdpa"
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    model = LlamaForCausalLM(cfg)
+            finally:
+                torch.set_default_dtype(prev)
+            return model.eval()
+        if target.artifact.quantization:
+            raise SkipStage("transformers reference runs on 16-bit models only")
+        return AutoModelForCausalLM.from_pretrained(str(target.artifact.path), dtype=dtype, device_map=str(device),
+                                                    attn_implementation="sdpa").eval()
+
+    return make
+
+
+def hf_stages(target: Target, device: torch.device, dtype: torch.dtype) -> list[tuple[str, Callable, bool]]:
+    make = hf_factory(target, device, dtype)
+
+    def skip_static():
+        raise SkipStage("transformers' static cache compiles the forward: measured on a GPU only")
+
+    return [("eager", make, False), ("static", make if device.type == "cuda" else skip_static, True)]
+
+
+def quality_for(targets: list[Target], reference: str | None, eval_file: str | None, eval_tokens: int,
+                device: torch.device, progress) -> dict[str, dict]:
+    """label -> quality dict (ppl, and KL/top-1 against the reference when there is one)."""
+    from llamactl.artifact import lineage, open_artifact
+    from llamactl.load import load_model, load_tokenizer
+    from llamactl.quality import compare, eval_windows
+
+    out = {}
+    for t in targets:
+        if t.artifact is None:
+            out[t.label] = {"skipped": "synthetic weights: quality is meaningless"}
+            continue
+        ref_path = reference
+        if ref_path is None:
+            chain = lineage(t.artifact)
+            roots = [e.get("parent_path") for e in chain if e.get("parent_path")]
+            ref_path = roots[-1] if roots else None
+        ref_art = open_artifact(ref_path) if ref_path else t.artifact
+        tok = load_tokenizer(t.artifact)
+        windows = eval_windows(tok, eval_file, min(512, t.model.args.max_position_embeddings), eval_tokens)
+        ref_model = t.model if ref_art is t.artifact else load_model(ref_art, device, t.model.dtype)
+        with progress(f"quality {Path(t.label).name}", windows.shape[0]) as advance:
+            q = compare(ref_model, t.model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance).to_dict()
+        q["reference"] = str(ref_art.path) if ref_art is not t.artifact else None
+        if q["reference"] is None:  # no reference: only perplexity is meaningful
+            q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
+        out[t.label] = q
+    return out

@@ -1,0 +1,87 @@
+"""Fixed-shape prefill and decode steps, run eagerly, captured in a CUDA graph, or compiled.
+
+The decode step takes a token [B, 1] and a position [1] and returns the next token [B] on the
+device, so no value crosses to the host between steps. Modes:
+  eager    plain PyTorch (CPU or GPU)
+  graphs   the eager step captured once in a torch.cuda.CUDAGraph and replayed (GPU)
+  compile  torch.compile(mode="max-autotune-no-cudagraphs") of the step, then captured in a CUDA
+           graph the same way (GPU); on the CPU, compiled without graphs
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+MODES = ("eager", "graphs", "compile")
+
+
+def attention_backend(model, batch: int, device: torch.device) -> str:
+    """Which SDPA kernel PyTorch's dispatcher picks for the decode step's shapes."""
+    a = model.args
+    q = torch.zeros(batch, a.num_attention_heads, 1, a.head_dim, device=device, dtype=model.dtype)
+    k = torch.zeros(batch, a.num_key_value_heads, max(model.max_seq, 1), a.head_dim, device=device, dtype=model.dtype)
+    mask = torch.ones(1, 1, 1, k.shape[2], device=device, dtype=torch.bool)
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+    try:
+        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, enable_gqa=a.num_key_value_heads != a.num_attention_heads)
+        return f"sdpa:{names.get(int(choice), str(choice))}"
+    except Exception:  # private API; absent or changed in this torch
+        return "sdpa"
+
+
+class Decoder:
+    """Prefill and greedy/sampled decode over a LlamaModel's static cache, in one of MODES."""
+
+    def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
+                 sample: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} not in {MODES}")
+        self.model, self.batch, self.mode = model, batch, mode
+        self.device = model.device
+        self.sample = sample or (lambda logits: logits.argmax(dim=-1))
+        model.setup_caches(batch, max_seq)
+        self._step = self._eager_step
+        if mode == "compile":
+            self._step = torch.compile(self._eager_step, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda"
+        if self.use_graph:
+            self.static_tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+            self.static_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # tok: [B, 1], pos: [1] -> next token [B]
+        return self.sample(self.model(tok, pos)[:, -1])
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [B, S] -> the next token [B] (the prompt's K/V are written to the cache)."""
+        s = ids.shape[1]
+        logits = self.model(ids, torch.arange(s, device=self.device), last_only=True)
+        return self.sample(logits[:, -1])
+
+    @torch.inference_mode()
+    def step(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
+        """tok: [B] at position pos -> the next token [B]."""
+        if not self.use_graph:
+            return self._step(tok.view(-1, 1), torch.tensor([pos], device=self.device))
+        self.static_tok.copy_(tok.view(-1, 1))
+        self.static_pos.fill_(pos)
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.static_out
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (compilation, cuBLAS handles), then capture one step.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step(self.static_tok, self.static_pos)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self._step(self.static_tok, self.static_pos)

@@ -1,0 +1,59 @@
+"""Named model shapes with random weights, built directly on the device (no checkpoint needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from llamactl.config import LlamaArgs
+from llamactl.errors import InputError
+
+SHAPES: dict[str, dict] = {
+    "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                       rope_theta=500000.0),
+}
+
+
+def synthetic_args(name: str) -> LlamaArgs:
+    if name not in SHAPES:
+        raise InputError(f"--synthetic {name!r} is not a known shape", f"use one of {', '.join(SHAPES)}")
+    s = dict(SHAPES[name])
+    return LlamaArgs(head_dim=s["hidden_size"] // s["num_attention_heads"], rms_norm_eps=1e-5,
+                     rope_scaling={"rope_type": "default"}, **s)
+
+
+def hf_config(args: LlamaArgs) -> dict:
+    """A config.json dict for the same shape (for transformers' reference model)."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": args.vocab_size,
+            "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+            "num_hidden_layers": args.num_hidden_layers, "num_attention_heads": args.num_attention_heads,
+            "num_key_value_heads": args.num_key_value_heads, "head_dim": args.head_dim,
+            "max_position_embeddings": args.max_position_embeddings, "rms_norm_eps": args.rms_norm_eps,
+            "rope_theta": args.rope_theta, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+@torch.no_grad()
+def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A LlamaModel of shape `name` with N(0, 0.02) weights, allocated on `device` directly."""
+    from llamactl.model import LlamaModel
+
+    args = synthetic_args(name)
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name_, p in model.named_parameters():
+        if name_.endswith("norm.weight") or "layernorm" in name_:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()

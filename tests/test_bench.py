@@ -1,0 +1,144 @@
+"""bench: statistics, the JSON schema, formats, --compare, --profile and bad options."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from llamactl.cli import app
+from llamactl.stats import median, percentile, spread
+
+runner = CliRunner()
+RESULT_KEYS = ("model", "device", "batch", "prompt_len", "gen_len", "ttft_s", "prefill_tok_s", "decode_tok_s",
+               "latency_ms_p50", "latency_ms_p95", "peak_mem_bytes", "weight_bytes", "kv_bytes",
+               "attention_backend", "bandwidth_ceiling_frac")
+
+
+def bench(*args):
+    return runner.invoke(app, ["bench", *map(str, args)])
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert median(xs) == 3.0
+    assert median([1.0, 2.0, 3.0, 4.0]) == 2.5
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 95) == pytest.approx(4.8)  # numpy.percentile(..., 95, method="linear")
+    assert percentile(list(range(1, 101)), 95) == pytest.approx(95.05)
+    assert spread([9.0, 10.0, 11.0]) == {"min": 9.0, "max": 11.0, "rel": pytest.approx(0.1)}
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+@pytest.fixture(scope="module")
+def tiny_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "base.json"
+    r = bench("--synthetic", "tiny", "--prompt-len", "16,32", "--gen-len", "8", "--warmup", "1", "--repeat", "2",
+              "--format", "json", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == json.loads(out.read_text())
+    return out
+
+
+def test_json_schema_on_synthetic_tiny(tiny_json):
+    report = json.loads(tiny_json.read_text())
+    env = report["env"]
+    for key in ("llamactl_version", "commit", "torch", "cuda", "device_name", "dtype", "copy_bandwidth_gbs"):
+        assert key in env
+    assert env["copy_bandwidth_gbs"] > 0
+    results = report["results"]
+    assert [r["prompt_len"] for r in results] == [16, 32]
+    for r in results:
+        for key in RESULT_KEYS:
+            assert key in r, key
+        assert r["model"] == "synthetic:tiny" and r["gen_len"] == 8 and r["repeats"] == 2
+        assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0
+        assert r["latency_ms_p50"] <= r["latency_ms_p95"]
+        assert 0 < r["bandwidth_ceiling_frac"] < 1.5
+        assert r["attention_backend"].startswith("sdpa")
+        # tiny: 4 layers x 2 KV heads x head_dim 32 x 2 (K, V) x 4 bytes (float32 on the CPU)
+        assert r["kv_bytes"] == 4 * 2 * 32 * 2 * 4 * (r["prompt_len"] + 8)
+
+
+def test_compare_fails_on_a_planted_slowdown(tiny_json, tmp_path):
+    report = json.loads(tiny_json.read_text())
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(report))
+    assert bench("--compare", tiny_json, same, "--max-slowdown", "5%").exit_code == 0
+    slow = copy.deepcopy(report)
+    slow["results"][1]["decode_tok_s"] *= 0.90
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    r = bench("--compare", tiny_json, tmp_path / "slow.json", "--max-slowdown", "5%")
+    assert r.exit_code == 1 and "SLOWER" in r.stdout
+    assert bench("--compare", tiny_json, tmp_path / "slow.json", "--max-slowdown", "15%").exit_code == 0
+    fast = copy.deepcopy(report)
+    fast["results"][0]["prefill_tok_s"] *= 1.5
+    (tmp_path / "fast.json").write_text(json.dumps(fast))
+    assert bench("--compare", tiny_json, tmp_path / "fast.json").exit_code == 0
+
+
+def test_markdown_and_csv_formats_on_the_shared_model(trained_model):
+    r = bench(trained_model, "--prompt-len", "16", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--format", "markdown")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[2].startswith("| model | stage |") and "decode tok/s" in lines[2]
+    assert len([l for l in lines if l.startswith("| ")]) == 3  # header, separator, one result
+    c = bench("--synthetic", "tiny", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--format", "csv")
+    header, row = c.stdout.strip().splitlines()
+    assert header.split(",")[:3] == ["model", "stage", "batch"] and row.startswith("synthetic:tiny,")
+
+
+def test_stages_show_what_cannot_run_here(trained_model):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU every stage runs")
+    r = bench(trained_model, "--stages", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--format", "json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    stages = [x["stage"] for x in rows]
+    assert stages[0] == "transformers generate() eager" and "llamactl static cache" in stages
+    assert rows[0]["speedup"] == 1.0
+    skipped = {x["stage"]: x["skipped"] for x in rows if "skipped" in x}
+    assert "needs a CUDA device" in skipped["llamactl + CUDA graphs"]
+    assert "transformers generate() static cache" in skipped
+
+
+def test_quality_against_the_manifest_root(trained_model, tmp_path):
+    q = tmp_path / "rtn"
+    assert runner.invoke(app, ["quantize", str(trained_model), "-o", str(q), "--method", "rtn",
+                               "--eval-tokens", "0"]).exit_code == 0
+    r = bench(q, "--quality", "--eval-tokens", "1024", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0",
+              "--repeat", "1", "--format", "json")
+    assert r.exit_code == 0, r.output
+    qual = json.loads(r.stdout)["results"][0]["quality"]
+    assert qual["reference"] == str(trained_model.resolve())
+    assert qual["kl_mean"] > 0 and qual["ppl"] > qual["ppl_parent"] * 0.98
+
+
+def test_profile_writes_a_trace(tmp_path):
+    r = bench("--synthetic", "tiny", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--profile", tmp_path / "prof", "--format", "json")
+    assert r.exit_code == 0, r.output
+    traces = list((tmp_path / "prof").glob("*.pt.trace.json"))
+    assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
+
+
+@pytest.mark.parametrize("args,code", [
+    (("--prompt-len", "abc"), 1), (("--prompt-len", "0"), 1), (("--synthetic", "gpt5"), 1),
+    (("--format", "xml"), 2), (("--mode", "turbo"), 2), (("--gen-len", "1"), 2),
+])
+def test_bad_options(args, code):
+    r = bench(*args)
+    assert r.exit_code == code, r.output
+
+
+def test_compare_missing_file(tmp_path):
+    r = bench("--compare", tmp_path / "a.json", tmp_path / "b.json")
+    assert r.exit_code == 1 and "does not exist" in r.stderr
