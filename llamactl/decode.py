@@ -4,7 +4,7 @@ The decode step takes a token [B, 1] and a position [1] and returns the next tok
 device, so no value crosses to the host between steps. Modes:
   eager    plain PyTorch (CPU or GPU)
   graphs   the eager step captured once in a torch.cuda.CUDAGraph and replayed (GPU)
-  compile  torch.compile(mode="max-autotune-no-cudagraphs") of the step, then captured in a CUDA
+  compile  torch.compile (inductor, default mode) of the step, then captured in a CUDA
            graph the same way (GPU); on the CPU, compiled without graphs
 """
 
@@ -25,7 +25,10 @@ def attention_backend(model, batch: int, device: torch.device) -> str:
     mask = torch.ones(1, 1, 1, k.shape[2], device=device, dtype=torch.bool)
     names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
     try:
-        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False, enable_gqa=a.num_key_value_heads != a.num_attention_heads)
+        rep = a.num_attention_heads // a.num_key_value_heads  # the model folds GQA groups into query rows
+        q = q.reshape(batch, a.num_key_value_heads, rep, a.head_dim)
+        mask = mask.repeat(1, 1, rep, 1)
+        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False)
         return f"sdpa:{names.get(int(choice), str(choice))}"
     except Exception:  # private API; absent or changed in this torch
         return "sdpa"
@@ -44,7 +47,8 @@ class Decoder:
         model.setup_caches(batch, max_seq)
         self._step = self._eager_step
         if mode == "compile":
-            self._step = torch.compile(self._eager_step, mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+            # Inductor without its own cudagraphs: the whole step is captured below, once.
+            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda"
         if self.use_graph:

@@ -105,7 +105,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            # Grouped-query attention as more query rows per KV head: query head h uses KV head
+            # h // rep (transformers' repeat_kv), rows are independent, so fold the group into the
+            # sequence axis. No K/V copy, and SDPA's fused kernels accept the mask.
+            q = q.reshape(b, self.n_kv_heads, rep * s, self.head_dim)  # [B, H_kv, rep*S, D]
+            mask = mask.repeat(1, 1, rep, 1)  # [1, 1, rep*S, max_seq]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
+        y = y.view(b, self.n_heads, s, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 

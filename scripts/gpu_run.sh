@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One GPU-machine session: GPU tests, then the standard bench cases of ../shared/bench/PROTOCOL.md.
+# Usage (on the device machine, repo root): bash scripts/gpu_run.sh OUTDIR
+set -uo pipefail
+out=${1:-out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$out/gpu.txt"
+python -m pytest -q -x tests/test_gpu.py tests/test_model.py 2>&1 | tail -5 | tee "$out/tests.txt"
+run() { name=$1; shift; python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
+          && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
+          && cat "$out/$name.md" || tail -20 "$out/$name.err"; }
+run llama2-7b-stages --synthetic llama2-7b --stages --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
+run llama3-8b --synthetic llama3-8b --mode eager,graphs,compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
