@@ -44,10 +44,14 @@ class Decoder:
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
+        model.fuse_projections()
         model.setup_caches(batch, max_seq)
         self._step = self._eager_step
         if mode == "compile":
             # Inductor without its own cudagraphs: the whole step is captured below, once.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.coordinate_descent_tuning = True  # tunes the generated matrix-vector kernels
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda"

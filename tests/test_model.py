@@ -110,3 +110,12 @@ def test_same_seed_same_tokens(trained_model):
     c = list(generate(ours, tok, prompt, 20, Sampling(temperature=1.0, seed=8), set(), ignore_eos=True))[-1].token_ids
     assert a == b
     assert a != c
+
+
+def test_fused_projections_give_the_same_logits(tiny_gqa):
+    ours, _ = _both(tiny_gqa)
+    ids = torch.randint(0, 8192, (2, 40), generator=torch.Generator().manual_seed(4))
+    before = _logits(ours, ids)
+    ours.fuse_projections()
+    assert ours.model.layers[0].self_attn.q_proj is None and ours.model.layers[0].mlp.gate_up_proj is not None
+    torch.testing.assert_close(_logits(ours, ids), before, atol=1e-5, rtol=0)
