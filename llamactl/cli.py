@@ -193,6 +193,53 @@ def quantize(
     _report(manifest, json_out)
 
 
+@app.command("convert-heads")
+def convert_heads(
+    model: ModelReq,
+    output: OutOpt,
+    kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads after conversion (divides the query heads, below the current KV heads).")],
+    grouping: Annotated[str, typer.Option(help="contiguous (consecutive heads) or similarity (from calibration activations).")] = "contiguous",
+    merge: Annotated[str, typer.Option(help="mean (average K/V, the GQA paper) or fit (fitted to calibration statistics; changes q/o too).")] = "mean",
+    calib: Annotated[str, typer.Option(help="Calibration set for similarity/fit/distillation (see quantize --calib).")] = "docs",
+    n_samples: Annotated[int, typer.Option("--n-samples", min=1, help="Calibration samples.")] = 64,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="Tokens per calibration sample.")] = 512,
+    distill_steps: Annotated[int, typer.Option("--distill-steps", min=0, help="KL distillation steps against the parent, updating only K/V projections.")] = 0,
+    distill_lr: Annotated[float, typer.Option("--distill-lr", min=0.0, help="Distillation learning rate (AdamW).")] = 1e-4,
+    eval_file: EvalOpt = None,
+    eval_tokens: EvalTokensOpt = 32768,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Convert multi-head attention to grouped-query attention with fewer KV heads."""
+    from llamactl.convert import HeadsOptions, convert_heads as run
+
+    opts = HeadsOptions(kv_heads=kv_heads, grouping=grouping, merge=merge, calib=calib, n_samples=n_samples,
+                        seq_len=seq_len, distill_steps=distill_steps, distill_lr=distill_lr)
+    manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
+                   progress=ui.progress, log=ui.log)
+    m = manifest["metrics"]
+    if json_out:
+        ui.emit_json({"output": manifest["output"], "kv_bytes_per_token_before": m["kv_bytes_per_token_before"],
+                      "kv_bytes_per_token_after": m["kv_bytes_per_token_after"], "quality": m.get("quality"),
+                      "params": manifest["params"], "metrics": {k: v for k, v in m.items() if k != "quality"}})
+        return
+    h = ui.human_bytes
+    rows = [("KV heads", manifest["params"]["kv_heads_before"], kv_heads),
+            ("KV cache per token", h(m["kv_bytes_per_token_before"]), h(m["kv_bytes_per_token_after"])),
+            ("KV cache at 4K", h(m["kv_bytes_at_4k_before"]), h(m["kv_bytes_at_4k_after"])),
+            ("KV cache at 32K", h(m["kv_bytes_at_32k_before"]), h(m["kv_bytes_at_32k_after"])),
+            ("parameters", f"{m['params_before']:,}", f"{m['params_after']:,}")]
+    q = m.get("quality")
+    if q:
+        rows += [("perplexity", f"{q['ppl_parent']:.3f}", f"{q['ppl']:.3f} ({(q['ppl'] / q['ppl_parent'] - 1) * 100:+.2f}%)"),
+                 ("KL(parent || child), mean", "0", f"{q['kl_mean']:.5f}"),
+                 ("top-1 agreement", "100%", f"{q['top1_agreement'] * 100:.2f}%")]
+    if m.get("distill"):
+        rows.append(("distillation KL (train)", f"{m['distill']['kl_first']:.4f}", f"{m['distill']['kl_last']:.4f}"))
+    ui.table(f"convert-heads ({grouping}, {merge}) -> {manifest['output']}", ["", "parent", "child"], rows)
+
+
 def _report(manifest: dict, json_out: bool) -> None:
     m = manifest["metrics"]
     q = m.get("quality")
