@@ -28,7 +28,8 @@ def parse_percent(value: str) -> float:
         raise InputError(f"--max-slowdown {value!r} is not a percentage", "for example --max-slowdown 5%")
 
 
-def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str) -> list[Target]:
+def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
+                 synthetic_quant: str | None = None) -> list[Target]:
     from llamactl.load import load_model, resolve_dtype, resolve_model_path
     from llamactl.artifact import open_artifact
     from llamactl.synthetic import build_synthetic
@@ -37,8 +38,18 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     if synthetic:
         dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
-        targets.append(Target(label=f"synthetic:{synthetic}", model=build_synthetic(synthetic, device, dtype),
-                              synthetic=synthetic))
+        model = build_synthetic(synthetic, device, dtype)
+        label = f"synthetic:{synthetic}"
+        if synthetic_quant == "int4":
+            from llamactl.quantize.int4 import quantize_linears_int4
+
+            if dtype != torch.bfloat16:
+                raise InputError("--synthetic-quant int4 runs the int4 kernels with bf16 activations", "pass --dtype bfloat16")
+            quantize_linears_int4(model, 128)
+            label += " int4-g128"
+        elif synthetic_quant is not None:
+            raise InputError(f"--synthetic-quant {synthetic_quant!r} is not supported", "use int4")
+        targets.append(Target(label=label, model=model, synthetic=synthetic))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         model = load_model(art, device, resolve_dtype(dtype_name, device, art))

@@ -124,6 +124,11 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype) -> "Llam
                               "the weight files do not match config.json")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if quant and quant.get("quant_method") == "gptq" and int(quant.get("bits", 0)) == 4 and dtype == torch.bfloat16:
+        # bf16 compute: run 4-bit layers through PyTorch's int4 kernels (tinygemm) instead of dequantizing
+        from llamactl.quantize.int4 import use_int4_kernels
+
+        use_int4_kernels(model, int(quant.get("group_size", 128)))
     return model.eval()
 
 

@@ -8,7 +8,7 @@ from llamactl.config import LlamaArgs
 from llamactl.errors import InputError
 
 SHAPES: dict[str, dict] = {
-    "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096),
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),

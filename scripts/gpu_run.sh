@@ -7,11 +7,11 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$out/gpu.txt"
-python -m pytest -q -x tests/test_gpu.py tests/test_model.py 2>&1 | tail -5 | tee "$out/tests.txt"
+python -m pytest -q -x tests/test_gpu.py 2>&1 | tail -5 | tee "$out/tests.txt"
 run() { name=$1; shift; python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
           && cat "$out/$name.md" || tail -20 "$out/$name.err"; }
-python scripts/int4_probe.py 2>&1 | grep -v Warning | tee "$out/int4_probe.txt"
-run llama2-7b-stages --synthetic llama2-7b --stages --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
-run llama3-8b --synthetic llama3-8b --mode graphs,compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5
-run llama3-8b-16k --synthetic llama3-8b --mode compile --prompt-len 16384 --gen-len 128 --warmup 1 --repeat 3
+python -m pytest -q -x tests/test_int4.py 2>&1 | tail -3 | tee -a "$out/tests.txt"
+run llama2-7b-bf16 --synthetic llama2-7b --mode compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
+run llama2-7b-int4 --synthetic llama2-7b --synthetic-quant int4 --dtype bfloat16 --mode graphs,compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
+run llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5

@@ -58,7 +58,7 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, cl
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     scale = scale.half().float()  # the checkpoint stores fp16 scales: round against those
     codes = quantize_groups(w, scale, zero, bits).view(out_f, in_f).to(torch.int32)
-    g_idx = torch.arange(in_f, dtype=torch.int32) // g
+    g_idx = torch.arange(in_f, dtype=torch.int32, device=weight.device) // g
     return codes, zero.t().contiguous(), scale.t().contiguous(), g_idx
 
 
