@@ -7,7 +7,7 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$out/gpu.txt"
-python -m pytest -q -x tests/test_gpu.py 2>&1 | tail -5 | tee "$out/tests.txt"
+: > "$out/tests.txt"
 run() { name=$1; shift; python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
           && cat "$out/$name.md" || tail -20 "$out/$name.err"; }
