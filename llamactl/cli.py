@@ -204,7 +204,7 @@ def convert_heads(
     n_samples: Annotated[int, typer.Option("--n-samples", min=1, help="Calibration samples.")] = 64,
     seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="Tokens per calibration sample.")] = 512,
     distill_steps: Annotated[int, typer.Option("--distill-steps", min=0, help="KL distillation steps against the parent, updating only K/V projections.")] = 0,
-    distill_lr: Annotated[float, typer.Option("--distill-lr", min=0.0, help="Distillation learning rate (AdamW).")] = 1e-4,
+    distill_lr: Annotated[float, typer.Option("--distill-lr", min=0.0, help="Distillation learning rate (AdamW).")] = 3e-4,
     eval_file: EvalOpt = None,
     eval_tokens: EvalTokensOpt = 32768,
     device: DeviceOpt = "auto",

@@ -24,7 +24,7 @@ class HeadsOptions:
     n_samples: int = 64
     seq_len: int = 512
     distill_steps: int = 0
-    distill_lr: float = 1e-4
+    distill_lr: float = 3e-4
     distill_batch: int = 4
     seed: int = 0
 
