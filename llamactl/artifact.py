@@ -207,6 +207,9 @@ def staged_output(out: Path, force: bool) -> Iterator[Path]:
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
     try:
         yield tmp
         if out.exists():

@@ -93,6 +93,7 @@ def generate(
     dtype: DtypeOpt = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile`).")] = False,
     json_out: JsonOpt = False,
     allow_pickle: PickleOpt = False,
 ):
@@ -111,8 +112,14 @@ def generate(
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    mode, buckets = None, None
+    if compile_:
+        from llamactl.compile import load_compile_cache
+
+        entry = load_compile_cache(art, m.device, m.dtype, ui.warn)
+        mode, buckets = "compile", (entry or {}).get("buckets")
     result = None
-    for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos):
+    for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets):
         if isinstance(ev, gen.Result):
             result = ev
         elif not json_out:
@@ -238,6 +245,35 @@ def convert_heads(
     if m.get("distill"):
         rows.append(("distillation KL (train)", f"{m['distill']['kl_first']:.4f}", f"{m['distill']['kl_last']:.4f}"))
     ui.table(f"convert-heads ({grouping}, {merge}) -> {manifest['output']}", ["", "parent", "child"], rows)
+
+
+@app.command("compile")
+def compile_cmd(
+    model: ModelArg = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output folder (default: MODEL-compiled).")] = None,
+    mode: Annotated[str, typer.Option(help="default, reduce-overhead or max-autotune (inductor autotuning; slower to compile).")] = "default",
+    buckets: Annotated[str, typer.Option(help="KV-cache lengths to compile for; a generation uses the smallest that fits.")] = "128,512,2048",
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Compile and warm the decode step per bucket; keep the compile cache in an artifact folder."""
+    from llamactl.bench_targets import parse_int_list
+    from llamactl.compile import compile_model
+    from llamactl.load import resolve_model_path
+
+    src = resolve_model_path(model)
+    out = output or f"{str(src).rstrip('/')}-compiled"
+    manifest = compile_model(src, out, parse_int_list(buckets, "--buckets"), mode, device=device, dtype=dtype,
+                             force=force, progress=ui.progress, log=ui.log)
+    entry = manifest["metrics"]["compile_cache"][0]
+    if json_out:
+        ui.emit_json({"output": manifest["output"], **entry})
+        return
+    ui.table(f"compile -> {manifest['output']}", ["bucket", "compile + warm-up s"],
+             [[t["bucket"], f"{t['seconds']:.1f}"] for t in entry["per_bucket"]]
+             + [["cache", f"{ui.human_bytes(entry['bytes'])}, key: {entry['key']['device_name']}, torch {entry['key']['torch']}"]])
 
 
 def _report(manifest: dict, json_out: bool) -> None:

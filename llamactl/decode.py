@@ -38,23 +38,31 @@ class Decoder:
     """Prefill and greedy/sampled decode over a LlamaModel's static cache, in one of MODES."""
 
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
-                 sample: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 buckets: list[int] | None = None, compile_mode: str = "default"):
+        """sample: logits [B, V] -> tokens [B]; None means greedy. Only greedy steps are captured in
+        CUDA graphs (a sampler's random generator would be frozen into the graph). buckets: cache
+        lengths to round max_seq up to, so one compiled step serves many prompt lengths."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
         model.fuse_projections()
-        model.setup_caches(batch, max_seq)
+        fitting = [b for b in sorted(buckets or []) if b >= max_seq]
+        self.max_seq = min(fitting[0] if fitting else max_seq, model.args.max_position_embeddings)
+        self.max_seq = max(self.max_seq, max_seq)
+        model.setup_caches(batch, self.max_seq)
         self._step = self._eager_step
         if mode == "compile":
             # Inductor without its own cudagraphs: the whole step is captured below, once.
             import torch._inductor.config as inductor_config
 
             inductor_config.coordinate_descent_tuning = True  # tunes the generated matrix-vector kernels
-            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False)
+            inductor_mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
+            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False, mode=inductor_mode)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda"
+        self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda" and sample is None
         if self.use_graph:
             self.static_tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             self.static_pos = torch.zeros(1, dtype=torch.long, device=self.device)

@@ -98,11 +98,15 @@ def eos_ids(model, tokenizer, art=None) -> set[int]:
 
 @torch.inference_mode()
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-             stop_ids: set[int] | None = None, ignore_eos: bool = False) -> Iterator[Step | Result]:
+             stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
+             buckets: list[int] | None = None) -> Iterator[Step | Result]:
     """Prefill the prompt, then decode one token per step; yields Steps, then one Result.
 
-    Raises InputError when the prompt and the new tokens do not fit the model's context.
+    mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
+    eager otherwise. Raises InputError when the prompt and new tokens do not fit the context.
     """
+    from llamactl.decode import Decoder
+
     ctx = model.args.max_position_embeddings
     n = len(prompt_ids)
     if n == 0:
@@ -111,10 +115,14 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         raise InputError(f"the prompt has {n} tokens; the model's context is {ctx}", "shorten the prompt")
     max_new_tokens = min(max_new_tokens, ctx - n)
     device = model.device
-    model.setup_caches(1, n + max_new_tokens)
     gen = None
     if sampling.seed is not None:
         gen = torch.Generator(device=device).manual_seed(sampling.seed)
+    greedy = sampling.temperature <= 0
+    if mode is None:
+        mode = "graphs" if device.type == "cuda" and greedy else "eager"
+    sampler = None if greedy else (lambda logits: sample(logits, sampling, gen))
+    dec = Decoder(model, 1, n + max_new_tokens, mode, sample=sampler, buckets=buckets)
     stop_ids = set() if ignore_eos else (stop_ids or set())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -123,13 +131,11 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     text = ""
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=device), torch.arange(n, device=device), last_only=True)
-    token = sample(logits[:, -1], sampling, gen)  # [1]
+    token = dec.prefill(torch.tensor([prompt_ids], device=device))  # [1]
     _sync(device)
     t_first = time.perf_counter()
     stop_reason = "length"
-    pos = torch.tensor([n], device=device)
-    steps = 0  # decode forwards, each producing one token (the EOS one included)
+    steps = 0  # decode steps, each producing one token (the EOS one included)
     while True:
         tid = int(token.item())
         if tid in stop_ids:
@@ -144,9 +150,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
             yield Step(tid, "")
         if len(out) >= max_new_tokens:
             break
-        logits = model(token.view(1, 1), pos)
-        token = sample(logits[:, -1], sampling, gen)
-        pos += 1
+        token = dec.step(token, n + steps)
         steps += 1
     _sync(device)
     t_end = time.perf_counter()
@@ -165,4 +169,5 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
+        extra={"mode": mode},
     )

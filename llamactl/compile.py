@@ -1,0 +1,118 @@
+"""The compile stage: compile and warm the decode step for each cache-length bucket, and keep
+torch.compile's cache artifacts in an artifact folder so later runs start warm.
+
+The cache is keyed by what makes compiled kernels valid: torch version, CUDA version, device name,
+dtype and compile mode. A key that does not match this machine, or bytes torch refuses, give a
+warning and a normal (cold) compile, never a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llamactl.artifact import check_output, open_artifact, staged_output, write_manifest
+from llamactl.errors import InputError
+
+CACHE_DIR = "compile-cache"
+MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def cache_key(device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, str | None]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
+            "device_name": name, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
+
+
+def _key_id(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Callable[[str], None]) -> dict | None:
+    """Load the folder's compile cache for this machine; returns its manifest entry or None."""
+    entries = ((art.manifest or {}).get("metrics") or {}).get("compile_cache") or []
+    if not entries:
+        return None
+    want = cache_key(device, dtype, entries[0]["key"]["mode"])
+    for e in entries:
+        if e["key"] == want:
+            path = art.path / CACHE_DIR / e["file"]
+            try:
+                torch.compiler.load_cache_artifacts(path.read_bytes())
+                return e
+            except Exception as ex:  # stale or corrupt bytes: recompile instead
+                warn(f"compile cache {path} could not be loaded ({type(ex).__name__}); compiling from scratch")
+                return None
+    have = ", ".join(f"{e['key']['device_name']} torch {e['key']['torch']}" for e in entries)
+    warn(f"compile cache in {art.path} was made for {have}, not {want['device_name']} torch {want['torch']}; compiling from scratch")
+    return None
+
+
+def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]:
+    """Compile and run the decode step once per bucket; returns seconds per bucket."""
+    from llamactl.decode import Decoder
+
+    timings = []
+    with progress("compile buckets", len(buckets)) as advance:
+        for b in buckets:
+            t0 = time.perf_counter()
+            dec = Decoder(model, 1, b, "compile", buckets=buckets, compile_mode=mode)
+            ids = torch.zeros(1, min(8, b - 2), dtype=torch.long, device=model.device)
+            tok = dec.prefill(ids)
+            for i in range(2):
+                tok = dec.step(tok, ids.shape[1] + i)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            timings.append({"bucket": b, "seconds": round(time.perf_counter() - t0, 2)})
+            advance(1)
+    return timings
+
+
+def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], mode: str = "default", *,
+                  device: str = "auto", dtype: str = "auto", force: bool = False, progress=None,
+                  log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Write `out`: the model (hard-linked where possible) plus compile cache artifacts."""
+    from llamactl.load import load_model, resolve_device, resolve_dtype
+
+    if mode not in MODES:
+        raise InputError(f"--mode {mode!r} is not known", f"use one of {', '.join(MODES)}")
+    art = open_artifact(model_path)
+    ctx = art.args.max_position_embeddings
+    if not buckets or min(buckets) < 8 or max(buckets) > ctx:
+        raise InputError(f"--buckets {buckets} must lie between 8 and the model's context ({ctx})")
+    out = Path(out)
+    check_output(out, force, [art.path])
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev, art)
+    model = load_model(art, dev, dt)
+    torch.compiler.reset()
+    t0 = time.perf_counter()
+    timings = warm(model, sorted(set(buckets)), mode, progress)
+    cold = time.perf_counter() - t0
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        raise InputError("torch produced no compile cache artifacts", "is the inductor cache disabled in this environment?")
+    blob, _info = saved
+    key = cache_key(dev, dt, mode)
+    with staged_output(out, force) as tmp:
+        for f in art.path.iterdir():
+            if f.is_file() and f.name != "llamactl.json":
+                try:
+                    os.link(f, tmp / f.name)  # weights are never modified, so sharing them is safe
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+        (tmp / CACHE_DIR).mkdir()
+        fname = f"{_key_id(key)}.bin"
+        (tmp / CACHE_DIR / fname).write_bytes(blob)
+        entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
+                 "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
+        prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
+        params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}
+        return write_manifest(tmp, "compile", art, params, {"compile_cache": [entry]}) | {"output": str(out)}

@@ -1,0 +1,62 @@
+"""compile: cache artifacts written, keyed to this machine, loaded by generate; mismatches warn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from llamactl.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory, trained_model):
+    out = tmp_path_factory.mktemp("compile") / "c"
+    r = runner.invoke(app, ["compile", str(trained_model), "-o", str(out), "--buckets", "64", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    return out, json.loads(r.stdout)
+
+
+def test_compile_writes_a_keyed_cache(compiled, trained_model):
+    out, entry = compiled
+    assert entry["key"]["device_name"] == "cpu" and entry["key"]["mode"] == "default" and entry["buckets"] == [64]
+    assert (out / "compile-cache" / entry["file"]).stat().st_size == entry["bytes"] > 0
+    man = json.loads((out / "llamactl.json").read_text())
+    assert man["stage"] == "compile" and man["metrics"]["compile_cache"][0]["file"] == entry["file"]
+    assert (out / "config.json").read_text() == (trained_model / "config.json").read_text()
+
+
+def test_generate_uses_the_cache_and_matches_eager(compiled):
+    out, _ = compiled
+    args = ["generate", str(out), "-p", "The kernel", "-n", "12", "--temperature", "0", "--json"]
+    warm = runner.invoke(app, args + ["--compile"])
+    eager = runner.invoke(app, args)
+    assert warm.exit_code == 0, warm.output
+    assert "warning" not in warm.stderr
+    assert json.loads(warm.stdout)["extra"]["mode"] == "compile"
+    assert json.loads(warm.stdout)["token_ids"][:8] == json.loads(eager.stdout)["token_ids"][:8]
+
+
+def test_mismatched_cache_warns_and_recompiles(compiled):
+    out, entry = compiled
+    man_path = out / "llamactl.json"
+    original = man_path.read_text()
+    man = json.loads(original)
+    man["metrics"]["compile_cache"][0]["key"]["torch"] = "0.0.0"
+    man_path.write_text(json.dumps(man))
+    try:
+        r = runner.invoke(app, ["generate", str(out), "-p", "x", "-n", "4", "--temperature", "0", "--compile"])
+        assert r.exit_code == 0, r.output
+        assert "compiling from scratch" in r.stderr
+    finally:
+        man_path.write_text(original)
+
+
+@pytest.mark.parametrize("args", [("--buckets", "4"), ("--buckets", "999999"), ("--mode", "ludicrous")])
+def test_bad_compile_options(trained_model, tmp_path, args):
+    r = runner.invoke(app, ["compile", str(trained_model), "-o", str(tmp_path / "o"), "--device", "cpu", *args])
+    assert r.exit_code == 1 and r.stderr.startswith("error: ")
+    assert not (tmp_path / "o").exists()
