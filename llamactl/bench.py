@@ -222,6 +222,7 @@ def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> d
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
+    commit = commit or os.environ.get("LLAMACTL_COMMIT")  # set by scripts/gpu_run.sh where there is no .git
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
