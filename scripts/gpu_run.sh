@@ -5,7 +5,7 @@ set -uo pipefail
 out=${1:-out}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-# the device machine gets the working tree without .git: run `git rev-parse --short HEAD > .commit` first
+# the device machine gets the tree without .git: `git rev-parse --short HEAD > .commit` here, then carry .commit
 [ -f .commit ] && export LLAMACTL_COMMIT=$(cat .commit)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$out/gpu.txt"
