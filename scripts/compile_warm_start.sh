@@ -5,7 +5,7 @@
 set -euo pipefail
 model=$1; out=$2; dev=${3:-auto}
 mkdir -p "$out"
-t() { local s=$(date +%s.%N); "$@" > /dev/null 2>>"$out/log"; echo "$(date +%s.%N) - $s" | bc; }
+t() { local s=$(date +%s.%N); "$@" > /dev/null 2>>"$out/log"; python -c "print(round($(date +%s.%N) - $s, 2))"; }
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 cold=$(t python -m llamactl generate "$model" --compile --device "$dev" -p "The kernel" -n 32 --temperature 0)
 python -m llamactl compile "$model" -o "$out/compiled" --buckets 128 --device "$dev" --force > /dev/null 2>>"$out/log"
