@@ -131,7 +131,7 @@ def generate(
     ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
            f"ttft {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tok_s:.1f} tok/s | "
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
-           f"| {result.device} {result.dtype}[/dim]")
+           f"| {result.device} {result.dtype} {result.extra.get('mode')} {result.extra.get('attention_backend')}[/dim]")
 
 
 @app.command()

@@ -105,7 +105,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
     eager otherwise. Raises InputError when the prompt and new tokens do not fit the context.
     """
-    from llamactl.decode import Decoder
+    from llamactl.decode import Decoder, attention_backend
 
     ctx = model.args.max_position_embeddings
     n = len(prompt_ids)
@@ -169,5 +169,5 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
-        extra={"mode": mode},
+        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device)},
     )
