@@ -40,9 +40,9 @@ class Decoder:
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  buckets: list[int] | None = None, compile_mode: str = "default"):
-        """sample: logits [B, V] -> tokens [B]; None means greedy. Only greedy steps are captured in
-        CUDA graphs (a sampler's random generator would be frozen into the graph). buckets: cache
-        lengths to round max_seq up to, so one compiled step serves many prompt lengths."""
+        """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
+        (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
+        max_seq up to, so one compiled step serves many prompt lengths."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         self.model, self.batch, self.mode = model, batch, mode
@@ -62,7 +62,9 @@ class Decoder:
             inductor_mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False, mode=inductor_mode)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.use_graph = mode in ("graphs", "compile") and self.device.type == "cuda" and sample is None
+        # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
+        self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
+        self.use_graph = self.use_graph and self.device.type == "cuda"
         if self.use_graph:
             self.static_tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             self.static_pos = torch.zeros(1, dtype=torch.long, device=self.device)

@@ -43,8 +43,14 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits: [B, V] -> next token ids [B]. Greedy when temperature is 0."""
+def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: [B, V] -> next token ids [B]. Greedy when temperature is 0.
+
+    Sampling uses the Gumbel-max trick (argmax of logits/T plus Gumbel noise draws exactly from
+    softmax(logits/T)), with fixed shapes and no host synchronisation, so it can run inside a CUDA
+    graph. Without a generator it draws from the default one (seeded by torch.manual_seed), which
+    is the one CUDA graphs know how to advance between replays.
+    """
     if s.temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / s.temperature
@@ -57,8 +63,8 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None)
         drop = cum - sorted_logits.softmax(dim=-1) > s.top_p  # keep the token that crosses top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(min=1e-20, max=1 - 1e-7)
+    return (logits - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -115,13 +121,11 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         raise InputError(f"the prompt has {n} tokens; the model's context is {ctx}", "shorten the prompt")
     max_new_tokens = min(max_new_tokens, ctx - n)
     device = model.device
-    gen = None
     if sampling.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(sampling.seed)
-    greedy = sampling.temperature <= 0
+        torch.manual_seed(sampling.seed)  # seeds the CPU and every CUDA device's default generator
     if mode is None:
-        mode = "graphs" if device.type == "cuda" and greedy else "eager"
-    sampler = None if greedy else (lambda logits: sample(logits, sampling, gen))
+        mode = "graphs" if device.type == "cuda" else "eager"
+    sampler = None if sampling.temperature <= 0 else (lambda logits: sample(logits, sampling))
     dec = Decoder(model, 1, n + max_new_tokens, mode, sample=sampler, buckets=buckets)
     stop_ids = set() if ignore_eos else (stop_ids or set())
     if device.type == "cuda":

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from llamactl.artifact import open_artifact
 from llamactl.config import LlamaArgs
-from llamactl.generate import Sampling, generate
+from llamactl.generate import Sampling, generate, sample
 from llamactl.load import load, load_model
 from llamactl.model import rope_inv_freq
 
@@ -119,3 +119,18 @@ def test_fused_projections_give_the_same_logits(tiny_gqa):
     ours.fuse_projections()
     assert ours.model.layers[0].self_attn.q_proj is None and ours.model.layers[0].mlp.gate_up_proj is not None
     torch.testing.assert_close(_logits(ours, ids), before, atol=1e-5, rtol=0)
+
+
+def test_gumbel_sampling_follows_the_filtered_softmax():
+    """Sampling (graph-safe Gumbel-max) draws from softmax(logits / T) restricted by top-k and top-p."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(20000, 1)
+    draws = sample(logits, Sampling(temperature=0.7))
+    freq = torch.bincount(draws, minlength=6).float() / draws.numel()
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.01, rtol=0)
+    topk = sample(logits, Sampling(temperature=1.0, top_k=2))
+    assert set(topk.tolist()) == {0, 1}
+    p = logits[0].softmax(-1)  # 0.55, 0.20, 0.12, ...: top_p 0.7 keeps the first two (0.55 < 0.7)
+    top_p = sample(logits, Sampling(temperature=1.0, top_p=0.7))
+    assert set(top_p.tolist()) == {0, 1}
+    assert abs((top_p == 0).float().mean().item() - (p[0] / p[:2].sum()).item()) < 0.015
