@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from llamactl import __version__
-from llamactl.decode import Decoder, attention_backend
+from llamactl.decode import Decoder, attention_backend, sync
 from llamactl.stats import median, percentile, spread
 
 SCHEMA_VERSION = 1
@@ -45,10 +45,6 @@ class Target:
     synthetic: str | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def copy_bandwidth(device: torch.device) -> float:
     """Device-to-device (or RAM-to-RAM) copy bandwidth in bytes/s, counting read + write."""
@@ -57,10 +53,10 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     times = []
     for i in range(8):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     del src, dst
@@ -117,14 +113,14 @@ def _one_run(dec: Decoder, ids: torch.Tensor, gen_len: int) -> dict[str, Any]:
     device, p = dec.device, ids.shape[1]
     if device.type == "cuda":
         events = [torch.cuda.Event(enable_timing=True) for _ in range(gen_len + 1)]
-        _sync(device)
+        sync(device)
         events[0].record()
         tok = dec.prefill(ids)
         events[1].record()
         for i in range(gen_len - 1):
             tok = dec.step(tok, p + i)
             events[i + 2].record()
-        _sync(device)
+        sync(device)
         marks = [0.0] + [events[0].elapsed_time(e) / 1000 for e in events[1:]]
     else:
         t0 = time.perf_counter()
@@ -169,7 +165,7 @@ def time_transformers(hf_model, batch: int, prompt_len: int, gen_len: int, trial
     with torch.inference_mode():
         for r in range(trial.warmup + trial.repeat):
             marks.clear()
-            _sync(device)
+            sync(device)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -177,7 +173,7 @@ def time_transformers(hf_model, batch: int, prompt_len: int, gen_len: int, trial
             hf_model.generate(ids, **kwargs)
             if cuda:
                 end.record()
-            _sync(device)
+            sync(device)
             if cuda:  # marks[i]: when the logits for new token i were ready (before sampling it)
                 ts = [start.elapsed_time(e) / 1000 for e in marks]
                 total = start.elapsed_time(end) / 1000

@@ -100,8 +100,7 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
                 device: torch.device, progress) -> dict[str, dict]:
     """label -> quality dict (ppl, and KL/top-1 against the reference when there is one)."""
     from llamactl.artifact import lineage, open_artifact
-    from llamactl.load import load_model, load_tokenizer
-    from llamactl.quality import compare, eval_windows
+    from llamactl.quality import measure
 
     out = {}
     for t in targets:
@@ -109,18 +108,15 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
             out[t.label] = {"skipped": "synthetic weights: quality is meaningless"}
             continue
         ref_path = reference
-        if ref_path is None:
-            chain = lineage(t.artifact)
-            roots = [e.get("parent_path") for e in chain if e.get("parent_path")]
+        if ref_path is None:  # the root of the manifest chain
+            roots = [e.get("parent_path") for e in lineage(t.artifact) if e.get("parent_path")]
             ref_path = roots[-1] if roots else None
         ref_art = open_artifact(ref_path) if ref_path else t.artifact
-        tok = load_tokenizer(t.artifact)
-        windows = eval_windows(tok, eval_file, min(512, t.model.args.max_position_embeddings), eval_tokens)
-        ref_model = t.model if ref_art is t.artifact else load_model(ref_art, device, t.model.dtype)
-        with progress(f"quality {Path(t.label).name}", windows.shape[0]) as advance:
-            q = compare(ref_model, t.model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance).to_dict()
-        q["reference"] = str(ref_art.path) if ref_art is not t.artifact else None
-        if q["reference"] is None:  # no reference: only perplexity is meaningful
+        own = ref_art is t.artifact
+        q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
+                    parent_model=t.model if own else None, child_model=t.model).to_dict()
+        q["reference"] = None if own else str(ref_art.path)
+        if own:  # no reference: only perplexity is meaningful
             q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
         out[t.label] = q
     return out

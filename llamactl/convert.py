@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from llamactl.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.heads import GROUPINGS, MERGES, convert_state, layer_stats
+from llamactl.quality import measure, no_progress
 
 
 @dataclass(frozen=True)
@@ -50,17 +52,11 @@ def validate(art, opts: HeadsOptions) -> None:
         raise InputError("--merge fit does not support attention biases", "use --merge mean")
 
 
-def _no_progress(description: str, total: int | None):
-    import contextlib
-
-    return contextlib.nullcontext(lambda n=1, description=None: None)
-
-
 def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, force: bool = False,
                   eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
-                  progress=_no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                  progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `model` to opts.kv_heads KV heads into `out`; returns the manifest written."""
-    from llamactl.load import checkpoint_dtype, iter_checkpoint, load_model, load_tokenizer, resolve_device
+    from llamactl.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device
 
     art = open_artifact(model)
     validate(art, opts)
@@ -92,21 +88,14 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
         child = open_artifact(tmp)
         metrics: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 2)}
         metrics.update(kv_report(args, child.args))
-        metrics["params_before"] = sum(v.numel() for k, v in iter_checkpoint(art))
+        metrics["params_before"] = sum(math.prod(m["shape"]) for m in art.tensor_index().values())
         metrics["params_after"] = sum(v.numel() for v in state.values())
         if distill:
             metrics["distill"] = distill
         if eval_tokens > 0:
-            from llamactl.quality import compare, eval_windows
-
             log("measuring quality against the parent")
-            windows = eval_windows(load_tokenizer(art), eval_file, min(512, args.max_position_embeddings), eval_tokens)
-            c_model = load_model(child, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16)
-            if dev.type != "cpu":
-                parent = load_model(art, dev, torch.bfloat16)
-            with progress("eval", windows.shape[0]) as advance:
-                metrics["quality"] = compare(parent, c_model, windows, str(eval_file or "docs-eval.txt (packaged)"),
-                                             advance).to_dict()
+            metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress,
+                                         parent_model=parent if dev.type == "cpu" else None).to_dict()
         params = asdict(opts) | {"groups_per_layer": groups["groups_per_layer"],
                                  "kv_heads_before": args.num_key_value_heads}
         return write_manifest(tmp, "convert-heads", art, params, metrics) | {"output": str(out)}

@@ -17,6 +17,12 @@ import torch
 MODES = ("eager", "graphs", "compile")
 
 
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock read after it is meaningful."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def attention_backend(model, batch: int, device: torch.device) -> str:
     """Which SDPA kernel PyTorch's dispatcher picks for the decode step's shapes."""
     a = model.args

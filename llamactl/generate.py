@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from llamactl.decode import Decoder, attention_backend, sync
 from llamactl.errors import InputError
 
 
@@ -74,10 +75,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> tuple[list[int], bool]:
     """Token ids for the prompt; with chat, through the tokenizer's chat template when it has one."""
@@ -111,7 +108,6 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
     eager otherwise. Raises InputError when the prompt and new tokens do not fit the context.
     """
-    from llamactl.decode import Decoder, attention_backend
 
     ctx = model.args.max_position_embeddings
     n = len(prompt_ids)
@@ -132,11 +128,12 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         torch.cuda.reset_peak_memory_stats(device)
 
     out: list[int] = []
-    text = ""
-    _sync(device)
+    text = ""  # everything emitted so far
+    seg_start, seg_text = 0, ""  # tokens since the last newline, and their text
+    sync(device)
     t0 = time.perf_counter()
     token = dec.prefill(torch.tensor([prompt_ids], device=device))  # [1]
-    _sync(device)
+    sync(device)
     t_first = time.perf_counter()
     stop_reason = "length"
     steps = 0  # decode steps, each producing one token (the EOS one included)
@@ -146,20 +143,24 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
             stop_reason = "eos"
             break
         out.append(tid)
-        full = tokenizer.decode(out, skip_special_tokens=True)
-        if not full.endswith("\ufffd"):  # hold back a partial UTF-8 character
-            yield Step(tid, full[len(text):])
-            text = full
-        else:
-            yield Step(tid, "")
+        # Decode only the tokens since the last newline (not the whole output every step), as
+        # transformers' TextStreamer does; hold back a partial UTF-8 character.
+        seg = tokenizer.decode(out[seg_start:], skip_special_tokens=True)
+        delta = "" if seg.endswith("\ufffd") else seg[len(seg_text):]
+        if delta:
+            seg_text = seg
+            text += delta
+            if seg.endswith("\n"):
+                seg_start, seg_text = len(out), ""
+        yield Step(tid, delta)
         if len(out) >= max_new_tokens:
             break
         token = dec.step(token, n + steps)
         steps += 1
-    _sync(device)
+    sync(device)
     t_end = time.perf_counter()
     final = tokenizer.decode(out, skip_special_tokens=True)
-    if final != text:
+    if final != text and final.startswith(text):
         yield Step(-1, final[len(text):])
     ttft = t_first - t0
     yield Result(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,12 @@ import torch.nn.functional as F
 from llamactl.errors import InputError
 
 DEFAULT_EVAL = Path(__file__).resolve().parent / "assets" / "docs-eval.txt"
+
+
+@contextlib.contextmanager
+def no_progress(description: str, total: int | None):
+    """The progress protocol core functions accept (ui.progress is the real one): yields advance()."""
+    yield lambda n=1, description=None: None
 
 
 @dataclass
@@ -77,3 +84,18 @@ def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
         top1_agreement=agree / count, tokens=count, windows=windows.shape[0], window_len=windows.shape[1],
         eval_file=eval_file,
     )
+
+
+def measure(parent_art, child_art, device: torch.device, eval_file: str | None, eval_tokens: int,
+            progress=no_progress, parent_model=None, child_model=None) -> Quality:
+    """Score child against parent on the eval text with llamactl's runtime (float32 on the CPU,
+    bf16 on a GPU). Models already loaded may be passed in; the tokenizer is the parent's."""
+    from llamactl.load import load_model, load_tokenizer
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    windows = eval_windows(load_tokenizer(parent_art), eval_file,
+                           min(512, parent_art.args.max_position_embeddings), eval_tokens)
+    parent_model = parent_model or load_model(parent_art, device, dtype)
+    child_model = child_model or load_model(child_art, device, dtype)
+    with progress("eval", windows.shape[0]) as advance:
+        return compare(parent_model, child_model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance)

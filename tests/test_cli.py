@@ -140,3 +140,16 @@ def test_cuda_requested_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert_one_line_error(invoke("generate", "-p", "x", "--device", "cuda"), "no CUDA device")
+
+
+def test_streamed_text_equals_the_decoded_tokens():
+    from llamactl.generate import Result, Sampling, Step, generate
+    from llamactl.load import load
+
+    _, model, tok, _ = load(None, "cpu", "float32")
+    events = list(generate(model, tok, tok("Usage:\n").input_ids, 120, Sampling(temperature=1.0, seed=5), set(),
+                           ignore_eos=True))
+    streamed = "".join(e.text for e in events if isinstance(e, Step))
+    result = events[-1]
+    assert isinstance(result, Result) and streamed == result.text == tok.decode(result.token_ids, skip_special_tokens=True)
+    assert "\n" in streamed  # the segment reset at newlines was exercised

@@ -7,7 +7,6 @@ folder into place.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Callable
 
 from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
+from llamactl.quality import measure, no_progress
 
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
 BITS = {"gptq": (4, 8), "rtn": (4, 8), "nf4": (4,), "int8": (8,)}
@@ -108,17 +108,9 @@ def _require_engine(method: str) -> None:
         raise MissingDependencyError("bitsandbytes", "bnb", f"--method {method}")
 
 
-NoProgress = Callable[..., Any]
-
-
-@contextlib.contextmanager
-def _no_progress(description: str, total: int | None):
-    yield lambda n=1, description=None: None
-
-
 def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: bool = False,
              eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
-             progress=_no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+             progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Quantize the model folder `model` into `out`; returns the manifest written.
 
     Raises InputError/CheckpointError/MissingDependencyError before anything is written.
@@ -142,7 +134,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
         if eval_tokens > 0:
             log("measuring quality against the parent")
-            metrics["quality"] = measure_quality(art, child, dev, eval_file, eval_tokens, progress).to_dict()
+            metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
         params = asdict(opts) | {"engine": engine}
         return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
 
@@ -159,19 +151,3 @@ def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
     from llamactl.quantize.bnb import write_bnb
 
     return write_bnb(art, opts, tmp, progress, log)
-
-
-def measure_quality(parent: Artifact, child: Artifact, dev, eval_file, eval_tokens: int, progress):
-    """Perplexity, KL and top-1 agreement of child against parent with llamactl's runtime."""
-    import torch
-
-    from llamactl.load import load_model, load_tokenizer
-    from llamactl.quality import compare, eval_windows
-
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    tok = load_tokenizer(parent)
-    windows = eval_windows(tok, eval_file, window=min(512, parent.args.max_position_embeddings), max_tokens=eval_tokens)
-    p_model = load_model(parent, dev, dtype)
-    c_model = load_model(child, dev, dtype)
-    with progress("eval", windows.shape[0]) as advance:
-        return compare(p_model, c_model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance)
