@@ -225,10 +225,16 @@ def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> d
         name = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                     platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
     import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        flash_attn = version("flash-attn")
+    except PackageNotFoundError:
+        flash_attn = None  # llamactl then runs PyTorch's SDPA kernels (flash/cuDNN/efficient), as reported per row
 
     return {"schema_version": SCHEMA_VERSION, "llamactl_version": __version__, "commit": commit,
             "torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
-            "transformers": transformers.__version__, "device": str(device), "device_name": name,
+            "transformers": transformers.__version__, "flash_attn": flash_attn, "device": str(device), "device_name": name,
             "cpu_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
             "copy_bandwidth_gbs": round(bandwidth / 1e9, 2), "host": platform.node(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
