@@ -16,7 +16,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from bench' -l dtype -r -d 'auto
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l mode -r -d 'llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l stages -d 'The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l synthetic -r -d 'Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.'
-complete -c llamactl -n '__fish_seen_subcommand_from bench' -l synthetic-quant -r -d 'int4: quantize the synthetic models decoder linears in memory (RTN, group 128) to time the int4 kernels.'
+complete -c llamactl -n '__fish_seen_subcommand_from bench' -l synthetic-quant -r -d 'int4 (RTN, group 128) or int8 (per channel): quantize the synthetic models decoder linears in memory to time the low-bit kernels.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l quality -d 'Also perplexity, and KL/top-1 against --reference.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l reference -r -d 'Reference model for KL (default: the root of the manifest chain).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l eval -r -d 'Plain-text file for the quality report (default: packaged docs-eval.txt).'

@@ -47,8 +47,15 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
                 raise InputError("--synthetic-quant int4 runs the int4 kernels with bf16 activations", "pass --dtype bfloat16")
             quantize_linears_int4(model, 128)
             label += " int4-g128"
+        elif synthetic_quant == "int8":
+            from llamactl.quantize.int8 import available, quantize_linears_int8
+
+            if dtype != torch.bfloat16 or not available(device.type):
+                raise InputError("--synthetic-quant int8 needs --dtype bfloat16 and torch's int8 kernel for this device")
+            quantize_linears_int8(model)
+            label += " int8"
         elif synthetic_quant is not None:
-            raise InputError(f"--synthetic-quant {synthetic_quant!r} is not supported", "use int4")
+            raise InputError(f"--synthetic-quant {synthetic_quant!r} is not supported", "use int4 or int8")
         targets.append(Target(label=label, model=model, synthetic=synthetic))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))

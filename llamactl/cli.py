@@ -309,7 +309,7 @@ def bench(
     mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
     stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
     synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
-    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4: quantize the synthetic model's decoder linears in memory (RTN, group 128) to time the int4 kernels.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4 (RTN, group 128) or int8 (per channel): quantize the synthetic model's decoder linears in memory to time the low-bit kernels.")] = None,
     quality: Annotated[bool, typer.Option("--quality", help="Also perplexity, and KL/top-1 against --reference.")] = False,
     reference: Annotated[Optional[str], typer.Option(help="Reference model for KL (default: the root of the manifest chain).")] = None,
     eval_file: EvalOpt = None,

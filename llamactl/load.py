@@ -129,6 +129,10 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype) -> "Llam
         from llamactl.quantize.int4 import use_int4_kernels
 
         use_int4_kernels(model, int(quant.get("group_size", 128)))
+    if quant and dtype == torch.bfloat16:
+        from llamactl.quantize.int8 import use_int8_kernels
+
+        use_int8_kernels(model)  # per-channel int8 layers (LLM.int8, 8-bit GPTQ/RTN with group -1)
     return model.eval()
 
 

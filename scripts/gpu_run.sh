@@ -16,4 +16,5 @@ run() { name=$1; shift; python -m llamactl bench "$@" --format json -o "$out/$na
 python -m pytest -q -x tests/test_int4.py 2>&1 | tail -3 | tee -a "$out/tests.txt"
 run llama2-7b-bf16 --synthetic llama2-7b --mode compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
 run llama2-7b-int4 --synthetic llama2-7b --synthetic-quant int4 --dtype bfloat16 --mode graphs,compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
+run llama2-7b-int8 --synthetic llama2-7b --synthetic-quant int8 --dtype bfloat16 --mode compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
 run llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5

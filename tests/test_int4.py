@@ -99,3 +99,43 @@ def test_bench_synthetic_int4(tmp_path):
     # in 4 bits (plus scales and zeros) they shrink by more than 70%
     linear_bytes = 4 * (2 * 256 * 256 + 2 * 64 * 256 + 3 * 768 * 256) * 2
     assert bf16["weight_bytes"] - int4["weight_bytes"] > 0.7 * linear_bytes
+
+
+@pytest.mark.parametrize("method", ["rtn", "int8"])
+def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path, tmp_path):
+    from importlib.util import find_spec
+
+    from typer.testing import CliRunner
+
+    from llamactl.artifact import open_artifact
+    from llamactl.cli import app
+    from llamactl.load import load_model
+    from llamactl.quantize.int8 import Int8Kernel, available
+
+    if method == "int8" and find_spec("bitsandbytes") is None:
+        pytest.skip("pip install 'llamactl[bnb]'")
+    if not available("cpu"):
+        pytest.skip("this torch has no _weight_int8pack_mm for the CPU")
+    out = tmp_path / method
+    args = ["quantize", str(tiny128_path), "-o", str(out), "--method", method, "--bits", "8", "--eval-tokens", "0"]
+    if method == "rtn":
+        args += ["--group-size", "-1"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    art = open_artifact(out)
+    fast = load_model(art, torch.device("cpu"), torch.bfloat16)
+    plain = load_model(art, torch.device("cpu"), torch.float32)
+    assert isinstance(fast.model.layers[0].self_attn.q_proj, Int8Kernel)
+    assert not isinstance(plain.model.layers[0].self_attn.q_proj, Int8Kernel)
+    ids = torch.randint(0, 8192, (1, 32))
+    for m in (fast, plain):
+        m.setup_caches(1, 32)
+    with torch.no_grad():
+        a, b = fast(ids, torch.arange(32)).float(), plain(ids, torch.arange(32))
+    assert ((a - b).norm() / b.norm()).item() < 3e-2
+
+
+@pytest.fixture(scope="module")
+def tiny128_path(tmp_path_factory):
+    from conftest import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("tiny128i8"), hidden=128, heads=4, kv_heads=2, seed=9)

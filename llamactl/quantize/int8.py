@@ -1,0 +1,93 @@
+"""int8 weight-only matmuls through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
+
+Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
+(int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
+(code - 128, scale). Where this torch has no kernel for the device, the layer keeps its
+dequantizing path: `available` probes the operator once per device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+@functools.lru_cache(maxsize=None)
+def available(device_type: str) -> bool:
+    try:
+        w = torch.ones(8, 32, dtype=torch.int8, device=device_type)
+        y = torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16, device=device_type), w,
+                                               torch.ones(8, dtype=torch.bfloat16, device=device_type))
+        return bool(torch.allclose(y.float(), torch.full((1, 8), 32.0, device=device_type)))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+class Int8Kernel(nn.Module):
+    """y = (x W^T) * scale with W int8 [out, in] and scale [out]; bf16 activations."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # fresh, aligned allocations: the CPU kernel crashed on an int8 tensor read straight from a
+        # safetensors file (seen with torch 2.13)
+        self.register_buffer("weight", weight.to(torch.int8).clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.to(torch.bfloat16).clone(memory_format=torch.contiguous_format))
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        shape, dtype = x.shape, x.dtype
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(dtype)
+
+
+def _from_module(mod) -> Int8Kernel | None:
+    from llamactl.quantize.bnb import Int8Linear
+    from llamactl.quantize.gptq_format import GPTQLinear, unpack_rows
+
+    if isinstance(mod, Int8Linear):
+        return Int8Kernel(mod.weight, mod.SCB.float() / 127.0, mod.bias)
+    if isinstance(mod, GPTQLinear) and mod.bits == 8 and mod.scales.shape[0] == 1:
+        zeros = unpack_rows(mod.qzeros.t().contiguous(), 8).t()  # [1, out]
+        if mod.v1:
+            zeros = (zeros + 1) & 0xFF
+        if not bool((zeros == 128).all()):
+            return None  # asymmetric: zero points are not expressible here
+        codes = unpack_rows(mod.qweight, 8).t()  # [out, in], in 0..255
+        return Int8Kernel(codes - 128, mod.scales[0].float(), mod.bias)
+    return None
+
+
+@torch.no_grad()
+def use_int8_kernels(model) -> int:
+    """Swap per-channel int8 layers for Int8Kernel where the device has the kernel; returns how many."""
+    if not available(model.device.type):
+        return 0
+    n = 0
+    for name, mod in list(model.named_modules()):
+        fast = _from_module(mod)
+        if fast is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, fast)
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def quantize_linears_int8(model) -> int:
+    """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic benchmarks)."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is nn.Linear and ".layers." in f".{name}":
+            w = mod.weight.float()  # [out, in]
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias))
+            n += 1
+    return n
