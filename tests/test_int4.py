@@ -139,3 +139,18 @@ def tiny128_path(tmp_path_factory):
     from conftest import make_hf_model
 
     return make_hf_model(tmp_path_factory.mktemp("tiny128i8"), hidden=128, heads=4, kv_heads=2, seed=9)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_int8_kernel_matches_the_dequantized_reference(device):
+    from llamactl.quantize.int8 import Int8Kernel, available
+
+    if device == "cuda" and not torch.cuda.is_available() or not available(device):
+        pytest.skip(f"no int8 kernel for {device} here")
+    torch.manual_seed(1)
+    q = torch.randint(-127, 128, (256, 512), dtype=torch.int8)
+    scale = torch.rand(256) * 0.01 + 1e-3
+    layer = Int8Kernel(q.to(device), scale.to(device), None)
+    x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
+    ref = x.float() @ (q.float() * scale[:, None]).to(device).t()
+    assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 1e-2
