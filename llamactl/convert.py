@@ -82,7 +82,7 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         distill = None
         if opts.distill_steps:
-            distill = _distill(art, state, config, samples, opts, dev, progress)
+            distill = _distill(parent, state, config, samples, opts, dev, progress)
         save_weights({k: v.to(store) for k, v in state.items()}, tmp)
         copy_side_files(art.path, tmp)
         child = open_artifact(tmp)
@@ -136,15 +136,13 @@ def _advance_ctx(progress, description: str, total: int):
     return step
 
 
-def _distill(art, state: dict[str, torch.Tensor], config: dict, samples: torch.Tensor, opts: HeadsOptions,
+def _distill(parent, state: dict[str, torch.Tensor], config: dict, samples: torch.Tensor, opts: HeadsOptions,
              dev: torch.device, progress) -> dict[str, Any]:
-    """KL distillation against the parent that updates only the merged K/V projections (in `state`)."""
+    """KL distillation against the parent (the float32 runtime model already loaded) that updates
+    only the merged K/V projections (in `state`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llamactl.load import load_model
-
     torch.manual_seed(opts.seed)
-    parent = load_model(art, dev, torch.float32)
     cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures", "quantization_config")})
     with torch.device(dev):  # built for real (not on meta): its RoPE buffers are computed in __init__
         child = LlamaForCausalLM(cfg)

@@ -185,10 +185,11 @@ def merge_layer(state: dict[str, torch.Tensor], prefix: str, st: LayerStats | No
     half = d // 2
     new_k, new_v = torch.zeros(groups * d, hid, dtype=torch.float64), torch.zeros(groups * d, hid, dtype=torch.float64)
     wq64, wo64 = wq.double().clone(), wo.double().clone()
+    wk64, wv64 = wk.double(), wv.double()  # converted once, not per group and per head
     for g in range(groups):
         members = list(range(g * size, (g + 1) * size))
         # keys: one complex rank-1 fit per RoPE frequency
-        kblk = wk.double().view(units, d, hid)[members]  # [r, d, hid]
+        kblk = wk64.view(units, d, hid)[members]  # [r, d, hid]
         c = torch.complex(kblk[:, :half], kblk[:, half:])  # [r, d/2, hid]
         sw = energy[members].clamp(min=1e-12).sqrt()  # [r, d/2]
         u = torch.einsum("ij,rfj->fri", s_half.to(c.dtype), c) * sw.T[:, :, None]  # [d/2, r, hid]
@@ -209,7 +210,7 @@ def merge_layer(state: dict[str, torch.Tensor], prefix: str, st: LayerStats | No
         mixed = st.mixed_cov[heads] / n  # [r*rep, hid, hid]
         c_all = mixed.sum(0)
         c_half, c_ihalf = _sym_pow(c_all, 0.5), _sym_pow(c_all, -0.5)
-        prods = [wo64[:, hq * d : (hq + 1) * d] @ wv.double()[(hq // rep) * d : (hq // rep + 1) * d] for hq in heads]
+        prods = [wo64[:, hq * d : (hq + 1) * d] @ wv64[(hq // rep) * d : (hq // rep + 1) * d] for hq in heads]
         gram = sum((pm @ c_half).T @ (pm @ c_half) for pm in prods)  # [hid, hid]
         vals, vecs = torch.linalg.eigh(gram)
         vt = vecs[:, -d:].T @ c_ihalf  # v~: [d, hid]
