@@ -88,12 +88,12 @@ def _peak(device: torch.device) -> int:
 
 
 def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial, mode: str,
-                  profile_dir: Path | None = None) -> dict[str, Any]:
+                  profile_dir: Path | None = None, kernels: bool = True) -> dict[str, Any]:
     """Run warm-up + timed generations through Decoder in `mode`; per-run timings and latencies."""
     device = model.device
     gen = torch.Generator(device="cpu").manual_seed(trial.seed)
     ids = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    dec = Decoder(model, batch, prompt_len + gen_len, mode)
+    dec = Decoder(model, batch, prompt_len + gen_len, mode, kernels=kernels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = []
@@ -102,7 +102,10 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     if profile_dir is not None:
         profile_decode(dec, ids, gen_len, profile_dir)
     timed = runs[trial.warmup:]
-    return {"runs": timed, "backend": attention_backend(model, batch, device), "kv_bytes": _kv_alloc(model)}
+    backend = attention_backend(model, batch, device)
+    if dec.kernels["decode_attention"] != "sdpa":
+        backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
+    return {"runs": timed, "backend": backend, "kv_bytes": _kv_alloc(model), "gemv": dec.kernels["gemv"]}
 
 
 def _kv_alloc(model) -> int:
@@ -199,6 +202,7 @@ def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) ->
         "latency_ms_p95": percentile(lat, 95) if lat else None,
         "repeats": len(runs),
         "attention_backend": raw["backend"],
+        "gemv": raw.get("gemv"),
         "kv_bytes": raw["kv_bytes"],
     }
 
@@ -241,19 +245,41 @@ def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> d
 
 
 def profile_decode(dec: Decoder, ids: torch.Tensor, gen_len: int, out_dir: Path) -> None:
-    """One generation under torch.profiler; the trace opens in TensorBoard and Perfetto."""
+    """One generation under torch.profiler; the trace opens in TensorBoard and Perfetto, and
+    kernels-MODE-GEMV.txt lists the device kernels with their time per decode step."""
     from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
     out_dir.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dec.device.type == "cuda" else [])
-    with profile(activities=acts, on_trace_ready=tensorboard_trace_handler(str(out_dir))):
-        _one_run(dec, ids, min(gen_len, 32))
+    steps, p = min(gen_len, 32), ids.shape[1]
+    with torch.inference_mode():
+        tok = dec.prefill(ids)  # the prefill stays out of the profile
+        sync(dec.device)
+        with profile(activities=acts, on_trace_ready=tensorboard_trace_handler(str(out_dir))) as prof:
+            for i in range(steps):
+                tok = dec.step(tok, p + i)
+            sync(dec.device)
+    name = f"kernels-{dec.mode}-{dec.kernels['gemv'].split()[0]}.txt"
+    (out_dir / name).write_text(kernel_table(prof.key_averages(), steps, dec.device.type == "cuda"))
+
+
+def kernel_table(events, steps: int, cuda: bool) -> str:
+    """Device (CPU: host) time per kernel over `steps` decode steps, largest first."""
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [(e.key, e.count, getattr(e, attr, 0)) for e in events]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows) or 1
+    lines = [f"device time of {steps} decode steps: {total / 1000:.2f} ms, {total / max(steps, 1):.1f} us per step",
+             f"{'us/step':>9} {'share':>6} {'calls/step':>10}  kernel"]
+    lines += [f"{t / max(steps, 1):9.1f} {t / total:6.1%} {c / max(steps, 1):10.2f}  {k[:150]}" for k, c, t in rows]
+    return "\n".join(lines) + "\n"
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
         device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
-        profile_dir: Path | None = None) -> dict[str, Any]:
-    """Measure every target x mode x batch x prompt length; hf_stages run transformers first."""
+        profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,)) -> dict[str, Any]:
+    """Measure every target x mode x kernels x batch x prompt length; hf_stages run transformers
+    first. kernels: llamactl's Triton kernels on (where they run) and/or off (cuBLAS + SDPA)."""
     bw = copy_bandwidth(device)
     results = []
 
@@ -287,14 +313,15 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
                 _free(device)
             for target in targets:
-                for mode in modes:
+                for mode, on in ((m, k) for m in modes for k in kernels):
                     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
                              "compile": "llamactl + compile + CUDA graphs"}[mode]
                     if mode != "eager" and device.type != "cuda":
                         add({"model": target.label, "stage": stage}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
-                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir)
+                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
+                    stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
                     add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

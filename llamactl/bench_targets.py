@@ -32,31 +32,13 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
                  synthetic_quant: str | None = None) -> list[Target]:
     from llamactl.load import load_model, resolve_dtype, resolve_model_path
     from llamactl.artifact import open_artifact
-    from llamactl.synthetic import build_synthetic
 
     targets = []
     if synthetic:
         dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
-        model = build_synthetic(synthetic, device, dtype)
-        label = f"synthetic:{synthetic}"
-        if synthetic_quant == "int4":
-            from llamactl.quantize.int4 import quantize_linears_int4
-
-            if dtype != torch.bfloat16:
-                raise InputError("--synthetic-quant int4 runs the int4 kernels with bf16 activations", "pass --dtype bfloat16")
-            quantize_linears_int4(model, 128)
-            label += " int4-g128"
-        elif synthetic_quant == "int8":
-            from llamactl.quantize.int8 import available, quantize_linears_int8
-
-            if dtype != torch.bfloat16 or not available(device.type):
-                raise InputError("--synthetic-quant int8 needs --dtype bfloat16 and torch's int8 kernel for this device")
-            quantize_linears_int8(model)
-            label += " int8"
-        elif synthetic_quant is not None:
-            raise InputError(f"--synthetic-quant {synthetic_quant!r} is not supported", "use int4 or int8")
-        targets.append(Target(label=label, model=model, synthetic=synthetic))
+        for quant in (synthetic_quant or "none").split(","):
+            targets.append(_synthetic_target(synthetic, quant.strip(), device, dtype))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         model = load_model(art, device, resolve_dtype(dtype_name, device, art))
@@ -65,6 +47,30 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     if len(dtypes) > 1:
         raise InputError(f"the models load in different dtypes ({', '.join(map(str, dtypes))})", "pass --dtype")
     return targets
+
+
+def _synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype) -> Target:
+    from llamactl.synthetic import build_synthetic
+
+    if quant not in ("none", "int4", "int8"):
+        raise InputError(f"--synthetic-quant {quant!r} is not supported", "use int4, int8 or none (a comma list for several)")
+    if quant != "none" and dtype != torch.bfloat16:
+        raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
+    model = build_synthetic(shape, device, dtype)
+    label = f"synthetic:{shape}"
+    if quant == "int4":
+        from llamactl.quantize.int4 import quantize_linears_int4
+
+        quantize_linears_int4(model, 128)
+        label += " int4-g128"
+    elif quant == "int8":
+        from llamactl.quantize.int8 import available, quantize_linears_int8
+
+        if not available(device.type):
+            raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
+        quantize_linears_int8(model)
+        label += " int8"
+    return Target(label=label, model=model, synthetic=shape)
 
 
 def hf_factory(target: Target, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:

@@ -307,9 +307,10 @@ def bench(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
+    kernels: Annotated[str, typer.Option(help="llamactl's Triton GEMV and decode-attention kernels (CUDA): on, off, or on,off to time both.")] = "on",
     stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
     synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
-    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4 (RTN, group 128) or int8 (per channel): quantize the synthetic model's decoder linears in memory to time the low-bit kernels.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4 (RTN, group 128), int8 (per channel) or none; a comma list times several copies of the synthetic model in one run.")] = None,
     quality: Annotated[bool, typer.Option("--quality", help="Also perplexity, and KL/top-1 against --reference.")] = False,
     reference: Annotated[Optional[str], typer.Option(help="Reference model for KL (default: the root of the manifest chain).")] = None,
     eval_file: EvalOpt = None,
@@ -349,14 +350,18 @@ def bench(
     bad = [m for m in modes if m not in ("eager", "graphs", "compile")]
     if bad:
         raise typer.BadParameter(f"--mode {','.join(bad)}: use eager, graphs or compile")
+    kernel_opts = {"on": True, "off": False}
+    if not kernels or any(k not in kernel_opts for k in kernels.split(",")):
+        raise typer.BadParameter(f"--kernels {kernels!r}: use on, off or on,off")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
-    total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + len(targets) * len(modes))
+    kernel_list = tuple(kernel_opts[k] for k in kernels.split(","))
+    total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + len(targets) * len(modes) * len(kernel_list))
     with ui.progress("bench", total) as advance:
         result = core.run(targets, trial, modes, hf, dev, dt, on_result=lambda r: advance(1),
-                          profile_dir=Path(profile) if profile else None)
+                          profile_dir=Path(profile) if profile else None, kernels=kernel_list)
     if quality:
         qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress)
         for r in result["results"]:

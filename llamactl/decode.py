@@ -45,16 +45,20 @@ class Decoder:
 
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 buckets: list[int] | None = None, compile_mode: str = "default"):
+                 buckets: list[int] | None = None, compile_mode: str = "default", kernels: bool = True):
         """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
-        max_seq up to, so one compiled step serves many prompt lengths."""
+        max_seq up to, so one compiled step serves many prompt lengths. kernels: llamactl's Triton
+        GEMV and decode attention where they run (CUDA with Triton), else cuBLAS and SDPA."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
         model.fuse_projections()
+        from llamactl.kernels.linear import set_kernels
+
+        self.kernels = set_kernels(model, kernels and self.device.type == "cuda")  # what runs, for reports
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]
         self.max_seq = min(fitting[0] if fitting else max_seq, model.args.max_position_embeddings)
         self.max_seq = max(self.max_seq, max_seq)

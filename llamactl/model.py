@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self.qkv_sizes = (h * d, kv * d, kv * d)
         self.kv_cache: KVCache | None = None
+        self.decode_kernel = False  # set by kernels.linear.set_kernels: split-KV Triton attention for S == 1
 
     def forward(self, x, cos, sin, mask, input_pos):
         # x: [B, S, hidden], cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S]
@@ -112,6 +113,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
         rep = self.n_heads // self.n_kv_heads
+        if s == 1 and self.decode_kernel:
+            from llamactl.kernels.attention import decode_attention
+
+            # one token: reads the cache only up to input_pos, query heads of a KV head as one tile
+            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos)  # [B, H_kv, rep, D]
+            return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim))
         if rep > 1:
             # Grouped-query attention as more query rows per KV head: query head h uses KV head
             # h // rep (transformers' repeat_kv), rows are independent, so fold the group into the

@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# One GPU-machine session: GPU tests, then the standard bench cases of ../shared/bench/PROTOCOL.md.
-# Usage (on the device machine, repo root): bash scripts/gpu_run.sh OUTDIR
+# GPU-machine runs: tests, the kernel probe, and the standard bench cases of ../shared/bench/PROTOCOL.md.
+# Usage (on the device machine, repo root): bash scripts/gpu_run.sh OUTDIR PART...
+#   tests   GPU tests (kernels, decode modes, int4/int8)
+#   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
+#   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
+#   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
+#   l3      llama3-8b bf16, 128- and 2048-token prompts
+#   long    llama3-8b bf16 at a 16K-token context (grouped-query attention), kernels on and off
 set -uo pipefail
-out=${1:-out}
+out=${1:-out}; shift
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # the device machine gets the tree without .git: `git rev-parse --short HEAD > .commit` here, then carry .commit
 [ -f .commit ] && export LLAMACTL_COMMIT=$(cat .commit)
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$out/gpu.txt"
-: > "$out/tests.txt"
-run() { name=$1; shift; python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt"
+python -c "import torch, transformers, triton; print(torch.__version__, torch.version.cuda, transformers.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt"
+cat "$out/gpu.txt"
+std=(--prompt-len 128 --gen-len 256 --warmup 2 --repeat 5)
+bench() { name=$1; shift; echo "== $name: llamactl bench $*" >> "$out/commands.txt"
+          python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
-          && cat "$out/$name.md" || tail -20 "$out/$name.err"; }
-python -m pytest -q -x tests/test_int4.py 2>&1 | tail -3 | tee -a "$out/tests.txt"
-run llama2-7b-bf16 --synthetic llama2-7b --mode compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
-run llama2-7b-int4 --synthetic llama2-7b --synthetic-quant int4 --dtype bfloat16 --mode graphs,compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
-run llama2-7b-int8 --synthetic llama2-7b --synthetic-quant int8 --dtype bfloat16 --mode compile --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5
-run llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5
+          && cat "$out/$name.md" || tail -20 "$out/$name.err"; rm -f "$out/$name.err"; }
+for part in "$@"; do
+  t0=$SECONDS
+  case $part in
+    tests) python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py tests/test_int4.py 2>&1 | tail -15 | tee "$out/tests.txt" ;;
+    probe) python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
+    bf16) bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
+          for f in /tmp/prof/kernels-*.txt; do cp "$f" "$out/$(basename "$f")"; head -25 "$f"; done ;;
+    quant) bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" ;;
+    l3) bench llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5 ;;
+    long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --kernels on,off --prompt-len 16384 --gen-len 256 --warmup 1 --repeat 3 ;;
+  esac
+  echo "[$part: $((SECONDS - t0)) s]"
+done

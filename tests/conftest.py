@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # llamactl's Triton kernels run on the CPU through Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from llamactl.load import DEFAULT_MODEL
 

@@ -1,4 +1,8 @@
-"""int4 weight-only matmuls through PyTorch's tinygemm kernels (`_weight_int4pack_mm`).
+"""int4 weight-only matmuls: llamactl's Triton kernels on CUDA, PyTorch's tinygemm elsewhere.
+
+On CUDA with Triton, 4-bit layers become kernels.linear.TritonInt4Linear (a GEMV that reads the
+4-bit codes near memory bandwidth at batch 1). Otherwise they use PyTorch's tinygemm kernels
+(`_weight_int4pack_mm`), which the rest of this docstring describes.
 
 GPTQ/RTN checkpoints are repacked at load: tinygemm computes w = (q - 8) * scale + zero per group
 of consecutive input columns, so a GPTQ group with zero point z and scale s becomes
@@ -21,17 +25,43 @@ def supported(in_features: int, out_features: int, group_size: int) -> bool:
             and group_size in (32, 64, 128, 256) and in_features % group_size == 0)
 
 
+def triton_supported(in_features: int, group_size: int) -> bool:
+    return in_features % 8 == 0 and group_size % 8 == 0 and in_features % group_size == 0
+
+
+def _use_triton(device: torch.device) -> bool:
+    from llamactl import kernels
+
+    return device.type == "cuda" and kernels.available(device)
+
+
+def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):
+    """codes: [out, in], g_idx: [in] -> (codes with columns in group order, perm [in] or None)."""
+    g = g_idx.long()
+    if torch.equal(g, torch.arange(g.numel(), device=g.device) // group_size):
+        return codes, None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], torch.arange(g.numel(), device=g.device) // group_size):
+        raise ValueError("g_idx groups are not all of group_size columns")
+    return codes[:, perm], perm
+
+
+def int4_linear(codes, zeros, scales, g_idx, group_size: int, bias, device: torch.device) -> nn.Module:
+    """The fastest 4-bit layer for `device` from GPTQ-style codes [out, in], zeros/scales [groups, out]."""
+    if _use_triton(device):
+        from llamactl.kernels.linear import TritonInt4Linear
+
+        codes, perm = sort_by_group(codes, g_idx, group_size)
+        return TritonInt4Linear(codes, zeros, scales, perm, group_size, bias, device)
+    q, sz, perm = tinygemm_params(codes, zeros, scales, g_idx, group_size)
+    return Int4Linear(q, sz, perm, group_size, bias, device)
+
+
 def tinygemm_params(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                     group_size: int):
     """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] ->
     (q [out, in] int32 in group order, scales_and_zeros [groups, out, 2] float32, perm [in] or None)."""
-    g = g_idx.long()
-    perm = None
-    if not torch.equal(g, torch.arange(g.numel(), device=g.device) // group_size):
-        perm = torch.argsort(g, stable=True)
-        if not torch.equal(g[perm], torch.arange(g.numel(), device=g.device) // group_size):
-            raise ValueError("g_idx groups are not all of group_size columns")
-        codes = codes[:, perm]
+    codes, perm = sort_by_group(codes, g_idx, group_size)
     scale = scales.float()
     zero = (8 - zeros.float()) * scale
     return codes.to(torch.int32).contiguous(), torch.stack([scale, zero], dim=-1).contiguous(), perm
@@ -84,29 +114,39 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_gptq(cls, lin, group_size: int) -> "Int4Linear":
-        from llamactl.quantize.gptq_format import unpack_rows
+        q, sz, perm = tinygemm_params(*_gptq_codes(lin), lin.g_idx, _group(lin, group_size))
+        return cls(q, sz, perm, _group(lin, group_size), lin.bias, lin.qweight.device)
 
-        codes = unpack_rows(lin.qweight, 4).t()  # [out, in]
-        zeros = unpack_rows(lin.qzeros.t().contiguous(), 4).t()  # [groups, out]
-        if lin.v1:
-            zeros = (zeros + 1) & 0xF
-        g = group_size if group_size > 0 else lin.in_features
-        q, sz, perm = tinygemm_params(codes, zeros, lin.scales, lin.g_idx, g)
-        return cls(q, sz, perm, g, lin.bias, lin.qweight.device)
+
+def _group(lin, group_size: int) -> int:
+    return group_size if group_size > 0 else lin.in_features
+
+
+def _gptq_codes(lin):
+    """A 4-bit GPTQLinear -> (codes [out, in], zeros [groups, out], scales [groups, out])."""
+    from llamactl.quantize.gptq_format import unpack_rows
+
+    codes = unpack_rows(lin.qweight, 4).t()  # [out, in]
+    zeros = unpack_rows(lin.qzeros.t().contiguous(), 4).t()  # [groups, out]
+    if lin.v1:
+        zeros = (zeros + 1) & 0xF
+    return codes, zeros, lin.scales
 
 
 @torch.no_grad()
 def use_int4_kernels(model, group_size: int) -> int:
-    """Swap every 4-bit GPTQLinear the kernel supports for an Int4Linear; returns how many."""
+    """Swap every 4-bit GPTQLinear a kernel supports for a fast int4 layer; returns how many."""
     from llamactl.quantize.gptq_format import GPTQLinear
 
     swapped = 0
-    g = group_size if group_size > 0 else None
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, GPTQLinear) and mod.bits == 4 and supported(mod.in_features, mod.out_features,
-                                                                         g or mod.in_features):
+        if not (isinstance(mod, GPTQLinear) and mod.bits == 4):
+            continue
+        g, device = _group(mod, group_size), mod.qweight.device
+        ok = triton_supported(mod.in_features, g) if _use_triton(device) else supported(mod.in_features, mod.out_features, g)
+        if ok:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int4Linear.from_gptq(mod, group_size))
+            setattr(model.get_submodule(parent), child, int4_linear(*_gptq_codes(mod), mod.g_idx, g, mod.bias, device))
             swapped += 1
     return swapped
 
@@ -120,8 +160,8 @@ def quantize_linears_int4(model, group_size: int = 128, sym: bool = True) -> int
     for name, mod in list(model.named_modules()):
         if type(mod) is nn.Linear and ".layers." in f".{name}" and supported(mod.in_features, mod.out_features, group_size):
             codes, zeros, scales, g_idx = rtn_quantize(mod.weight.float(), 4, group_size, sym)
-            q, sz, perm = tinygemm_params(codes, zeros, scales, g_idx.to(codes.device), group_size)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int4Linear(q, sz, perm, group_size, mod.bias, mod.weight.device))
+            setattr(model.get_submodule(parent), child, int4_linear(codes, zeros, scales, g_idx.to(codes.device),
+                                                                    group_size, mod.bias, mod.weight.device))
             n += 1
     return n

@@ -1,5 +1,7 @@
 """int8 weight-only matmuls through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
 
+On CUDA with Triton, batch-1 rows go through llamactl's int8 GEMV (kernels.gemv) instead.
+
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
 (code - 128, scale). Where this torch has no kernel for the device, the layer keeps its
@@ -14,8 +16,15 @@ import torch
 from torch import nn
 
 
-@functools.lru_cache(maxsize=None)
 def available(device_type: str) -> bool:
+    """Whether int8 layers have a fast path on this device type: torch's kernel or llamactl's GEMV."""
+    from llamactl import kernels
+
+    return torch_kernel(device_type) or (device_type == "cuda" and kernels.available(torch.device("cuda")))
+
+
+@functools.lru_cache(maxsize=None)
+def torch_kernel(device_type: str) -> bool:
     try:
         w = torch.ones(8, 32, dtype=torch.int8, device=device_type)
         y = torch.ops.aten._weight_int8pack_mm(torch.ones(1, 32, dtype=torch.bfloat16, device=device_type), w,
@@ -36,11 +45,22 @@ class Int8Kernel(nn.Module):
         self.register_buffer("weight", weight.to(torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.to(torch.bfloat16).clone(memory_format=torch.contiguous_format))
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        from llamactl import kernels
+
+        self.triton = self.weight.device.type == "cuda" and kernels.available(self.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         shape, dtype = x.shape, x.dtype
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
+        if self.triton and x.numel() == self.in_features:
+            from llamactl.kernels.gemv import gemv_int8
+
+            y = gemv_int8(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales)[None]  # batch-1 decode
+        elif torch_kernel(x.device.type):
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
+        else:  # prefill without torch's kernel: dequantize the layer for cuBLAS
+            y = torch.nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16),
+                                           self.weight.to(torch.bfloat16)) * self.scales
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features).to(dtype)

@@ -1,0 +1,144 @@
+"""llamactl's Triton kernels against the library paths on this GPU: error and speed per shape.
+
+For each decode-step shape of llama2-7b and llama3-8b: the bf16 GEMV against cuBLAS (F.linear),
+the int4 GEMV against tinygemm, the int8 GEMV against torch's _weight_int8pack_mm, and split-KV
+decode attention against SDPA over the whole cache. Every timing replays a CUDA graph that runs the
+product over enough copies of the weights (>= 1 GB) that the 50 MB L2 cannot serve them, and divides
+by the number of copies; GB/s counts the weight (or K/V) bytes read.
+Usage: python scripts/kernel_probe.py [OUT.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from llamactl.kernels import attention, gemv
+from llamactl.quantize import int4 as tg
+
+dev, bf16 = torch.device("cuda"), torch.bfloat16
+torch.manual_seed(0)
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+          "lm_head": (32000, 4096), "l3 qkv": (6144, 4096), "l3 gate_up": (28672, 4096),
+          "l3 down": (4096, 14336), "l3 lm_head": (128256, 4096)}
+
+
+def graph_time(fns) -> float:
+    """Median time (s) of one call, replaying a graph of all `fns` (one per weight copy)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000 / len(fns))
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def rel(y, ref) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def probe_linear(name, n, k, out):
+    copies = max(2, int(1.2e9 // (n * k * 2)))
+    x = torch.randn(k, device=dev, dtype=bf16)
+    ws = [torch.randn(n, k, device=dev, dtype=bf16) * 0.02 for _ in range(copies)]
+    err = rel(gemv.gemv_bf16(x, ws[0]), ws[0].double() @ x.double())
+    t_cublas = graph_time([lambda w=w: F.linear(x[None], w) for w in ws])
+    t_triton = graph_time([lambda w=w: gemv.gemv_bf16(x, w) for w in ws])
+    gb = n * k * 2 / 1e9
+    row = {"shape": name, "n": n, "k": k, "bf16_rel_err": err, "cublas_us": t_cublas * 1e6, "triton_us": t_triton * 1e6,
+           "cublas_gbs": gb / t_cublas, "triton_gbs": gb / t_triton}
+    del ws
+    # int4, group 128: llamactl's GEMV against tinygemm on the same codes
+    g = 128
+    copies4 = max(2, int(1.2e9 // (n * k // 2)))
+    codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (k // g, n), device=dev)
+    scales = torch.rand(k // g, n, device=dev) * 0.01 + 0.001
+    qw, s16, z8 = gemv.pack_int4(codes), scales.t().contiguous().half(), zeros.t().contiguous().to(torch.uint8)
+    ref = gemv.dequantize_int4(qw, s16, z8, g, torch.float32).double() @ x.double()
+    row["int4_rel_err"] = rel(gemv.gemv_int4(x, qw, s16, z8, g), ref)
+    q_t, sz, _ = tg.tinygemm_params(codes, zeros, scales, torch.arange(k, device=dev) // g, g)
+    tiny = tg.pack(q_t, dev)
+    sz = sz.to(bf16)
+    row["tinygemm_rel_err"] = rel(torch.ops.aten._weight_int4pack_mm(x[None], tiny, g, sz)[0], ref)
+    qws = [qw.clone() for _ in range(copies4)]
+    tinys = [tiny.clone() for _ in range(copies4)]
+    t4 = graph_time([lambda q=q: gemv.gemv_int4(x, q, s16, z8, g) for q in qws])
+    tt = graph_time([lambda q=q: torch.ops.aten._weight_int4pack_mm(x[None], q, g, sz) for q in tinys])
+    del qws, tinys
+    gb4 = n * k / 2 / 1e9
+    row.update(int4_triton_us=t4 * 1e6, tinygemm_us=tt * 1e6, int4_triton_gbs=gb4 / t4, tinygemm_gbs=gb4 / tt)
+    # int8 per channel
+    copies8 = max(2, int(1.2e9 // (n * k)))
+    w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
+    s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
+    ref8 = (w8.double() @ x.double()) * s8.double()
+    row["int8_rel_err"] = rel(gemv.gemv_int8(x, w8, s8), ref8)
+    w8s = [w8.clone() for _ in range(copies8)]
+    t8 = graph_time([lambda w=w: gemv.gemv_int8(x, w, s8) for w in w8s])
+    try:
+        t8t = graph_time([lambda w=w: torch.ops.aten._weight_int8pack_mm(x[None], w, s8) for w in w8s])
+    except Exception as e:  # noqa: BLE001
+        print(f"_weight_int8pack_mm: {type(e).__name__}: {str(e)[:120]}")
+        t8t = float("nan")
+    del w8s
+    row.update(int8_triton_us=t8 * 1e6, int8_torch_us=t8t * 1e6, int8_triton_gbs=n * k / 1e9 / t8)
+    out.append(row)
+    print(f"{name:11s} {n}x{k}: bf16 cublas {t_cublas*1e6:7.1f} us {gb/t_cublas:5.0f} GB/s | triton {t_triton*1e6:7.1f} us "
+          f"{gb/t_triton:5.0f} GB/s ({t_cublas/t_triton:.2f}x) | int4 triton {t4*1e6:6.1f} us {gb4/t4:5.0f} GB/s, "
+          f"tinygemm {tt*1e6:6.1f} us ({tt/t4:.2f}x) | int8 triton {t8*1e6:6.1f} us, torch {t8t*1e6:6.1f} us | "
+          f"err bf16 {err:.1e} int4 {row['int4_rel_err']:.1e} int8 {row['int8_rel_err']:.1e}", flush=True)
+
+
+def probe_attention(hkv, rep, s_max, ctx, out):
+    d = 128
+    q = torch.randn(1, hkv, rep, d, device=dev, dtype=bf16)
+    copies = max(2, int(1.2e9 // (2 * hkv * s_max * d * 2)))
+    caches = [(torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16), torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16))
+              for _ in range(copies)]
+    pos = torch.tensor([ctx - 1], device=dev)
+    k, v = caches[0]
+    ref = F.scaled_dot_product_attention(q.double(), k[:, :, :ctx].double(), v[:, :, :ctx].double())
+    err = rel(attention.decode_attention(q, k, v, pos), ref)
+    mask = torch.arange(s_max, device=dev)[None, None, None, :] < ctx  # [1, 1, 1, S] as the model builds it
+    mask = mask.expand(1, 1, rep, s_max)
+    t_sdpa = graph_time([lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for k, v in caches])
+    t_tri = graph_time([lambda k=k, v=v: attention.decode_attention(q, k, v, pos) for k, v in caches])
+    gb = 2 * hkv * ctx * d * 2 / 1e9
+    out.append({"kv_heads": hkv, "rep": rep, "cache": s_max, "ctx": ctx, "rel_err": err, "sdpa_us": t_sdpa * 1e6,
+                "triton_us": t_tri * 1e6, "triton_gbs": gb / t_tri})
+    print(f"attention kv_heads {hkv} rep {rep} cache {s_max} ctx {ctx}: sdpa {t_sdpa*1e6:7.1f} us | triton {t_tri*1e6:7.1f} us "
+          f"({gb/t_tri:5.0f} GB/s of K/V, {t_sdpa/t_tri:.2f}x) | err {err:.1e}", flush=True)
+
+
+def main():
+    lin, att = [], []
+    for name, (n, k) in SHAPES.items():
+        probe_linear(name, n, k, lin)
+        torch.cuda.empty_cache()
+    for hkv, rep, s_max, ctx in [(32, 1, 384, 256), (32, 1, 2048, 300), (8, 4, 384, 256), (8, 4, 16640, 16512),
+                                 (8, 4, 16640, 8000)]:
+        probe_attention(hkv, rep, s_max, ctx, att)
+    if len(sys.argv) > 1:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "linear": lin, "attention": att},
+                  open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

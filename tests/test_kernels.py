@@ -1,0 +1,132 @@
+"""llamactl's Triton kernels (GEMV for 16-bit, int8 and int4 weights; split-KV decode attention)
+against float64 references. Without CUDA they run through Triton's interpreter (set in conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from llamactl.kernels import attention, gemv  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's CPU interpreter mishandles bf16 matrix products (tl.dot); attention is checked in fp16 there
+ATTN_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def rel(y, ref) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("n,k", [(24, 128), (13, 200), (64, 1024)])
+def test_gemv_16bit_matches_float64(n, k):
+    torch.manual_seed(n + k)
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    y = torch.full((n,), float("nan"))  # every row must be written
+    y = gemv.gemv_bf16(x, w)
+    assert y.shape == (n,) and y.dtype == torch.bfloat16 and not y.isnan().any()
+    assert rel(y.cpu(), w.double().cpu() @ x.double().cpu()) < 1e-2  # bf16 output rounding
+
+
+def test_gemv_int8_applies_row_scales():
+    torch.manual_seed(1)
+    n, k = 40, 256
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+    s = (torch.rand(n, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
+    ref = (w.double() @ x.double()) * s.double()
+    assert rel(gemv.gemv_int8(x, w, s).cpu(), ref.cpu()) < 1e-2
+
+
+def _int4_case(n, k, g, seed=0):
+    torch.manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), device=DEV)
+    scales = (torch.rand(n, k // g, device=DEV) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, 16, (n, k // g), device=DEV).to(torch.uint8)
+    w = (codes.double() - zeros.double().repeat_interleave(g, 1)) * scales.double().repeat_interleave(g, 1)
+    return gemv.pack_int4(codes), scales, zeros, w
+
+
+def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
+    codes = torch.arange(16).repeat(2, 1)  # [2, 16]: 0..15 per row
+    words = gemv.pack_int4(codes)
+    assert words.dtype == torch.int32 and words.shape == (2, 2)
+    assert words[0, 0].item() == 0x76543210
+    assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
+
+
+@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128)])
+def test_gemv_int4_and_dequantize_match_the_formula(n, k, g):
+    q, s, z, w = _int4_case(n, k, g, seed=n)
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(gemv.dequantize_int4(q, s, z, g, torch.float32).double(), w.float().double())
+    assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
+    from test_int4 import gptq_layer
+
+    from llamactl.kernels.linear import TritonInt4Linear
+    from llamactl.quantize.gptq_format import dequantize_gptq
+    from llamactl.quantize.int4 import _gptq_codes, sort_by_group
+
+    lin = gptq_layer(act_order=act_order)
+    ref = dequantize_gptq(lin.qweight, lin.qzeros, lin.scales.float(), lin.g_idx, 4).double()  # [out, in]
+    codes, zeros, scales = _gptq_codes(lin)
+    codes, perm = sort_by_group(codes, lin.g_idx, 128)
+    fast = TritonInt4Linear(codes, zeros, scales, perm, 128, None, torch.device(DEV))
+    x = torch.randn(3, lin.in_features, dtype=torch.bfloat16, device=DEV)
+    for rows in (x[:1], x):  # one row: the GEMV; three: per-row GEMVs
+        assert rel(fast(rows).cpu(), rows.double().cpu() @ ref.t()) < 1e-2
+    long = torch.randn(12, lin.in_features, dtype=torch.bfloat16, device=DEV)  # prefill: dequantize + matmul
+    assert rel(fast(long).cpu(), long.double().cpu() @ ref.t()) < 1e-2
+
+
+@pytest.mark.parametrize("kv_heads,rep,max_seq", [(2, 4, 700), (3, 1, 100), (1, 8, 1500)])
+def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, max_seq):
+    torch.manual_seed(max_seq)
+    d = 64
+    q = torch.randn(2, kv_heads, rep, d, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(2, kv_heads, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    splits, chunk = attention.plan(max_seq)
+    for pos in sorted(p for p in {0, 1, chunk - 1, chunk, max_seq // 2, max_seq - 1} if p < max_seq):
+        out = attention.decode_attention(q, k, v, torch.tensor([pos], device=DEV))
+        scores = q.double() @ k[:, :, : pos + 1].double().transpose(-1, -2) / d**0.5
+        ref = scores.softmax(-1) @ v[:, :, : pos + 1].double()
+        assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
+
+
+def test_plan_covers_the_cache_with_few_power_of_two_splits():
+    for s in (1, 64, 255, 256, 700, 4096, 16640, 131072):
+        splits, chunk = attention.plan(s)
+        assert splits & (splits - 1) == 0 and splits <= attention.MAX_SPLITS
+        assert splits * chunk >= s and chunk % 64 == 0
+
+
+def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
+    """The whole model through set_kernels (GEMV linears + decode attention) against cuBLAS/SDPA."""
+    from llamactl.artifact import open_artifact
+    from llamactl.kernels.linear import GemvLinear, set_kernels
+    from llamactl.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    model.setup_caches(1, 64)
+    ids = torch.randint(0, 8192, (1, 9), device=DEV)
+
+    def run():
+        out = [model(ids[:, :6], torch.arange(6, device=DEV))[:, -1]]
+        for p in range(6, 9):
+            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
+        return torch.stack(out)
+
+    ref = run()
+    info = set_kernels(model, True)
+    assert isinstance(model.lm_head, GemvLinear) and info["decode_attention"] == "triton split-kv"
+    fast = run()
+    torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
+    assert set_kernels(model, False)["gemv"] == "cublas" and type(model.lm_head) is torch.nn.Linear
