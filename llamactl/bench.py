@@ -216,13 +216,12 @@ def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float) 
 
 
 def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict[str, Any]:
-    commit = None
+    commit = os.environ.get("LLAMACTL_COMMIT")  # set by scripts/gpu_run.sh: the tree there may lack .git
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
-    commit = commit or os.environ.get("LLAMACTL_COMMIT")  # set by scripts/gpu_run.sh where there is no .git
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:

@@ -126,7 +126,7 @@ class Attention(nn.Module):
             q = q.reshape(b, self.n_kv_heads, rep * s, self.head_dim)  # [B, H_kv, rep*S, D]
             mask = mask.repeat(1, 1, rep, 1)  # [1, 1, rep*S, max_seq]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
-        y = y.view(b, self.n_heads, s, self.head_dim)
+        y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
