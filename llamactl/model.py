@@ -100,8 +100,9 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.decode_kernel = False  # set by kernels.linear.set_kernels: split-KV Triton attention for S == 1
 
-    def forward(self, x, cos, sin, mask, input_pos):
-        # x: [B, S, hidden], cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S]
+    def forward(self, x, cos, sin, mask, input_pos, residual):
+        # x: [B, S, hidden] (normed), cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S],
+        # residual: [B, S, hidden] -> residual + attention(x)
         b, s, _ = x.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -118,7 +119,7 @@ class Attention(nn.Module):
 
             # one token: reads the cache only up to input_pos, query heads of a KV head as one tile
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos)  # [B, H_kv, rep, D]
-            return self.o_proj(y.reshape(b, 1, self.n_heads * self.head_dim))
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual)
         if rep > 1:
             # Grouped-query attention as more query rows per KV head: query head h uses KV head
             # h // rep (transformers' repeat_kv), rows are independent, so fold the group into the
@@ -127,7 +128,7 @@ class Attention(nn.Module):
             mask = mask.repeat(1, 1, rep, 1)  # [1, 1, rep*S, max_seq]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        return add_linear(self.o_proj, y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim), residual)
 
 
 class MLP(nn.Module):
@@ -138,11 +139,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()
 
-    def forward(self, x):
+    def forward(self, x, residual):
+        # x: [B, S, hidden] (normed), residual: [B, S, hidden] -> residual + mlp(x)
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            h = self.gate_up_proj(x)  # [B, S, 2 * intermediate]
+            if getattr(self.down_proj, "glu", False):  # the kernel applies SwiGLU itself
+                return add_linear(self.down_proj, h, residual)
+            gate, up = h.chunk(2, dim=-1)
+            return add_linear(self.down_proj, F.silu(gate) * up, residual)
+        return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -154,8 +159,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+
+def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x), in one kernel where the layer fuses the add (kernels.linear.GemvLinear)."""
+    if getattr(linear, "fuses_residual", False):
+        return linear(x, residual=residual)
+    return residual + linear(x)
 
 
 def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:

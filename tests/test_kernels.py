@@ -31,6 +31,20 @@ def test_gemv_16bit_matches_float64(n, k):
     assert rel(y.cpu(), w.double().cpu() @ x.double().cpu()) < 1e-2  # bf16 output rounding
 
 
+def test_gemv_folds_rmsnorm_swiglu_and_the_residual():
+    torch.manual_seed(2)
+    n, k = 24, 192
+    w = torch.randn(n, k, device=DEV, dtype=torch.float32)
+    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
+    y = gemv.gemv(x, w, None, nw, 1e-5, r, False)
+    ref = w.double() @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
+    assert rel(y.cpu(), ref.cpu()) < 1e-5
+    h = torch.randn(2 * k, device=DEV)
+    y = gemv.gemv(h, w, glu=True)
+    ref = w.double() @ (F.silu(h[:k].double()) * h[k:].double())
+    assert rel(y.cpu(), ref.cpu()) < 1e-5
+
+
 def test_gemv_int8_applies_row_scales():
     torch.manual_seed(1)
     n, k = 40, 256

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 MAX_SPLITS = 64
-MIN_CHUNK = 256
+MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)
 
 
 @triton.jit

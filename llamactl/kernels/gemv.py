@@ -25,49 +25,62 @@ from llamactl.kernels import interpreted
 
 
 def _bf16_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-            for bn, bk, w, s in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 2),
-                                 (16, 256, 4, 1), (16, 512, 8, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
-                                 (2, 1024, 4, 1), (16, 256, 8, 2), (32, 128, 4, 1), (4, 256, 2, 1)]]
-
-
-def _prune_k(configs, named_args, **_):
-    k = named_args["K"]
-    kept = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0]
-    return kept or [c for c in configs if c.kwargs["BLOCK_K"] == min(x.kwargs["BLOCK_K"] for x in configs)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3),
+                                  (16, 256, 4, 1), (16, 512, 8, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
+                                  (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (4, 256, 2, 1)]]
 
 
 @triton.jit
-def _gemv_bf16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    # x: [K], w: [N, K] row-major (16-bit, or int8 with per-row scales s: [N]), y: [N]
-    # one program per BLOCK_N rows
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
+                 NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
+    #   x' = x                                  x: [K]
+    #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
+    #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
+    # rounded to x's dtype where the unfused model rounds; one program per BLOCK_N rows
+    dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
+    rs = 1.0
+    if NORM:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xk = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            ss += xk * xk
+        rs = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
         x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        if NORM:
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((x * rs).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        if GLU:
+            up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BN]
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-_gemv_bf16_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE"],
-                                   prune_configs_by={"early_config_prune": _prune_k})(_gemv_bf16_kernel)
+_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL"])(_gemv_kernel)
 
 
 def _int4_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
-            for bn, bk, w in [(8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (4, 512, 4),
-                              (4, 1024, 4), (8, 1024, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8),
-                              (8, 128, 2), (16, 128, 4)]]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in [(16, 1024, 4, 1), (8, 2048, 4, 1), (16, 2048, 8, 1), (32, 1024, 8, 1),
+                                  (4, 2048, 4, 1), (8, 1024, 4, 1), (32, 512, 4, 1), (64, 512, 8, 1),
+                                  (16, 512, 4, 1), (8, 512, 4, 1), (16, 1024, 4, 3), (8, 256, 2, 1)]]
 
 
 def _prune_int4(configs, named_args, **_):
@@ -80,23 +93,34 @@ def _prune_int4(configs, named_args, **_):
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # x: [K], q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N]
-    # K % BLOCK_K == 0 and BLOCK_K % G == 0 (the launcher picks such blocks)
+    # K % BLOCK_K == 0 and BLOCK_K % G == 0 (the launcher picks such blocks).
+    # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
+    # the mantissa of 2^23 and read as a float32, is 2^23 + code * 16^j; subtracting 2^23 is exact,
+    # and x[8 i + j] is pre-scaled by 16^-j. Nibbles 5..7 are taken from the word shifted by 12.
     WORDS: tl.constexpr = BLOCK_K // 8
     GROUPS: tl.constexpr = BLOCK_K // G
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     words = tl.arange(0, WORDS)  # [W]
-    shifts = tl.arange(0, 8) * 4  # [8]
     groups = tl.arange(0, GROUPS)  # [NG]
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         p = tl.load(q_ptr + rows64[:, None] * (K // 8) + (k0 // 8 + words)[None, :], mask=row_ok[:, None], other=0)
-        codes = ((p[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BN, W, 8], column 8w + j
-        x = tl.load(x_ptr + k0 + words[:, None] * 8 + (shifts // 4)[None, :]).to(tl.float32)  # [W, 8]
-        part = tl.sum(codes * x[None, :, :], axis=2)  # [BN, W]
-        dot = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, G // 8]), axis=2)  # [BN, NG] sum code * x per group
-        xsum = tl.sum(tl.reshape(tl.sum(x, axis=1), [GROUPS, G // 8]), axis=1)  # [NG] sum x per group
+        p_hi = p >> 12
+        part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # [BN, W] sum_j code[8w + j] x[8w + j]
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + k0 + words * 8 + j).to(tl.float32)  # [W]
+            if j < 5:
+                bits = (p & (0xF << (4 * j))) | 0x4B000000
+                xj = xj * (1.0 / (1 << (4 * j)))
+            else:
+                bits = (p_hi & (0xF << (4 * (j - 3)))) | 0x4B000000
+                xj = xj * (1.0 / (1 << (4 * (j - 3))))
+            part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xj[None, :]
+        dot = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, G // 8]), axis=2)  # [BN, NG]
+        xg = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)  # [BK]
+        xsum = tl.sum(tl.reshape(xg, [GROUPS, G]), axis=1)  # [NG] sum of x per group
         g_off = rows64[:, None] * (K // G) + (k0 // G + groups)[None, :]  # [BN, NG]
         s = tl.load(s_ptr + g_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_off, mask=row_ok[:, None], other=0).to(tl.float32)
@@ -135,34 +159,33 @@ def _launch(tuned, kernel, grid, args: tuple, fixed: dict):
         tuned[grid](*args)
 
 
-@torch.library.custom_op("llamactl::gemv_bf16", mutates_args=())
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [K], w: [N, K] (contiguous) -> y: [N] in x's dtype."""
+@torch.library.custom_op("llamactl::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
+    with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in."""
     n, k = w.shape
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_bf16_tuned, _gemv_bf16_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
-            (x, w, w, y, n, k, False), {"BLOCK_N": 8, "BLOCK_K": 64})
+    _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
+            (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
+             x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
+             residual is not None), {"BLOCK_N": 8, "BLOCK_K": 64})
     return y
 
 
-@gemv_bf16.register_fake
-def _(x, w):
+@gemv.register_fake
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False):
     return x.new_empty(w.shape[0])
 
 
-@torch.library.custom_op("llamactl::gemv_int8", mutates_args=())
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: [K], w: [N, K] 16-bit -> y: [N]."""
+    return gemv(x, w)
+
+
 def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x: [K], w: [N, K] int8, scales: [N] -> y = (w x) * scales: [N] in x's dtype."""
-    n, k = w.shape
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_bf16_tuned, _gemv_bf16_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
-            (x, w, scales, y, n, k, True), {"BLOCK_N": 8, "BLOCK_K": 64})
-    return y
-
-
-@gemv_int8.register_fake
-def _(x, w, scales):
-    return x.new_empty(w.shape[0])
+    return gemv(x, w, scales)
 
 
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())

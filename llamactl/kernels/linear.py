@@ -11,18 +11,37 @@ from llamactl import kernels
 
 
 class GemvLinear(nn.Linear):
-    """nn.Linear whose single-row inputs go through the Triton GEMV; more rows go to cuBLAS."""
+    """nn.Linear whose single-row inputs go through the Triton GEMV; more rows go to cuBLAS.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
-        if x.numel() != self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        from llamactl.kernels.gemv import gemv_bf16
+    set_kernels may fold in the RMSNorm before it (`norm`) and the SwiGLU of a fused gate/up output
+    (`glu`, on down_proj), and the caller may pass the residual to add: one kernel instead of three
+    or four per projection at batch 1. Longer inputs (prefill) apply the same steps unfused.
+    """
 
-        y = gemv_bf16(x.reshape(-1), self.weight)  # [out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    fuses_residual = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.norm: nn.Module | None = None  # an instance attribute: a class one would hide the submodule
+        self.glu = False
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu) -> [..., out]
+        width = self.in_features * (2 if self.glu else 1)
+        if x.numel() == width and self.bias is None:
+            from llamactl.kernels.gemv import gemv
+
+            norm = self.norm
+            y = gemv(x.reshape(-1), self.weight, None, None if norm is None else norm.weight,
+                     1e-6 if norm is None else norm.eps, None if residual is None else residual.reshape(-1), self.glu)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.glu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y
 
 
 class TritonInt4Linear(nn.Module):
@@ -71,11 +90,39 @@ def _swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:
     return new
 
 
+def _unfuse(model) -> None:
+    """Put every RMSNorm folded into a GemvLinear back in its place, and clear glu."""
+    layers = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
+    layers += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
+    for owner, attr, lin in layers + [(model.model, "norm", model.lm_head)]:
+        if isinstance(lin, GemvLinear) and lin.norm is not None:
+            setattr(owner, attr, lin.norm)
+            lin.norm = None
+    for layer in model.model.layers:
+        if isinstance(layer.mlp.down_proj, GemvLinear):
+            layer.mlp.down_proj.glu = False
+
+
+def _fuse(model) -> None:
+    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj."""
+    pairs = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
+    pairs += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
+    for owner, attr, lin in pairs + [(model.model, "norm", model.lm_head)]:
+        if isinstance(lin, GemvLinear) and lin.bias is None:
+            lin.norm = getattr(owner, attr)
+            setattr(owner, attr, nn.Identity())
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if isinstance(mlp.gate_up_proj, GemvLinear) and isinstance(mlp.down_proj, GemvLinear) and mlp.down_proj.bias is None:
+            mlp.down_proj.glu = True
+
+
 @torch.no_grad()
 def set_kernels(model, on: bool) -> dict[str, str]:
     """Route the model's float linears and decode attention through llamactl's Triton kernels
     (on) or through cuBLAS and SDPA (off). Returns what runs, for reports."""
     on = on and kernels.available(model.device)
+    _unfuse(model)
     for name, mod in list(model.named_modules()):
         if type(mod) in (nn.Linear, GemvLinear) and mod.weight.is_floating_point():
             cls = GemvLinear if on else nn.Linear
@@ -83,6 +130,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
+    if on:
+        _fuse(model)
     hd = model.args.head_dim
     attn_ok = on and hd >= 16 and hd & (hd - 1) == 0
     for layer in model.model.layers:
