@@ -226,7 +226,7 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.norm.weight.dtype
+        return self.model.embed_tokens.weight.dtype  # (the final norm may be folded into lm_head)
 
     def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None):
         """Allocate KV caches, RoPE tables and the causal mask for up to `max_seq` positions."""

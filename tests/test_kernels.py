@@ -72,7 +72,7 @@ def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
 
 
-@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128)])
+@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128), (8, 640, 128)])
 def test_gemv_int4_and_dequantize_match_the_formula(n, k, g):
     q, s, z, w = _int4_case(n, k, g, seed=n)
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
@@ -141,6 +141,8 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
     ref = run()
     info = set_kernels(model, True)
     assert isinstance(model.lm_head, GemvLinear) and info["decode_attention"] == "triton split-kv"
+    assert model.lm_head.norm is not None and model.dtype == torch.float32  # the final norm moved into lm_head
+    model.setup_caches(1, 64)
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
     assert set_kernels(model, False)["gemv"] == "cublas" and type(model.lm_head) is torch.nn.Linear

@@ -28,7 +28,8 @@ def _bf16_configs():
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn, bk, w, st in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3),
                                   (16, 256, 4, 1), (16, 512, 8, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
-                                  (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (4, 256, 2, 1)]]
+                                  (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (4, 256, 2, 1),
+                                  (8, 2048, 8, 1), (4, 4096, 8, 1), (16, 2048, 8, 1)]]  # the last: int8
 
 
 @triton.jit
@@ -84,8 +85,8 @@ def _int4_configs():
 
 
 def _prune_int4(configs, named_args, **_):
-    k, g = named_args["K"], named_args["G"]
-    kept = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_K"] % g == 0]
+    g = named_args["G"]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0]
     return kept or [triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
 
 
@@ -93,7 +94,7 @@ def _prune_int4(configs, named_args, **_):
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # x: [K], q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N]
-    # K % BLOCK_K == 0 and BLOCK_K % G == 0 (the launcher picks such blocks).
+    # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by group.
     # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
     # the mantissa of 2^23 and read as a float32, is 2^23 + code * 16^j; subtracting 2^23 is exact,
     # and x[8 i + j] is pre-scaled by 16^-j. Nibbles 5..7 are taken from the word shifted by 12.
@@ -106,11 +107,13 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
     groups = tl.arange(0, GROUPS)  # [NG]
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        p = tl.load(q_ptr + rows64[:, None] * (K // 8) + (k0 // 8 + words)[None, :], mask=row_ok[:, None], other=0)
+        w_ok = k0 // 8 + words < K // 8  # [W]
+        p = tl.load(q_ptr + rows64[:, None] * (K // 8) + (k0 // 8 + words)[None, :],
+                    mask=row_ok[:, None] & w_ok[None, :], other=0)
         p_hi = p >> 12
         part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # [BN, W] sum_j code[8w + j] x[8w + j]
         for j in tl.static_range(8):
-            xj = tl.load(x_ptr + k0 + words * 8 + j).to(tl.float32)  # [W]
+            xj = tl.load(x_ptr + k0 + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)  # [W]
             if j < 5:
                 bits = (p & (0xF << (4 * j))) | 0x4B000000
                 xj = xj * (1.0 / (1 << (4 * j)))
@@ -119,11 +122,12 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
                 xj = xj * (1.0 / (1 << (4 * (j - 3))))
             part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xj[None, :]
         dot = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, G // 8]), axis=2)  # [BN, NG]
-        xg = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)  # [BK]
+        xg = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K), mask=k0 + tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
         xsum = tl.sum(tl.reshape(xg, [GROUPS, G]), axis=1)  # [NG] sum of x per group
         g_off = rows64[:, None] * (K // G) + (k0 // G + groups)[None, :]  # [BN, NG]
-        s = tl.load(s_ptr + g_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=row_ok[:, None], other=0).to(tl.float32)
+        g_ok = row_ok[:, None] & (k0 // G + groups < K // G)[None, :]
+        s = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=g_ok, other=0).to(tl.float32)
         acc += s * (dot - z * xsum[None, :])
     tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
@@ -195,7 +199,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, k = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
-            (x, qweight, scales, zeros, y, n, k, group_size), {"BLOCK_N": 8, "BLOCK_K": group_size})
+            (x, qweight, scales, zeros, y, n, k, group_size), {"BLOCK_N": 8, "BLOCK_K": 2 * group_size})
     return y
 
 
