@@ -259,6 +259,10 @@ def profile_decode(dec: Decoder, ids: torch.Tensor, gen_len: int, out_dir: Path)
                 tok = dec.step(tok, p + i)
             sync(dec.device)
     name = f"kernels-{dec.mode}-{dec.kernels['gemv'].split()[0]}.txt"
+    n = 2
+    while (out_dir / name).exists():  # one table per measured configuration
+        name = f"kernels-{dec.mode}-{dec.kernels['gemv'].split()[0]}-{n}.txt"
+        n += 1
     (out_dir / name).write_text(kernel_table(prof.key_averages(), steps, dec.device.type == "cuda"))
 
 

@@ -6,7 +6,7 @@
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
 #   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
 #   l3      llama3-8b bf16, 128- and 2048-token prompts
-#   long    llama3-8b bf16 at a 16K-token context (grouped-query attention), kernels on and off
+#   long    llama3-8b bf16 at a 128- and a 16K-token context (grouped-query attention)
 set -uo pipefail
 out=${1:-out}; shift
 mkdir -p "$out"
@@ -28,9 +28,10 @@ for part in "$@"; do
     probe) python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     bf16) bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
           for f in /tmp/prof/kernels-*.txt; do cp "$f" "$out/$(basename "$f")"; head -25 "$f"; done ;;
-    quant) bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" ;;
+    quant) bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profq
+           cp /tmp/profq/kernels-compile-triton-2.txt "$out/kernels-int4.txt"; head -30 "$out/kernels-int4.txt" ;;
     l3) bench llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5 ;;
-    long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --kernels on,off --prompt-len 16384 --gen-len 256 --warmup 1 --repeat 3 ;;
+    long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --prompt-len 128,16384 --gen-len 256 --warmup 2 --repeat 5 ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done

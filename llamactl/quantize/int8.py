@@ -56,7 +56,7 @@ class Int8Kernel(nn.Module):
             from llamactl.kernels.gemv import gemv_int8
 
             y = gemv_int8(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales)[None]  # batch-1 decode
-        elif torch_kernel(x.device.type):
+        elif torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
         else:  # prefill without torch's kernel: dequantize the layer for cuBLAS
             y = torch.nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16),
