@@ -170,6 +170,17 @@ def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> to
     return residual + linear(x)
 
 
+def _concat(mods: list[nn.Module]) -> nn.Module | None:
+    """One module for several projections of the same input, or None where they cannot be fused."""
+    kind = type(mods[0])
+    if any(type(m) is not kind for m in mods):
+        return None
+    if kind is nn.Linear:
+        return _concat_linears(mods)
+    concat = getattr(kind, "concat", None)
+    return concat(mods) if concat is not None else None
+
+
 def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     w = torch.cat([l.weight for l in linears])  # [sum(out), in]
     fused = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, device="meta")
@@ -201,20 +212,22 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
-        """Concatenate q/k/v and gate/up weights of plain linears: 4 matmuls a layer instead of 7.
+        """Concatenate q/k/v and gate/up weights: 4 matmuls a layer instead of 7.
 
         One wide matrix-vector product reads the same bytes as three narrow ones but runs closer
-        to memory bandwidth, which is what a batch-1 decode step is bound by. Quantized linears
-        are left as they are.
+        to memory bandwidth, which is what a batch-1 decode step is bound by. Plain linears are
+        concatenated here; quantized layers through their class's `concat` where it has one.
         """
         for layer in self.model.layers:
             at, mlp = layer.self_attn, layer.mlp
-            if at.qkv_proj is None and all(type(m) is nn.Linear for m in (at.q_proj, at.k_proj, at.v_proj)):
-                at.qkv_proj = _concat_linears([at.q_proj, at.k_proj, at.v_proj])
-                at.q_proj = at.k_proj = at.v_proj = None
-            if mlp.gate_up_proj is None and all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj)):
-                mlp.gate_up_proj = _concat_linears([mlp.gate_proj, mlp.up_proj])
-                mlp.gate_proj = mlp.up_proj = None
+            if at.qkv_proj is None:
+                at.qkv_proj = _concat([at.q_proj, at.k_proj, at.v_proj])
+                if at.qkv_proj is not None:
+                    at.q_proj = at.k_proj = at.v_proj = None
+            if mlp.gate_up_proj is None:
+                mlp.gate_up_proj = _concat([mlp.gate_proj, mlp.up_proj])
+                if mlp.gate_up_proj is not None:
+                    mlp.gate_proj = mlp.up_proj = None
 
     def tie_weights(self):
         if self.args.tie_word_embeddings:

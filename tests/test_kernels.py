@@ -146,3 +146,38 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
     assert set_kernels(model, False)["gemv"] == "cublas" and type(model.lm_head) is torch.nn.Linear
+
+
+def test_quantized_projections_fuse_side_by_side():
+    """q/k/v (and gate/up) of int4 and int8 layers concatenate into one wider layer, as 16-bit ones do."""
+    from test_int4 import gptq_layer
+
+    from llamactl.kernels.linear import TritonInt4Linear
+    from llamactl.model import _concat
+    from llamactl.quantize.int4 import _gptq_codes, sort_by_group
+    from llamactl.quantize.int8 import Int8Kernel
+
+    def int4(seed, act_order=False):
+        lin = gptq_layer(seed=seed, act_order=act_order)
+        codes, zeros, scales = _gptq_codes(lin)
+        codes, perm = sort_by_group(codes, lin.g_idx, 128)
+        return TritonInt4Linear(codes, zeros, scales, perm, 128, None, torch.device(DEV))
+
+    x = torch.randn(1, 512, dtype=torch.bfloat16, device=DEV)
+    parts = [int4(s) for s in range(3)]
+    fused = _concat(parts)
+    assert isinstance(fused, TritonInt4Linear) and fused.out_features == 3 * parts[0].out_features
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), atol=0, rtol=0)
+    assert _concat([int4(0, act_order=True), int4(1, act_order=True)]) is None  # different input orders
+
+    w = [torch.randint(-127, 128, (16, 512), dtype=torch.int8) for _ in range(2)]
+    s = [torch.rand(16) * 0.01 + 1e-3 for _ in range(2)]
+    mods = [Int8Kernel(wi, si, None) for wi, si in zip(w, s)]
+    fused8 = _concat(mods)
+    assert isinstance(fused8, Int8Kernel) and fused8.out_features == 32
+    from llamactl.quantize.int8 import torch_kernel
+
+    if not torch_kernel("cpu"):
+        pytest.skip("this torch has no CPU int8 kernel")
+    x = x.cpu()
+    torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))

@@ -57,13 +57,33 @@ class TritonInt4Linear(nn.Module):
         super().__init__()
         from llamactl.kernels.gemv import pack_int4
 
-        self.out_features, self.in_features = codes.shape
+        self._set(pack_int4(codes.to(device)), scales.t().to(device=device, dtype=torch.float16),
+                  zeros.t().to(device=device, dtype=torch.uint8), None if perm is None else perm.to(device), group_size,
+                  None if bias is None else bias.to(device=device, dtype=torch.bfloat16))
+
+    def _set(self, qweight, scales, zeros, perm, group_size: int, bias) -> None:
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
         self.group_size = group_size
-        self.register_buffer("qweight", pack_int4(codes.to(device)))  # [out, in // 8] int32
-        self.register_buffer("scales", scales.t().contiguous().to(device=device, dtype=torch.float16))  # [out, groups]
-        self.register_buffer("zeros", zeros.t().contiguous().to(device=device, dtype=torch.uint8))  # [out, groups]
-        self.register_buffer("perm", None if perm is None else perm.to(device))
-        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("qweight", qweight.contiguous())  # [out, in // 8] int32
+        self.register_buffer("scales", scales.contiguous())  # [out, groups] fp16
+        self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
+        self.register_buffer("perm", perm)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def concat(cls, mods: list["TritonInt4Linear"]) -> "TritonInt4Linear | None":
+        """One layer computing the outputs of `mods` (same input) side by side, or None when their
+        input orders (act-order permutations) or group sizes differ."""
+        first = mods[0]
+        if any(m.group_size != first.group_size or m.perm is not None or (m.bias is None) != (first.bias is None)
+               for m in mods):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        bias = None if first.bias is None else torch.cat([m.bias for m in mods])
+        fused._set(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]),
+                   torch.cat([m.zeros for m in mods]), None, first.group_size, bias)
+        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]

@@ -49,6 +49,14 @@ class Int8Kernel(nn.Module):
 
         self.triton = self.weight.device.type == "cuda" and kernels.available(self.weight.device)
 
+    @classmethod
+    def concat(cls, mods: list["Int8Kernel"]) -> "Int8Kernel | None":
+        """One layer computing the outputs of `mods` (same input) side by side."""
+        if any((m.bias is None) != (mods[0].bias is None) for m in mods):
+            return None
+        bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
+        return cls(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         shape, dtype = x.shape, x.dtype
