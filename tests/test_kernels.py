@@ -80,6 +80,18 @@ def test_gemv_int4_and_dequantize_match_the_formula(n, k, g):
     assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
 
 
+def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual():
+    n, k, g = 16, 384, 128
+    q, s, z, w = _int4_case(n, k, g, seed=3)
+    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False)
+    ref = w @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
+    assert rel(y.cpu(), ref.cpu()) < 1e-5
+    h = torch.randn(2 * k, device=DEV)
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True)
+    assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-5
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
     from test_int4 import gptq_layer
@@ -181,3 +193,35 @@ def test_quantized_projections_fuse_side_by_side():
         pytest.skip("this torch has no CPU int8 kernel")
     x = x.cpu()
     torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))
+
+
+def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch):
+    """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
+    residuals folded into the int4 GEMV decodes like the same layers run unfused."""
+    from conftest import make_hf_model
+
+    from llamactl.artifact import open_artifact
+    from llamactl.kernels.linear import TritonInt4Linear, set_kernels
+    from llamactl.load import load_model
+    from llamactl.quantize import int4 as int4_mod
+
+    monkeypatch.setattr(int4_mod, "_use_triton", lambda device: True)  # CUDA's choice, here via the interpreter
+    path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2)
+    model = load_model(open_artifact(path), torch.device(DEV), torch.float32)
+    assert int4_mod.quantize_linears_int4(model, 32) == 2 * 7
+    model.fuse_projections()
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, TritonInt4Linear)
+    model.setup_caches(1, 32)
+    ids = torch.randint(0, 8192, (1, 12), device=DEV)
+
+    def run():  # a 10-token prefill (dequantize + matmul), then 2 decode steps (the fused GEMVs)
+        out = [model(ids[:, :10], torch.arange(10, device=DEV))[:, -1]]
+        for p in range(10, 12):
+            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
+        return torch.stack(out)
+
+    set_kernels(model, False)
+    ref = run()
+    set_kernels(model, True)
+    assert model.model.layers[0].mlp.down_proj.glu and model.model.layers[0].self_attn.qkv_proj.norm is not None
+    torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)

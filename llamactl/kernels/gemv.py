@@ -33,6 +33,32 @@ def _bf16_configs():
 
 
 @triton.jit
+def _rms_scale(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) over x: [K] (RMSNorm's scale)."""
+    cols = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xk = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        ss += xk * xk
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _load_input(x_ptr, idx, mask, K, rs, nw_ptr, NORM: tl.constexpr, GLU: tl.constexpr):
+    """x'[idx] in float32, with the folded RMSNorm (scale rs, weight nw) or SwiGLU (x: [2K]) applied and
+    rounded to x's dtype where the unfused model rounds."""
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        x = ((x * rs).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+    if GLU:
+        up = tl.load(x_ptr + K + idx, mask=mask, other=0.0).to(tl.float32)
+        x = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -48,22 +74,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     rs = 1.0
     if NORM:
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xk = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            ss += xk * xk
-        rs = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        rs = _rms_scale(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-        if NORM:
-            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x * rs).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
-        if GLU:
-            up = tl.load(x_ptr + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
+        x = _load_input(x_ptr, k, k_ok, K, rs, nw_ptr, NORM, GLU)  # [BK]
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BN]
@@ -91,9 +107,11 @@ def _prune_int4(configs, named_args, **_):
 
 
 @triton.jit
-def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
+def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
+                      NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # x: [K], q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N]
+    # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
+    # NORM, GLU and RESIDUAL fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by group.
     # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
     # the mantissa of 2^23 and read as a float32, is 2^23 + code * 16^j; subtracting 2^23 is exact,
@@ -105,6 +123,9 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
     rows64 = rows.to(tl.int64)
     words = tl.arange(0, WORDS)  # [W]
     groups = tl.arange(0, GROUPS)  # [NG]
+    rs = 1.0
+    if NORM:
+        rs = _rms_scale(x_ptr, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w_ok = k0 // 8 + words < K // 8  # [W]
@@ -113,7 +134,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
         p_hi = p >> 12
         part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # [BN, W] sum_j code[8w + j] x[8w + j]
         for j in tl.static_range(8):
-            xj = tl.load(x_ptr + k0 + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)  # [W]
+            xj = _load_input(x_ptr, k0 + words * 8 + j, w_ok, K, rs, nw_ptr, NORM, GLU)  # [W]
             if j < 5:
                 bits = (p & (0xF << (4 * j))) | 0x4B000000
                 xj = xj * (1.0 / (1 << (4 * j)))
@@ -122,17 +143,21 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, G: tl.constexpr,
                 xj = xj * (1.0 / (1 << (4 * (j - 3))))
             part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xj[None, :]
         dot = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, G // 8]), axis=2)  # [BN, NG]
-        xg = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K), mask=k0 + tl.arange(0, BLOCK_K) < K, other=0.0).to(tl.float32)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xg = _load_input(x_ptr, kk, kk < K, K, rs, nw_ptr, NORM, GLU)  # [BK]
         xsum = tl.sum(tl.reshape(xg, [GROUPS, G]), axis=1)  # [NG] sum of x per group
         g_off = rows64[:, None] * (K // G) + (k0 // G + groups)[None, :]  # [BN, NG]
         g_ok = row_ok[:, None] & (k0 // G + groups < K // G)[None, :]
         s = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_off, mask=g_ok, other=0).to(tl.float32)
         acc += s * (dot - z * xsum[None, :])
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+    y = tl.sum(acc, axis=1)  # [BN]
+    if RESIDUAL:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-_gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G"],
+_gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL"],
                                    prune_configs_by={"early_config_prune": _prune_int4})(_gemv_int4_kernel)
 
 
@@ -173,7 +198,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None), {"BLOCK_N": 8, "BLOCK_K": 64})
+             residual is not None), {"BLOCK_N": 64, "BLOCK_K": 64})
     return y
 
 
@@ -193,18 +218,22 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
-def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int) -> torch.Tensor:
-    """x: [K] -> y: [N] in x's dtype, for the 4-bit layout of this module's docstring."""
+def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+              glu: bool = False) -> torch.Tensor:
+    """x: [K] ([2K] with glu) -> y: [N] in x's dtype, for the 4-bit layout of this module's docstring,
+    with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
-            (x, qweight, scales, zeros, y, n, k, group_size), {"BLOCK_N": 8, "BLOCK_K": 2 * group_size})
+            (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
+             y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None),
+            {"BLOCK_N": 64, "BLOCK_K": 2 * group_size})
     return y
 
 
 @gemv_int4.register_fake
-def _(x, qweight, scales, zeros, group_size):
+def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False):
     return x.new_empty(qweight.shape[0])
 
 

@@ -10,41 +10,56 @@ from torch import nn
 from llamactl import kernels
 
 
-class GemvLinear(nn.Linear):
-    """nn.Linear whose single-row inputs go through the Triton GEMV; more rows go to cuBLAS.
-
-    set_kernels may fold in the RMSNorm before it (`norm`) and the SwiGLU of a fused gate/up output
-    (`glu`, on down_proj), and the caller may pass the residual to add: one kernel instead of three
-    or four per projection at batch 1. Longer inputs (prefill) apply the same steps unfused.
-    """
+class FusedIO:
+    """Mixin for projections whose batch-1 kernel can fold in the RMSNorm before them (`norm`), the
+    SwiGLU of a fused gate/up input (`glu`, on down_proj) and the residual add after them: one kernel
+    instead of three or four. set_kernels arranges it; longer inputs apply the same steps unfused."""
 
     fuses_residual = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def _init_fused_io(self) -> None:
         self.norm: nn.Module | None = None  # an instance attribute: a class one would hide the submodule
         self.glu = False
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [..., in] ([..., 2 in] with glu) -> [..., out]
-        width = self.in_features * (2 if self.glu else 1)
-        if x.numel() == width and self.bias is None:
-            from llamactl.kernels.gemv import gemv
+    def can_fuse(self) -> bool:
+        return getattr(self, "bias", None) is None
 
-            norm = self.norm
-            y = gemv(x.reshape(-1), self.weight, None, None if norm is None else norm.weight,
-                     1e-6 if norm is None else norm.eps, None if residual is None else residual.reshape(-1), self.glu)
-            return y.view(*x.shape[:-1], self.out_features)
+    def _norm_args(self) -> tuple[torch.Tensor | None, float]:
+        return (None, 1e-6) if self.norm is None else (self.norm.weight, self.norm.eps)
+
+    def _unfused_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
         if self.glu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
-        y = F.linear(x, self.weight, self.bias)
+        return x
+
+    def _input_width(self) -> int:
+        return self.in_features * (2 if self.glu else 1)
+
+
+class GemvLinear(nn.Linear, FusedIO):
+    """nn.Linear whose single-row inputs go through the Triton GEMV (with FusedIO's folded steps);
+    more rows go to cuBLAS."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused_io()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
+        if x.numel() == self._input_width() and self.bias is None:
+            from llamactl.kernels.gemv import gemv
+
+            y = gemv(x.reshape(-1), self.weight, None, *self._norm_args(),
+                     None if residual is None else residual.reshape(-1), self.glu)
+            return y.view(*x.shape[:-1], self.out_features)
+        y = F.linear(self._unfused_input(x), self.weight, self.bias)
         return y if residual is None else residual + y
 
 
-class TritonInt4Linear(nn.Module):
+class TritonInt4Linear(nn.Module, FusedIO):
     """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
     Single rows run the int4 GEMV (reads 4 bits a weight); longer inputs (prefill) dequantize the
@@ -69,6 +84,10 @@ class TritonInt4Linear(nn.Module):
         self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._init_fused_io()
+
+    def can_fuse(self) -> bool:
+        return self.bias is None and self.perm is None  # act-order layers gather x first: not fused
 
     @classmethod
     def concat(cls, mods: list["TritonInt4Linear"]) -> "TritonInt4Linear | None":
@@ -85,11 +104,15 @@ class TritonInt4Linear(nn.Module):
                    torch.cat([m.zeros for m in mods]), None, first.group_size, bias)
         return fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         from llamactl.kernels.gemv import dequantize_int4, gemv_int4
 
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
+        if x.numel() == self._input_width() and self.can_fuse():
+            y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
+                          None if residual is None else residual.reshape(-1), self.glu)
+            return y.view(*x.shape[:-1], self.out_features)
+        x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
         if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
@@ -99,7 +122,8 @@ class TritonInt4Linear(nn.Module):
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if residual is None else residual + y
 
 
 def _swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:
@@ -111,15 +135,15 @@ def _swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:
 
 
 def _unfuse(model) -> None:
-    """Put every RMSNorm folded into a GemvLinear back in its place, and clear glu."""
+    """Put every RMSNorm folded into a projection back in its place, and clear glu."""
     layers = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
     layers += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
     for owner, attr, lin in layers + [(model.model, "norm", model.lm_head)]:
-        if isinstance(lin, GemvLinear) and lin.norm is not None:
+        if isinstance(lin, FusedIO) and lin.norm is not None:
             setattr(owner, attr, lin.norm)
             lin.norm = None
     for layer in model.model.layers:
-        if isinstance(layer.mlp.down_proj, GemvLinear):
+        if isinstance(layer.mlp.down_proj, FusedIO):
             layer.mlp.down_proj.glu = False
 
 
@@ -128,12 +152,12 @@ def _fuse(model) -> None:
     pairs = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
     pairs += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
     for owner, attr, lin in pairs + [(model.model, "norm", model.lm_head)]:
-        if isinstance(lin, GemvLinear) and lin.bias is None:
+        if isinstance(lin, FusedIO) and lin.can_fuse():
             lin.norm = getattr(owner, attr)
             setattr(owner, attr, nn.Identity())
     for layer in model.model.layers:
         mlp = layer.mlp
-        if isinstance(mlp.gate_up_proj, GemvLinear) and isinstance(mlp.down_proj, GemvLinear) and mlp.down_proj.bias is None:
+        if mlp.gate_up_proj is not None and isinstance(mlp.down_proj, FusedIO) and mlp.down_proj.can_fuse():
             mlp.down_proj.glu = True
 
 

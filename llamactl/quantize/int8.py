@@ -15,6 +15,8 @@ import functools
 import torch
 from torch import nn
 
+from llamactl.kernels.linear import FusedIO
+
 
 def available(device_type: str) -> bool:
     """Whether int8 layers have a fast path on this device type: torch's kernel or llamactl's GEMV."""
@@ -34,7 +36,7 @@ def torch_kernel(device_type: str) -> bool:
         return False
 
 
-class Int8Kernel(nn.Module):
+class Int8Kernel(nn.Module, FusedIO):
     """y = (x W^T) * scale with W int8 [out, in] and scale [out]; bf16 activations."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -48,6 +50,10 @@ class Int8Kernel(nn.Module):
         from llamactl import kernels
 
         self.triton = self.weight.device.type == "cuda" and kernels.available(self.weight.device)
+        self._init_fused_io()
+
+    def can_fuse(self) -> bool:
+        return self.bias is None and self.triton
 
     @classmethod
     def concat(cls, mods: list["Int8Kernel"]) -> "Int8Kernel | None":
@@ -57,21 +63,25 @@ class Int8Kernel(nn.Module):
         bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
         return cls(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
-        shape, dtype = x.shape, x.dtype
-        if self.triton and x.numel() == self.in_features:
-            from llamactl.kernels.gemv import gemv_int8
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
+        if self.triton and x.numel() == self._input_width():
+            from llamactl.kernels.gemv import gemv
 
-            y = gemv_int8(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales)[None]  # batch-1 decode
-        elif torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.weight, self.scales)
-        else:  # prefill without torch's kernel: dequantize the layer for cuBLAS
-            y = torch.nn.functional.linear(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                           self.weight.to(torch.bfloat16)) * self.scales
+            y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales, *self._norm_args(),
+                     None if residual is None else residual.reshape(-1).to(torch.bfloat16), self.glu)  # batch-1 decode
+            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        shape, dtype = x.shape, x.dtype
+        x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
+        if torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:  # prefill on CUDA: dequantize the layer for cuBLAS
+            y = torch.nn.functional.linear(x2, self.weight.to(torch.bfloat16)) * self.scales
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features).to(dtype)
+        y = y.view(*shape[:-1], self.out_features).to(dtype)
+        return y if residual is None else residual + y
 
 
 def _from_module(mod) -> Int8Kernel | None:
