@@ -26,9 +26,12 @@ MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, str | None]:
+    from llamactl import kernels
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
-            "device_name": name, "dtype": str(dtype).replace("torch.", ""), "mode": mode}
+            "triton": kernels.triton_version(), "device_name": name, "dtype": str(dtype).replace("torch.", ""),
+            "mode": mode}
 
 
 def _key_id(key: dict) -> str:
@@ -46,6 +49,10 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
             path = art.path / CACHE_DIR / e["file"]
             try:
                 torch.compiler.load_cache_artifacts(path.read_bytes())
+                if e.get("triton_cache"):  # llamactl's own kernels: binaries and autotune choices
+                    from llamactl import kernels
+
+                    kernels.load_cache(art.path / CACHE_DIR / e["triton_cache"])
                 return e
             except Exception as ex:  # stale or corrupt bytes: recompile instead
                 warn(f"compile cache {path} could not be loaded ({type(ex).__name__}); compiling from scratch")
@@ -111,7 +118,12 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         (tmp / CACHE_DIR).mkdir()
         fname = f"{_key_id(key)}.bin"
         (tmp / CACHE_DIR / fname).write_bytes(blob)
+        from llamactl import kernels
+
+        triton_dir = f"triton-{_key_id(key)}"
+        saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir)
         entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
+                 "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}

@@ -225,3 +225,20 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     set_kernels(model, True)
     assert model.model.layers[0].mlp.down_proj.glu and model.model.layers[0].self_attn.qkv_proj.norm is not None
     torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
+    """save_cache takes llamactl's kernel entries (not Inductor's), load_cache adds them atomically."""
+    from llamactl import kernels
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    for entry, name in [("aaa", "_gemv_kernel.cubin"), ("bbb", "_split_kernel.autotune.json"), ("ccc", "triton_red_fused_0.cubin")]:
+        (cache / entry).mkdir(parents=True)
+        (cache / entry / name).write_text(entry)
+    saved = tmp_path / "saved"
+    assert kernels.save_cache(saved) == 2
+    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb"]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    assert kernels.load_cache(saved) == 2 and kernels.load_cache(saved) == 0  # the second adds nothing
+    assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"

@@ -90,7 +90,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL"])(_gemv_kernel)
+# cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
+_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL"],
+                              cache_results=True)(_gemv_kernel)
 
 
 def _int4_configs():
@@ -158,7 +160,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL"],
-                                   prune_configs_by={"early_config_prune": _prune_int4})(_gemv_int4_kernel)
+                                   prune_configs_by={"early_config_prune": _prune_int4},
+                                   cache_results=True)(_gemv_int4_kernel)
 
 
 @triton.jit
