@@ -150,6 +150,16 @@ class MLP(nn.Module):
         return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
 
 
+def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos):
+    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, input_pos, residual=x)
+    return layer.mlp(layer.post_attention_layernorm(x), residual=x)
+
+
+# torch.compile traces this once and reuses it for every layer of the same structure (regional
+# compilation): compile time no longer grows with depth. Outside torch.compile it is a plain call.
+_layer_region = torch.compiler.nested_compile_region(_layer_forward)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -157,10 +167,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.compile_region = False  # set by decode.Decoder for torch.compile
 
     def forward(self, x, cos, sin, mask, input_pos):
-        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        # x: [B, S, hidden] -> [B, S, hidden]
+        if self.compile_region:
+            return _layer_region(self, x, cos, sin, mask, input_pos)
+        return _layer_forward(self, x, cos, sin, mask, input_pos)
 
 
 def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

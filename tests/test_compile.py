@@ -60,3 +60,16 @@ def test_bad_compile_options(trained_model, tmp_path, args):
     r = runner.invoke(app, ["compile", str(trained_model), "-o", str(tmp_path / "o"), "--device", "cpu", *args])
     assert r.exit_code == 1 and r.stderr.startswith("error: ")
     assert not (tmp_path / "o").exists()
+
+
+def test_regional_compilation_defaults_and_override(monkeypatch):
+    import torch
+
+    from llamactl.decode import compile_regions
+
+    monkeypatch.delenv("LLAMACTL_COMPILE_REGIONS", raising=False)
+    assert compile_regions(torch.device("cpu")) and not compile_regions(torch.device("cuda"))
+    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "1")
+    assert compile_regions(torch.device("cuda"))
+    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "0")
+    assert not compile_regions(torch.device("cpu"))
