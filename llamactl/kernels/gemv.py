@@ -59,9 +59,24 @@ def _load_input(x_ptr, idx, mask, K, rs, nw_ptr, NORM: tl.constexpr, GLU: tl.con
 
 
 @triton.jit
+def _int8_float(w, USE_ASM: tl.constexpr):
+    """int8 -> float32 without I2F (a quarter-rate instruction): the byte, offset to 0..255 by
+    flipping its sign bit, is OR-ed into the mantissa of 2^23 (one LOP3, table 0xBE = a ^ b | c),
+    read as a float, and 2^23 + 128 subtracted (exact)."""
+    u = w.to(tl.uint8, bitcast=True).to(tl.int32)  # 0..255
+    if USE_ASM:
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xBE;", "=r,r,r,r",
+                                         [u, tl.full(u.shape, 0x80, tl.int32), tl.full(u.shape, 0x4B000000, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (u ^ 0x80) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
-                 NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -80,8 +95,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         k = k0 + cols
         k_ok = k < K
         x = _load_input(x_ptr, k, k_ok, K, rs, nw_ptr, NORM, GLU)  # [BK]
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        acc += w.to(tl.float32) * x[None, :]
+        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
+        if w_ptr.dtype.element_ty == tl.int8:
+            acc += _int8_float(w, USE_ASM) * x[None, :]
+        else:
+            acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BN]
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -91,15 +109,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
-_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL"],
+_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM"],
                               cache_results=True)(_gemv_kernel)
 
 
 def _int4_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in [(16, 1024, 4, 1), (8, 2048, 4, 1), (16, 2048, 8, 1), (32, 1024, 8, 1),
-                                  (4, 2048, 4, 1), (8, 1024, 4, 1), (32, 512, 4, 1), (64, 512, 8, 1),
-                                  (16, 512, 4, 1), (8, 512, 4, 1), (16, 1024, 4, 3), (8, 256, 2, 1)]]
+    # chosen from the instruction count of the main loop (sm_90 SASS, compiled here): 4.7-5.6
+    # instructions a weight, no register spills; the autotuner picks per shape on the GPU
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
+            for bn, bk, w in [(32, 1024, 4), (32, 2048, 4), (32, 512, 2), (64, 1024, 8), (64, 512, 4),
+                              (16, 1024, 4), (16, 2048, 8), (16, 1024, 2), (16, 512, 2), (8, 2048, 4),
+                              (8, 1024, 2), (8, 512, 2)]]
 
 
 def _prune_int4(configs, named_args, **_):
@@ -109,57 +129,71 @@ def _prune_int4(configs, named_args, **_):
 
 
 @triton.jit
+def _nibble_float(p, mask, USE_ASM: tl.constexpr):
+    """(p & mask) | 0x4B000000 as int32: one LOP3 on the GPU (lop3 with table 0xEA = a & b | c)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [p, tl.full(p.shape, mask, tl.int32), tl.full(p.shape, 0x4B000000, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return (p & mask) | 0x4B000000
+
+
+@triton.jit
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
-                      NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                      NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU and RESIDUAL fold in the same steps as _gemv_kernel
-    # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by group.
+    # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
     # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
     # the mantissa of 2^23 and read as a float32, is 2^23 + code * 16^j; subtracting 2^23 is exact,
     # and x[8 i + j] is pre-scaled by 16^-j. Nibbles 5..7 are taken from the word shifted by 12.
+    # Each word's 8 products are scaled by its group's scale and zero point in place, so nothing is
+    # reduced across threads until the end: about 3 instructions a weight (LOP3, FADD, FFMA).
     WORDS: tl.constexpr = BLOCK_K // 8
-    GROUPS: tl.constexpr = BLOCK_K // G
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     words = tl.arange(0, WORDS)  # [W]
-    groups = tl.arange(0, GROUPS)  # [NG]
     rs = 1.0
     if NORM:
         rs = _rms_scale(x_ptr, K, eps, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    quads = tl.arange(0, WORDS // 4)  # [W/4]
+    acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w_ok = k0 // 8 + words < K // 8  # [W]
-        p = tl.load(q_ptr + rows64[:, None] * (K // 8) + (k0 // 8 + words)[None, :],
-                    mask=row_ok[:, None] & w_ok[None, :], other=0)
+        word = k0 // 8 + words  # [W] word index along K
+        w_ok = word < K // 8
+        ok = row_ok[:, None] & w_ok[None, :]  # [BN, W]
+        p = tl.load(q_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=ok, other=0)  # [BN, W] int32
         p_hi = p >> 12
-        part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # [BN, W] sum_j code[8w + j] x[8w + j]
+        part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # sum_j code[8w + j] x[8w + j]
+        xsum = tl.zeros([WORDS], dtype=tl.float32)  # sum_j x[8w + j]
         for j in tl.static_range(8):
-            xj = _load_input(x_ptr, k0 + words * 8 + j, w_ok, K, rs, nw_ptr, NORM, GLU)  # [W]
+            xj = _load_input(x_ptr, word * 8 + j, w_ok, K, rs, nw_ptr, NORM, GLU)  # [W]
+            xsum += xj
             if j < 5:
-                bits = (p & (0xF << (4 * j))) | 0x4B000000
+                bits = _nibble_float(p, 0xF << (4 * j), USE_ASM)
                 xj = xj * (1.0 / (1 << (4 * j)))
             else:
-                bits = (p_hi & (0xF << (4 * (j - 3)))) | 0x4B000000
+                bits = _nibble_float(p_hi, 0xF << (4 * (j - 3)), USE_ASM)
                 xj = xj * (1.0 / (1 << (4 * (j - 3))))
             part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xj[None, :]
-        dot = tl.sum(tl.reshape(part, [BLOCK_N, GROUPS, G // 8]), axis=2)  # [BN, NG]
-        kk = k0 + tl.arange(0, BLOCK_K)
-        xg = _load_input(x_ptr, kk, kk < K, K, rs, nw_ptr, NORM, GLU)  # [BK]
-        xsum = tl.sum(tl.reshape(xg, [GROUPS, G]), axis=1)  # [NG] sum of x per group
-        g_off = rows64[:, None] * (K // G) + (k0 // G + groups)[None, :]  # [BN, NG]
-        g_ok = row_ok[:, None] & (k0 // G + groups < K // G)[None, :]
+        # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
+        part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
+        xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
+        group = k0 // G + quads // (G // 32)  # [W/4] each quad's group
+        g_ok = row_ok[:, None] & (group < K // G)[None, :]
+        g_off = rows64[:, None] * (K // G) + group[None, :]  # [BN, W/4]
         s = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g_off, mask=g_ok, other=0).to(tl.float32)
-        acc += s * (dot - z * xsum[None, :])
+        acc += s * (part - z * xsum[None, :])
     y = tl.sum(acc, axis=1)  # [BN]
     if RESIDUAL:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-_gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL"],
+_gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -201,7 +235,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None), {"BLOCK_N": 64, "BLOCK_K": 64})
+             residual is not None, not interpreted()), {"BLOCK_N": 64, "BLOCK_K": 64})
     return y
 
 
@@ -230,7 +264,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
-             y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None),
+             y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
             {"BLOCK_N": 64, "BLOCK_K": 2 * group_size})
     return y
 

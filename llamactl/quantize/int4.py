@@ -26,7 +26,7 @@ def supported(in_features: int, out_features: int, group_size: int) -> bool:
 
 
 def triton_supported(in_features: int, group_size: int) -> bool:
-    return in_features % 8 == 0 and group_size % 8 == 0 and in_features % group_size == 0
+    return in_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0
 
 
 def _use_triton(device: torch.device) -> bool:

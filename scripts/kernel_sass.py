@@ -1,0 +1,62 @@
+"""Instruction count of the int4 GEMV's main loop, compiled here for sm_90 (no GPU needed).
+
+Triton compiles to a Hopper cubin with its bundled ptxas; cuobjdump (also in Triton's package)
+disassembles it. The loop body's instructions per weight say whether the kernel can keep up with
+memory (about 3 a weight: LOP3, FADD, FFMA) and which configs spill registers.
+Usage: python scripts/kernel_sass.py [BLOCK_N BLOCK_K WARPS ...]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from llamactl.kernels import gemv
+
+SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
+             "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32", "G": "constexpr", "NORM": "constexpr",
+             "GLU": "constexpr", "RESIDUAL": "constexpr", "USE_ASM": "constexpr", "BLOCK_N": "constexpr",
+             "BLOCK_K": "constexpr"}
+
+
+def loop_body(bn: int, bk: int, warps: int) -> list[str]:
+    const = {"G": 128, "NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk}
+    # as the runtime specializes them: 16-byte aligned pointers, N and K multiples of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(SIGNATURE.items())
+             if kind.startswith("*") or name in ("N", "K")}
+    src = triton.compiler.ASTSource(fn=gemv._gemv_int4_kernel, signature=SIGNATURE, constexprs=const, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?);", sass)]
+    back = [(a, int(t.group(1), 16)) for a, i in ins
+            if (t := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", i)) and int(t.group(1), 16) < a]
+    lo, hi = (back[-1][1], back[-1][0]) if back else (0, 1 << 30)  # the last backward branch closes the K loop
+    return [re.sub(r"^@!?U?P\w+\s+", "", i).split()[0] for a, i in ins if lo <= a <= hi]
+
+
+def main():
+    args = [int(a) for a in sys.argv[1:]]
+    configs = [tuple(args[i : i + 3]) for i in range(0, len(args), 3)] or [
+        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) for c in gemv._int4_configs()]
+    for bn, bk, warps in configs:
+        body = loop_body(bn, bk, warps)
+        per_thread = bn * bk / (32 * warps)
+        kinds = Counter(op.split(".")[0] for op in body)
+        spills = kinds.get("STL", 0) + kinds.get("LDL", 0)
+        print(f"BLOCK_N {bn:3d} BLOCK_K {bk:5d} warps {warps}: {len(body):5d} instructions / {per_thread:4.0f} weights "
+              f"per thread = {len(body) / per_thread:.2f} a weight; spills {spills}; {kinds.most_common(5)}")
+
+
+if __name__ == "__main__":
+    main()
