@@ -134,11 +134,16 @@ def _swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:
     return new
 
 
+def _norm_sites(model) -> list[tuple[nn.Module, str, nn.Module | None]]:
+    """(owner, attribute of the RMSNorm, the one projection that reads its output)."""
+    sites = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
+    sites += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
+    return sites + [(model.model, "norm", model.lm_head)]
+
+
 def _unfuse(model) -> None:
     """Put every RMSNorm folded into a projection back in its place, and clear glu."""
-    layers = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
-    layers += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
-    for owner, attr, lin in layers + [(model.model, "norm", model.lm_head)]:
+    for owner, attr, lin in _norm_sites(model):
         if isinstance(lin, FusedIO) and lin.norm is not None:
             setattr(owner, attr, lin.norm)
             lin.norm = None
@@ -149,9 +154,7 @@ def _unfuse(model) -> None:
 
 def _fuse(model) -> None:
     """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj."""
-    pairs = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
-    pairs += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
-    for owner, attr, lin in pairs + [(model.model, "norm", model.lm_head)]:
+    for owner, attr, lin in _norm_sites(model):
         if isinstance(lin, FusedIO) and lin.can_fuse():
             lin.norm = getattr(owner, attr)
             setattr(owner, attr, nn.Identity())
