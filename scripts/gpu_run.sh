@@ -7,6 +7,7 @@
 #   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
 #   l3      llama3-8b bf16, 128- and 2048-token prompts
 #   long    llama3-8b bf16 at a 128- and a 16K-token context (grouped-query attention)
+#   ladder  llama2-7b: transformers eager and static cache, llamactl eager, graphs, compile (kernels on), one run
 #   warm    cold compile against a warm start from `llamactl compile` artifacts, regional compilation on and off
 #   regions llama2-7b bf16 decode with regional compilation (LLAMACTL_COMPILE_REGIONS=1), to decide its CUDA default
 set -uo pipefail
@@ -34,6 +35,7 @@ for part in "$@"; do
            cp /tmp/profq/kernels-compile-triton-2.txt "$out/kernels-int4.txt"; head -30 "$out/kernels-int4.txt" ;;
     l3) bench llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5 ;;
     long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --prompt-len 128,16384 --gen-len 256 --warmup 2 --repeat 5 ;;
+    ladder) bench llama2-7b-stages --synthetic llama2-7b --stages "${std[@]}" ;;
     warm) for r in 1 0; do LLAMACTL_COMPILE_REGIONS=$r bash scripts/compile_warm_start.sh llamactl/assets/docs-llama-17m /tmp/warm$r cuda \
             | tee "$out/warm-regions$r.txt"; done ;;
     regions) LLAMACTL_COMPILE_REGIONS=1 bench llama2-7b-regions --synthetic llama2-7b --mode compile "${std[@]}" ;;
