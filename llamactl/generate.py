@@ -99,6 +99,27 @@ def eos_ids(model, tokenizer, art=None) -> set[int]:
     return ids
 
 
+class _TokenReader:
+    """Reads a device token [1] on the host without waiting for work queued after it: on CUDA the
+    copy goes to pinned memory and an event marks its end; elsewhere it is a plain read."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(1, dtype=torch.long, pin_memory=self.cuda)
+        self.done = torch.cuda.Event() if self.cuda else None
+        self.token: torch.Tensor | None = None
+
+    def queue(self, token: torch.Tensor) -> None:
+        self.host.copy_(token.view(-1)[:1], non_blocking=self.cuda)  # ordered before later steps on the stream
+        if self.cuda:
+            self.done.record()
+
+    def wait(self) -> int:
+        if self.cuda:
+            self.done.synchronize()
+        return int(self.host[0])
+
+
 @torch.inference_mode()
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
              stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
@@ -136,9 +157,14 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     sync(device)
     t_first = time.perf_counter()
     stop_reason = "length"
-    steps = 0  # decode steps, each producing one token (the EOS one included)
+    steps = 0  # decode steps whose token was read (the EOS one included)
+    reader = _TokenReader(device)
     while True:
-        tid = int(token.item())
+        # Queue the read of this token, then the step that makes the next one, then wait for the
+        # read only: detokenizing and printing overlap the device's next step.
+        reader.queue(token)
+        ahead = dec.step(token, n + steps) if len(out) + 1 < max_new_tokens else None
+        tid = reader.wait()
         if tid in stop_ids:
             stop_reason = "eos"
             break
@@ -153,9 +179,9 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
             if seg.endswith("\n"):
                 seg_start, seg_text = len(out), ""
         yield Step(tid, delta)
-        if len(out) >= max_new_tokens:
+        if ahead is None:
             break
-        token = dec.step(token, n + steps)
+        token = ahead
         steps += 1
     sync(device)
     t_end = time.perf_counter()

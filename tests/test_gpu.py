@@ -93,3 +93,17 @@ def test_sampling_inside_cuda_graphs_draws_fresh_tokens_each_replay(trained_mode
         runs.append(events[-1].token_ids)
     assert runs[0] == runs[1] and runs[0] != runs[2]  # seeded, and the graph's RNG advances
     assert len(set(runs[0])) > 5
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_pipelined_streaming_gives_the_decoders_tokens(trained_model, mode):
+    """generate reads token n while the step for token n+1 runs: the tokens must be the Decoder's."""
+    from llamactl.generate import Sampling, generate
+    from llamactl.load import load_tokenizer
+
+    art = open_artifact(trained_model)
+    model = load_model(art, torch.device("cuda"), torch.bfloat16)
+    tok = load_tokenizer(art)
+    prompt = list(range(10, 60))
+    events = list(generate(model, tok, prompt, 32, Sampling(temperature=0.0), set(), ignore_eos=True, mode=mode))
+    assert events[-1].token_ids == greedy(model, mode)
