@@ -242,3 +242,12 @@ def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
     assert kernels.load_cache(saved) == 2 and kernels.load_cache(saved) == 0  # the second adds nothing
     assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"
+
+
+def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch):
+    from llamactl import kernels
+
+    assert kernels.self_check(torch.device(DEV)) is None
+    monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
+                                                                       dtype=torch.int32, device=codes.device))
+    assert "gemv int4" in kernels.self_check(torch.device(DEV))

@@ -35,10 +35,64 @@ def triton_version() -> str | None:
 
 
 def available(device: torch.device) -> bool:
-    """Whether llamactl's Triton kernels run on `device` (LLAMACTL_KERNELS=0 turns them off)."""
+    """Whether llamactl's Triton kernels run on `device` (LLAMACTL_KERNELS=0 turns them off).
+
+    On CUDA they must first pass a self-check on the device (once per process); a failure is
+    reported once and the model runs on cuBLAS, SDPA and tinygemm instead."""
     if os.environ.get("LLAMACTL_KERNELS", "1") == "0" or triton_version() is None:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    if device.type == "cuda":
+        return _checked(torch.cuda.current_device() if device.index is None else device.index)
+    return device.type == "cpu" and interpreted()
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(index: int) -> bool:
+    problem = self_check(torch.device("cuda", index))
+    if problem:
+        from llamactl import ui
+
+        ui.warn(f"llamactl's Triton kernels failed their check on {torch.cuda.get_device_name(index)} ({problem}); "
+                "using cuBLAS/SDPA/tinygemm instead. LLAMACTL_KERNELS=0 silences this.")
+    return problem is None
+
+
+@torch.inference_mode()
+def self_check(device: torch.device) -> str | None:
+    """Run each kernel once on small random inputs against a float64 reference: None when all
+    agree (relative error under 2e-2, bf16 output), else what failed."""
+    from llamactl.kernels import attention, gemv
+
+    def rel(y, ref):
+        return float((y.double() - ref).norm() / ref.norm())
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16 = torch.bfloat16
+    x = torch.randn(256, device=device, generator=gen).to(bf16)
+    checks = {}
+    gemv.FIXED_BLOCKS = True
+    try:
+        w = torch.randn(48, 256, device=device, generator=gen).to(bf16)
+        checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
+        w8 = torch.randint(-127, 128, (48, 256), device=device, generator=gen, dtype=torch.int8)
+        s8 = (torch.rand(48, device=device, generator=gen) * 0.01 + 1e-3).to(bf16)
+        checks["gemv int8"] = rel(gemv.gemv(x, w8, s8), (w8.double() @ x.double()) * s8.double())
+        codes = torch.randint(0, 16, (48, 256), device=device, generator=gen)
+        s4 = (torch.rand(48, 2, device=device, generator=gen) * 0.01 + 1e-3).half()
+        z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
+        w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
+        checks["gemv int4"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128), w4 @ x.double())
+        adt = torch.float16 if interpreted() else bf16  # the CPU interpreter mishandles bf16 tl.dot
+        q = torch.randn(1, 2, 4, 64, device=device, generator=gen).to(adt)
+        k, v = (torch.randn(1, 2, 300, 64, device=device, generator=gen).to(adt) for _ in range(2))
+        ref = torch.softmax(q.double() @ k[:, :, :200].double().transpose(-1, -2) / 8, -1) @ v[:, :, :200].double()
+        checks["decode attention"] = rel(attention.decode_attention(q, k, v, torch.tensor([199], device=device)), ref)
+    except Exception as e:  # a kernel that does not compile or launch here
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    finally:
+        gemv.FIXED_BLOCKS = False
+    bad = [f"{name} error {err:.1e}" for name, err in checks.items() if not err < 2e-2]
+    return "; ".join(bad) or None
 
 
 def cache_dir() -> Path | None:

@@ -217,9 +217,13 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
     tl.store(w_ptr + rows64[:, None, None] * K + cols[None, :, :], w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
 
 
+FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
+
+
 def _launch(tuned, kernel, grid, args: tuple, fixed: dict):
-    """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter."""
-    if interpreted():
+    """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
+    self-check, which should not pay for tuning)."""
+    if interpreted() or FIXED_BLOCKS:
         kernel[grid(fixed)](*args, **fixed)
     else:
         tuned[grid](*args)
