@@ -33,29 +33,21 @@ def _bf16_configs():
 
 
 @triton.jit
-def _rms_scale(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) over x: [K] (RMSNorm's scale)."""
-    cols = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        xk = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        ss += xk * xk
-    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def _load_input(x_ptr, idx, mask, K, rs, nw_ptr, NORM: tl.constexpr, GLU: tl.constexpr):
-    """x'[idx] in float32, with the folded RMSNorm (scale rs, weight nw) or SwiGLU (x: [2K]) applied and
-    rounded to x's dtype where the unfused model rounds."""
+def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constexpr):
+    """(x'[idx], x[idx]) in float32. NORM: x' = x * nw, the RMSNorm without its scale, which the
+    caller applies to the finished dot product (rs * W (x * nw) = W (rmsnorm(x) * nw)), so no pass
+    over x has to come before the weights stream in; the unfused model rounds x * rs to x's dtype
+    first, a difference below that rounding. GLU: x' = silu(x[:K]) * x[K:] (x: [2K]), rounded to
+    x's dtype where the unfused model rounds."""
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    xp = x
     if NORM:
-        nw = tl.load(nw_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        x = ((x * rs).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        xp = x * tl.load(nw_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if GLU:
         up = tl.load(x_ptr + K + idx, mask=mask, other=0.0).to(tl.float32)
-        x = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
-    return x
+        xp = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
+    return xp, x
 
 
 @triton.jit
@@ -81,26 +73,28 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
     #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
-    # rounded to x's dtype where the unfused model rounds; one program per BLOCK_N rows
+    # (see _load_input for where it rounds); one program per BLOCK_N rows
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
-    rs = 1.0
-    if NORM:
-        rs = _rms_scale(x_ptr, K, eps, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        x = _load_input(x_ptr, k, k_ok, K, rs, nw_ptr, NORM, GLU)  # [BK]
+        x, x_raw = _load_input(x_ptr, k, k_ok, K, nw_ptr, NORM, GLU)  # [BK]
+        if NORM:
+            ss += x_raw * x_raw
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
         if w_ptr.dtype.element_ty == tl.int8:
             acc += _int8_float(w, USE_ASM) * x[None, :]
         else:
             acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)  # [BN]
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if RESIDUAL:
@@ -157,9 +151,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
     words = tl.arange(0, WORDS)  # [W]
-    rs = 1.0
-    if NORM:
-        rs = _rms_scale(x_ptr, K, eps, BLOCK_K)
+    ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     quads = tl.arange(0, WORDS // 4)  # [W/4]
     acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -171,7 +163,9 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # sum_j code[8w + j] x[8w + j]
         xsum = tl.zeros([WORDS], dtype=tl.float32)  # sum_j x[8w + j]
         for j in tl.static_range(8):
-            xj = _load_input(x_ptr, word * 8 + j, w_ok, K, rs, nw_ptr, NORM, GLU)  # [W]
+            xj, x_raw = _load_input(x_ptr, word * 8 + j, w_ok, K, nw_ptr, NORM, GLU)  # [W]
+            if NORM:
+                ss += x_raw * x_raw
             xsum += xj
             if j < 5:
                 bits = _nibble_float(p, 0xF << (4 * j), USE_ASM)
@@ -190,6 +184,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         z = tl.load(z_ptr + g_off, mask=g_ok, other=0).to(tl.float32)
         acc += s * (part - z * xsum[None, :])
     y = tl.sum(acc, axis=1)  # [BN]
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if RESIDUAL:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
