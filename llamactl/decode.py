@@ -79,6 +79,10 @@ class Decoder:
         self.compile_regions = mode == "compile" and compile_regions(self.device)
         for layer in model.model.layers:
             layer.compile_region = self.compile_regions
+        if self.compile_regions:
+            from llamactl.kernels.linear import unfold_cache_writes
+
+            unfold_cache_writes(model)
         if mode == "compile":
             # Inductor without its own cudagraphs: the whole step is captured below, once.
             import torch._inductor.config as inductor_config

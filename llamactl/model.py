@@ -98,7 +98,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self.qkv_sizes = (h * d, kv * d, kv * d)
         self.kv_cache: KVCache | None = None
-        self.decode_kernel = False  # set by kernels.linear.set_kernels: split-KV Triton attention for S == 1
+        # set by kernels.linear.set_kernels for S == 1: "rope" (llamactl's split-KV attention with RoPE
+        # and the cache write folded in), "plain" (the attention kernel alone), or "" (SDPA)
+        self.decode_kernel = ""
 
     def forward(self, x, cos, sin, mask, input_pos, residual):
         # x: [B, S, hidden] (normed), cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S],
@@ -108,16 +110,24 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        rep = self.n_heads // self.n_kv_heads
+        if s == 1 and self.decode_kernel == "rope":
+            from llamactl.kernels.attention import decode_attention_rope
+
+            # one token, one kernel: RoPE, the cache write at input_pos, and attention over the cache
+            # up to input_pos, with the query heads of a KV head as one tile
+            c, d = self.kv_cache, self.head_dim
+            y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
+                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[0], sin[0], input_pos)  # [B, H_kv, rep, D]
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
-        rep = self.n_heads // self.n_kv_heads
-        if s == 1 and self.decode_kernel:
+        if s == 1 and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
-            # one token: reads the cache only up to input_pos, query heads of a KV head as one tile
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual)
         if rep > 1:

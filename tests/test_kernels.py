@@ -251,3 +251,63 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     assert "gemv int4" in kernels.self_check(torch.device(DEV))
+
+
+def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps():
+    from llamactl.model import apply_rope
+
+    torch.manual_seed(5)
+    b, kv, rep, d, max_seq = 2, 2, 4, 64, 300
+    k_cache = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    q, k_new, v_new = (torch.randn(b, kv, n, d, device=DEV, dtype=ATTN_DTYPE) for n in (rep, 1, 1))
+    ang = torch.rand(d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang]).cos(), torch.cat([ang, ang]).sin()  # [D], rotate-half layout
+    for pos in (0, 63, 64, 170):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = attention.decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kc, vc, cos, sin,
+                                              torch.tensor([pos], device=DEV))
+        qr = apply_rope(q.double(), cos.double()[None], sin.double()[None])  # [B, KV, R, D]
+        kr = apply_rope(k_new.double(), cos.double()[None], sin.double()[None])[:, :, 0]
+        assert rel(kc[:, :, pos].cpu(), kr.cpu()) < 2e-3 and torch.equal(vc[:, :, pos], v_new[:, :, 0])
+        untouched = torch.ones(max_seq, dtype=torch.bool)
+        untouched[pos] = False
+        assert torch.equal(kc[:, :, untouched.to(DEV)], k_cache[:, :, untouched.to(DEV)])
+        keys = kc[:, :, : pos + 1].double()
+        ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vc[:, :, : pos + 1].double()
+        assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions):
+    """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
+    compilation, which cannot take a mutating op, the model falls back to the plain attention op."""
+    from llamactl.artifact import open_artifact
+    from llamactl.kernels.linear import set_kernels, unfold_cache_writes
+    from llamactl.load import load_model
+
+    torch._dynamo.reset()
+    model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    model.fuse_projections()
+    set_kernels(model, True)
+    if regions:
+        unfold_cache_writes(model)
+    for layer in model.model.layers:
+        layer.compile_region = regions
+    assert model.model.layers[0].self_attn.decode_kernel == ("plain" if regions else "rope")
+    ids = torch.randint(0, 8192, (1, 6), device=DEV)
+
+    def step(tok, pos):
+        return model(tok, pos)[:, -1].argmax(-1)
+
+    def decode(fn):
+        model.setup_caches(1, 32)
+        model.setup_caches(1, 64)  # fresh caches
+        tok, out = model(ids, torch.arange(6, device=DEV))[:, -1].argmax(-1), []
+        for i in range(4):
+            tok = fn(tok.view(1, 1), torch.tensor([6 + i], device=DEV))
+            out.append(int(tok))
+        return out
+
+    with torch.inference_mode():
+        assert decode(torch.compile(step, fullgraph=True, dynamic=False)) == decode(step)

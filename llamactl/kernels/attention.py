@@ -22,22 +22,46 @@ MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not byte
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, S, scale, R: tl.constexpr,
-                  SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
+    """Rows of ptr ([rows, D]) rotated as HF's apply_rope does: x * cos + rotate_half(x) * sin, float32."""
+    x = tl.load(ptr + rows[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + rows[:, None] * D + ((d + D // 2) % D)[None, :], mask=mask, other=0.0).to(tl.float32)
+    sign = tl.where(d < D // 2, -1.0, 1.0)  # rotate_half: (-x2, x1)
+    return x * cos[None, :] + sign[None, :] * partner * sin[None, :]
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
+                  R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R]
+    # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
+    # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    n_ctx = tl.load(pos_ptr).to(tl.int32) + 1
+    pos = tl.load(pos_ptr).to(tl.int32)
+    n_ctx = pos + 1
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_ctx)
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + bh * R * D + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
+    kv_base = bh * S * D
+    if ROPE:
+        cos = tl.load(cos_ptr + d)
+        sin = tl.load(sin_ptr + d)
+        q = _rope(q_ptr + bh * R * D, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
+        if pos // CHUNK == split:  # only this program reads position pos: no other program races it
+            one = tl.arange(0, 1)
+            k_new = _rope(kn_ptr + bh * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
+            v_new = tl.load(vn_ptr + bh * D + one[:, None] * 0 + d[None, :])
+            tl.store(k_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], v_new)
+        tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
+    else:
+        q = tl.load(q_ptr + bh * R * D + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    kv_base = bh * S * D
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
@@ -89,16 +113,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
     softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
     b, hkv, r, d = q.shape
     s = k.shape[2]
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"decode_attention needs a power-of-two head_dim >= 16, got {d}")
+    _check_head_dim(d)
     splits, chunk = plan(s)
     block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
-    _split_kernel[(bh, splits)](q, k, v, pos, acc, ml, s, 1.0 / math.sqrt(d), R=r, SPLITS=splits, CHUNK=chunk,
-                                D=d, BLOCK_R=block_r, BLOCK_S=64, num_warps=4)
+    _split_kernel[(bh, splits)](q, k, v, pos, acc, ml, q, q, q, q, s, 1.0 / math.sqrt(d), R=r, SPLITS=splits,
+                                CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64, ROPE=False, num_warps=4)
     out = torch.empty_like(q)
     _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
     return out
@@ -107,3 +130,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
 @decode_attention.register_fake
 def _(q, k, v, pos):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("llamactl::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
+def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One decode step's attention with RoPE and the cache write folded in: q: [B, H_kv, R, D] and
+    k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
+    pos), cos/sin: [D] float32 at pos -> [B, H_kv, R, D]. One kernel instead of RoPE, two cache
+    writes and the attention."""
+    b, hkv, r, d = q.shape
+    s = k_cache.shape[2]
+    _check_head_dim(d)
+    splits, chunk = plan(s)
+    block_r = max(16, triton.next_power_of_2(r))
+    bh = b * hkv
+    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+    acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
+    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos.float().contiguous(),
+                                sin.float().contiguous(), s, 1.0 / math.sqrt(d), R=r, SPLITS=splits, CHUNK=chunk, D=d,
+                                BLOCK_R=block_r, BLOCK_S=64, ROPE=True, num_warps=4)
+    out = torch.empty_like(q)
+    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
+    return out
+
+
+@decode_attention_rope.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos):
+    return torch.empty_like(q)
+
+
+def _check_head_dim(d: int) -> None:
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"decode attention needs a power-of-two head_dim >= 16, got {d}")

@@ -180,9 +180,17 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if on:
         _fuse(model)
     hd = model.args.head_dim
-    attn_ok = on and hd >= 16 and hd & (hd - 1) == 0
+    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
     for layer in model.model.layers:
-        layer.self_attn.decode_kernel = attn_ok
+        layer.self_attn.decode_kernel = attn
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
-    return {"gemv": f"triton {kernels.triton_version()}", "decode_attention": "triton split-kv" if attn_ok else "sdpa"}
+    return {"gemv": f"triton {kernels.triton_version()}", "decode_attention": "triton split-kv" if attn else "sdpa"}
+
+
+def unfold_cache_writes(model) -> None:
+    """Use the attention kernel without the folded RoPE/cache write: torch.compile's regional
+    compilation cannot functionalize a custom op that mutates its inputs (the KV cache)."""
+    for layer in model.model.layers:
+        if layer.self_attn.decode_kernel == "rope":
+            layer.self_attn.decode_kernel = "plain"
