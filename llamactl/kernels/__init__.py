@@ -86,7 +86,15 @@ def self_check(device: torch.device) -> str | None:
         q = torch.randn(1, 2, 4, 64, device=device, generator=gen).to(adt)
         k, v = (torch.randn(1, 2, 300, 64, device=device, generator=gen).to(adt) for _ in range(2))
         ref = torch.softmax(q.double() @ k[:, :, :200].double().transpose(-1, -2) / 8, -1) @ v[:, :, :200].double()
-        checks["decode attention"] = rel(attention.decode_attention(q, k, v, torch.tensor([199], device=device)), ref)
+        pos = torch.tensor([199], device=device)
+        checks["decode attention"] = rel(attention.decode_attention(q, k, v, pos), ref)
+        # with RoPE folded in: cos = 1, sin = 0 leaves q and the new key as they are
+        k_new, v_new = k[:, :, 199].clone(), v[:, :, 199].clone()
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, 199], v2[:, :, 199] = 0, 0
+        ones, zeros = torch.ones(64, device=device), torch.zeros(64, device=device)
+        out = attention.decode_attention_rope(q, k_new, v_new, k2, v2, ones, zeros, pos)
+        checks["decode attention + rope"] = rel(out, ref)
     except Exception as e:  # a kernel that does not compile or launch here
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     finally:
