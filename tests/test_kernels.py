@@ -311,3 +311,22 @@ def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions):
 
     with torch.inference_mode():
         assert decode(torch.compile(step, fullgraph=True, dynamic=False)) == decode(step)
+
+
+
+def test_kernels_compile_for_hopper():
+    """The GPU-only code paths (inline PTX, the RoPE/cache-write branch, every fused variant)
+    compile to sm_90 cubins in CI, which has no GPU; the interpreter never compiles them. A fresh
+    process: in this one Triton's interpreter mode is on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, str(root / "scripts" / "compile_kernels.py")], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "all compiled" in res.stdout
