@@ -107,24 +107,32 @@ def plan(max_seq: int) -> tuple[int, int]:
     return splits, chunk
 
 
-@torch.library.custom_op("llamactl::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] ->
-    softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+            rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """Launch the split and merge kernels; rope: (k_new, v_new, cos, sin) to fold RoPE and the cache
+    write in, or None. q and the rope tensors must be contiguous; the caches are used in place."""
     b, hkv, r, d = q.shape
-    s = k.shape[2]
+    s = k_cache.shape[2]
     _check_head_dim(d)
     splits, chunk = plan(s)
     block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
-    _split_kernel[(bh, splits)](q, k, v, pos, acc, ml, q, q, q, q, s, 1.0 / math.sqrt(d), R=r, SPLITS=splits,
-                                CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64, ROPE=False, num_warps=4)
+    k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
+    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
+                                R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64,
+                                ROPE=rope is not None, num_warps=4)
     out = torch.empty_like(q)
     _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
     return out
+
+
+@torch.library.custom_op("llamactl::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] ->
+    softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
+    return _attend(q.contiguous(), k.contiguous(), v.contiguous(), pos, None)
 
 
 @decode_attention.register_fake
@@ -139,21 +147,8 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
     pos), cos/sin: [D] float32 at pos -> [B, H_kv, R, D]. One kernel instead of RoPE, two cache
     writes and the attention."""
-    b, hkv, r, d = q.shape
-    s = k_cache.shape[2]
-    _check_head_dim(d)
-    splits, chunk = plan(s)
-    block_r = max(16, triton.next_power_of_2(r))
-    bh = b * hkv
-    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
-    acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
-    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos.float().contiguous(),
-                                sin.float().contiguous(), s, 1.0 / math.sqrt(d), R=r, SPLITS=splits, CHUNK=chunk, D=d,
-                                BLOCK_R=block_r, BLOCK_S=64, ROPE=True, num_warps=4)
-    out = torch.empty_like(q)
-    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
-    return out
+    rope = (k_new.contiguous(), v_new.contiguous(), cos.float().contiguous(), sin.float().contiguous())
+    return _attend(q.contiguous(), k_cache, v_cache, pos, rope)
 
 
 @decode_attention_rope.register_fake

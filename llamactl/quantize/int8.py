@@ -5,7 +5,7 @@ On CUDA with Triton, batch-1 rows go through llamactl's int8 GEMV (kernels.gemv)
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
 (code - 128, scale). Where this torch has no kernel for the device, the layer keeps its
-dequantizing path: `available` probes the operator once per device.
+dequantizing path: `torch_kernel` probes the operator once per device type.
 """
 
 from __future__ import annotations
