@@ -53,7 +53,7 @@ def cases():
            dict(G=128, BLOCK_N=32, WORDS=32))
     for rope, (r, d) in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)]):
         yield (f"decode attention rope={rope} R={r} D={d}", attention._split_kernel, ATTN,
-               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope))
+               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32"))
     yield ("attention merge", attention._merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"},
            dict(R=4, SPLITS=8, D=128, BLOCK_R=16))
 

@@ -33,10 +33,11 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
     # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R]
     # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
-    # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first
+    # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
+    # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -66,14 +67,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr,
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BR, BS]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = (bh * SPLITS + split) * BLOCK_R
     tl.store(acc_ptr + (out + r[:, None]) * D + d[None, :], acc)
@@ -122,7 +123,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64,
-                                ROPE=rope is not None, num_warps=4)
+                                ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                                num_warps=4)
     out = torch.empty_like(q)
     _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
     return out
