@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Cold compile against a warm start from `llamactl compile` artifacts, each in a fresh process with
-# an empty inductor cache, so only the artifacts can make the second one warm.
+# empty inductor and Triton caches, so only the artifacts can make the second one warm.
 # Usage: bash scripts/compile_warm_start.sh MODEL OUTDIR [DEVICE]
 set -euo pipefail
 model=$1; out=$2; dev=${3:-auto}
 mkdir -p "$out"
 t() { local s=$(date +%s.%N); "$@" > /dev/null 2>>"$out/log"; python -c "print(round($(date +%s.%N) - $s, 2))"; }
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 cold=$(t python -m llamactl generate "$model" --compile --device "$dev" -p "The kernel" -n 32 --temperature 0)
 python -m llamactl compile "$model" -o "$out/compiled" --buckets 128 --device "$dev" --force > /dev/null 2>>"$out/log"
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 warm=$(t python -m llamactl generate "$out/compiled" --compile --device "$dev" -p "The kernel" -n 32 --temperature 0)
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 eager=$(t python -m llamactl generate "$model" --device "$dev" -p "The kernel" -n 32 --temperature 0)
 echo "generate -n 32, whole process: eager ${eager}s, cold compile ${cold}s, warm start from artifacts ${warm}s"
 python -c "c, w, e = $cold, $warm, $eager; print(f'compile overhead: cold {c - e:.1f}s, warm {w - e:.1f}s, ratio {(c - e) / max(w - e, 1e-3):.1f}x')"
