@@ -26,8 +26,7 @@ GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16",
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
         "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "cnt_ptr": "*i32", "o_ptr": "*bf16", "S": "i32",
-        "scale": "fp32"}
+        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "S": "i32", "scale": "fp32"}
 
 
 def compile_one(fn, signature: dict, constexprs: dict, warps: int = 4):
@@ -52,9 +51,9 @@ def cases():
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
-    for rope, merge, (r, d) in itertools.product([False, True], [False, True], [(1, 128), (4, 128), (8, 64)]):
-        yield (f"decode attention rope={rope} merge={merge} R={r} D={d}", attention._split_kernel, ATTN,
-               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32", MERGE=merge))
+    for rope, (r, d) in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)]):
+        yield (f"decode attention rope={rope} R={r} D={d}", attention._split_kernel, ATTN,
+               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32"))
     yield ("attention merge", attention._merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"},
            dict(R=4, SPLITS=8, D=128, BLOCK_R=16))
 

@@ -120,13 +120,11 @@ def probe_attention(hkv, rep, s_max, ctx, out):
     mask = mask.expand(1, 1, rep, s_max)
     t_sdpa = graph_time([lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for k, v in caches])
     t_tri = graph_time([lambda k=k, v=v: attention.decode_attention(q, k, v, pos) for k, v in caches])
-    t_two = graph_time([lambda k=k, v=v: attention._attend(q, k, v, pos, None, merge="kernel") for k, v in caches])
     gb = 2 * hkv * ctx * d * 2 / 1e9
     out.append({"kv_heads": hkv, "rep": rep, "cache": s_max, "ctx": ctx, "rel_err": err, "sdpa_us": t_sdpa * 1e6,
-                "triton_us": t_tri * 1e6, "triton_gbs": gb / t_tri, "triton_merge_kernel_us": t_two * 1e6})
+                "triton_us": t_tri * 1e6, "triton_gbs": gb / t_tri})
     print(f"attention kv_heads {hkv} rep {rep} cache {s_max} ctx {ctx}: sdpa {t_sdpa*1e6:7.1f} us | triton {t_tri*1e6:7.1f} us "
-          f"({gb/t_tri:5.0f} GB/s of K/V, {t_sdpa/t_tri:.2f}x; merge as a 2nd kernel {t_two*1e6:6.1f} us) | err {err:.1e}",
-          flush=True)
+          f"({gb/t_tri:5.0f} GB/s of K/V, {t_sdpa/t_tri:.2f}x) | err {err:.1e}", flush=True)
 
 
 def main():

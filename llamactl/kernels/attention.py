@@ -5,10 +5,8 @@ mask, so it reads every position up to max_seq, and at batch 1 it has only batch
 to spread over the chip. Here the cache is cut into SPLITS chunks, one program per (batch, KV head,
 chunk); chunks past pos exit at once, so a 16K cache holding 300 tokens costs 300 tokens of reads,
 and `pos` is read on the device, so the kernel can sit in a CUDA graph. The query heads of one KV
-head (grouped-query attention) are the rows of one tile, so K/V are read once per KV head. The
-chunks' partial softmaxes are merged by the last program of each head to finish (a counter per head,
-reset by that program), so a layer's attention is one kernel; `merge="kernel"` runs a second
-kernel for the merge instead (for comparison, and where there are more heads than counters).
+head (grouped-query attention) are the rows of one tile, so K/V are read once per KV head. A second
+kernel merges the chunks' partial softmaxes.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ import triton.language as tl
 
 MAX_SPLITS = 64
 MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)
-MAX_COUNTERS = 4096  # batch x KV heads that the in-kernel merge serves
-_counters: dict[torch.device, torch.Tensor] = {}  # per device: [MAX_COUNTERS] int32, zero between calls
 
 
 @triton.jit
@@ -35,15 +31,13 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, cnt_ptr, o_ptr,
-                  S, scale, R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                  MERGE: tl.constexpr):
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
+                  R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
     # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R]
     # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
     # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
-    # MERGE: the last program of head bh to finish (counter cnt: [BH]) merges the chunks into o: [BH, R, D]
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -73,50 +67,19 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr,
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D], in flight with k
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = (bh * SPLITS + split) * BLOCK_R
     tl.store(acc_ptr + (out + r[:, None]) * D + d[None, :], acc)
     tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + r, m)
     tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + BLOCK_R + r, l)
-    if MERGE:
-        # the partials above are visible to the whole GPU before this program counts itself done
-        # (barrier, then a release-acquire atomic), and the merging program reads them past L1
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if done == SPLITS - 1:
-            tl.store(cnt_ptr + bh, 0)  # zero again for the next call (the next kernel runs after this one)
-            _merge_rows(acc_ptr, ml_ptr, o_ptr, bh, r, d, (n_ctx + CHUNK - 1) // CHUNK, R, SPLITS, D, BLOCK_R)
-
-
-@triton.jit
-def _merge_rows(acc_ptr, ml_ptr, o_ptr, bh, r, d, n_active, R: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    """o[bh, r] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i over the n_active chunks that hold
-    positions, all rows r of the tile at once (a running maximum, like the split loop)."""
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    o = tl.zeros([BLOCK_R, D], tl.float32)
-    for i in range(0, n_active):
-        base = bh * SPLITS + i
-        m_i = tl.load(ml_ptr + base * 2 * BLOCK_R + r, cache_modifier=".cg")  # [BR]
-        l_i = tl.load(ml_ptr + base * 2 * BLOCK_R + BLOCK_R + r, cache_modifier=".cg")
-        acc_i = tl.load(acc_ptr + (base * BLOCK_R + r)[:, None] * D + d[None, :], cache_modifier=".cg")  # [BR, D]
-        m_new = tl.maximum(m, m_i)  # chunk i holds a position, so m_i (and m_new) is finite
-        alpha = tl.exp(m - m_new)
-        beta = tl.exp(m_i - m_new)
-        l = l * alpha + l_i * beta
-        o = o * alpha[:, None] + acc_i * beta[:, None]
-        m = m_new
-    o = o / l[:, None]
-    tl.store(o_ptr + (bh * R + r)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=(r < R)[:, None])
 
 
 @triton.jit
@@ -146,10 +109,9 @@ def plan(max_seq: int) -> tuple[int, int]:
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-            rope: tuple[torch.Tensor, ...] | None, merge: str = "fused") -> torch.Tensor:
-    """Launch the split kernel (and the merge kernel where merge="kernel" or there are more heads
-    than counters); rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None.
-    q and the rope tensors must be contiguous; the caches are used in place."""
+            rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """Launch the split and merge kernels; rope: (k_new, v_new, cos, sin) to fold RoPE and the cache
+    write in, or None. q and the rope tensors must be contiguous; the caches are used in place."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
@@ -159,24 +121,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
-    fused = merge == "fused" and bh <= MAX_COUNTERS
-    counters = _counter_buffer(q.device) if fused else ml
-    out = torch.empty_like(q)
-    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, counters, out, s,
-                                1.0 / math.sqrt(d), R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64,
+    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
+                                R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                MERGE=fused, num_warps=4)
-    if not fused:
-        _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
+                                num_warps=4)
+    out = torch.empty_like(q)
+    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
     return out
-
-
-def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The in-kernel merge's counters for `device`: zeroed once, then zeroed again by each merging
-    program, so a captured CUDA graph can replay the kernel with no memset between calls."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 @torch.library.custom_op("llamactl::decode_attention", mutates_args=())
