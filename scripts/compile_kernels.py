@@ -44,10 +44,11 @@ def cases():
             continue  # never both: a norm feeds qkv/gate_up, SwiGLU feeds down_proj
         yield (f"gemv {w_type[1:]} norm={norm} glu={glu} residual={res}", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512))
-    for norm, glu, res in flags:
+    for (norm, glu, res), prefetch in itertools.product(flags, [False, True]):
         if not (norm and glu):
-            yield (f"gemv int4 norm={norm} glu={glu} residual={res}", gemv._gemv_int4_kernel, INT4,
-                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024))
+            yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch}", gemv._gemv_int4_kernel, INT4,
+                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
+                        PREFETCH=prefetch))
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))

@@ -3,7 +3,7 @@
 Triton compiles to a Hopper cubin with its bundled ptxas; cuobjdump (also in Triton's package)
 disassembles it. The loop body's instructions per weight say whether the kernel can keep up with
 memory (about 3 a weight: LOP3, FADD, FFMA) and which configs spill registers.
-Usage: python scripts/kernel_sass.py [BLOCK_N BLOCK_K WARPS ...]
+Usage: python scripts/kernel_sass.py [BLOCK_N BLOCK_K WARPS ...]   (no arguments: every autotune config)
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from llamactl.kernels import gemv
 SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
              "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32", "G": "constexpr", "NORM": "constexpr",
              "GLU": "constexpr", "RESIDUAL": "constexpr", "USE_ASM": "constexpr", "BLOCK_N": "constexpr",
-             "BLOCK_K": "constexpr"}
+             "BLOCK_K": "constexpr", "PREFETCH": "constexpr"}
 
 
-def loop_body(bn: int, bk: int, warps: int) -> list[str]:
-    const = {"G": 128, "NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk}
+def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False) -> list[str]:
+    const = {"G": 128, "NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk,
+             "PREFETCH": prefetch}
     # as the runtime specializes them: 16-byte aligned pointers, N and K multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(SIGNATURE.items())
              if kind.startswith("*") or name in ("N", "K")}
@@ -47,14 +48,14 @@ def loop_body(bn: int, bk: int, warps: int) -> list[str]:
 
 def main():
     args = [int(a) for a in sys.argv[1:]]
-    configs = [tuple(args[i : i + 3]) for i in range(0, len(args), 3)] or [
-        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) for c in gemv._int4_configs()]
-    for bn, bk, warps in configs:
-        body = loop_body(bn, bk, warps)
+    configs = [(*args[i : i + 3], False) for i in range(0, len(args), 3)] or [
+        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["PREFETCH"]) for c in gemv._int4_configs()]
+    for bn, bk, warps, prefetch in configs:
+        body = loop_body(bn, bk, warps, prefetch)
         per_thread = bn * bk / (32 * warps)
         kinds = Counter(op.split(".")[0] for op in body)
         spills = kinds.get("STL", 0) + kinds.get("LDL", 0)
-        print(f"BLOCK_N {bn:3d} BLOCK_K {bk:5d} warps {warps}: {len(body):5d} instructions / {per_thread:4.0f} weights "
+        print(f"BLOCK_N {bn:3d} BLOCK_K {bk:5d} warps {warps}{' prefetch' * prefetch}: {len(body):5d} instructions / {per_thread:4.0f} weights "
               f"per thread = {len(body) / per_thread:.2f} a weight; spills {spills}; {kinds.most_common(5)}")
 
 

@@ -72,15 +72,22 @@ def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
 
 
+@pytest.fixture(params=[False, True], ids=["load", "prefetch"])
+def int4_prefetch(request, monkeypatch):
+    """Both ways the int4 kernel loads its weights: per iteration, or the next block ahead (on the
+    CPU the fixed config runs; on the GPU the autotuner chooses among both kinds)."""
+    monkeypatch.setitem(gemv.INT4_FIXED, "PREFETCH", request.param)
+
+
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128), (8, 640, 128)])
-def test_gemv_int4_and_dequantize_match_the_formula(n, k, g):
+def test_gemv_int4_and_dequantize_match_the_formula(n, k, g, int4_prefetch):
     q, s, z, w = _int4_case(n, k, g, seed=n)
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
     assert torch.equal(gemv.dequantize_int4(q, s, z, g, torch.float32).double(), w.float().double())
     assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
 
 
-def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual():
+def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual(int4_prefetch):
     n, k, g = 16, 384, 128
     q, s, z, w = _int4_case(n, k, g, seed=3)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)

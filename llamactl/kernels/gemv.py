@@ -109,13 +109,17 @@ _gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE
 
 def _int4_configs():
     # chosen from the instruction count of the main loop (sm_90 SASS, compiled here): 4.2-6.1
-    # instructions a weight, no register spills (more rows a program: x's unpacking is shared by
-    # more weights, but fewer programs for narrow layers); the autotuner picks per shape on the GPU
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
-            for bn, bk, w in [(64, 1024, 4), (64, 2048, 8),  # 4.2 a weight: wide layers (qkv, gate_up)
-                              (32, 1024, 4), (32, 2048, 4), (32, 512, 2), (64, 1024, 8), (64, 512, 4),
-                              (16, 1024, 4), (16, 2048, 8), (16, 1024, 2), (16, 512, 2), (8, 2048, 4),
-                              (8, 1024, 2), (8, 512, 2)]]
+    # instructions a weight (more rows a program: x's unpacking is shared by more weights, but
+    # fewer programs for narrow layers; 64 x 1024 and 64 x 2048 spill ~10 registers since all of
+    # an iteration's loads come first); the autotuner picks per shape on the GPU
+    # PREFETCH (the next block's weights in registers) only where two blocks fit: 64 rows of 1024
+    # columns already take 254 registers a thread
+    plain = [(64, 1024, 4), (64, 2048, 8),  # 4.2 a weight: wide layers (qkv, gate_up)
+             (32, 1024, 4), (32, 2048, 4), (32, 512, 2), (64, 1024, 8), (64, 512, 4), (16, 1024, 4), (16, 2048, 8),
+             (16, 1024, 2), (16, 512, 2), (8, 2048, 4), (8, 1024, 2), (8, 512, 2)]
+    prefetch = [(32, 1024, 4), (32, 512, 2), (16, 1024, 4), (16, 1024, 2), (16, 512, 2), (8, 1024, 2)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf}, num_warps=w, num_stages=1)
+            for configs, pf in [(plain, False), (prefetch, True)] for bn, bk, w in configs]
 
 
 def _prune_int4(configs, named_args, **_):
@@ -137,7 +141,7 @@ def _nibble_float(p, mask, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU and RESIDUAL fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
@@ -146,42 +150,56 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # and x[8 i + j] is pre-scaled by 16^-j. Nibbles 5..7 are taken from the word shifted by 12.
     # Each word's 8 products are scaled by its group's scale and zero point in place, so nothing is
     # reduced across threads until the end: about 3 instructions a weight (LOP3, FADD, FFMA).
+    # Every load of an iteration (weights, the 8 slices of x, scales, zeros) is issued before its
+    # arithmetic, so their latencies overlap; PREFETCH also loads the next iteration's weights
+    # (registers for two blocks: an autotune choice for the narrower blocks).
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     row_ok = rows < N
-    rows64 = rows.to(tl.int64)
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    g_rows = rows.to(tl.int64)[:, None] * (K // G)  # [BN, 1]
     words = tl.arange(0, WORDS)  # [W]
-    ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     quads = tl.arange(0, WORDS // 4)  # [W/4]
+    ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
+    if PREFETCH:
+        p_next = tl.load(q_rows + words[None, :], mask=row_ok[:, None] & (words < K // 8)[None, :], other=0)
     for k0 in range(0, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
         w_ok = word < K // 8
-        ok = row_ok[:, None] & w_ok[None, :]  # [BN, W]
-        p = tl.load(q_ptr + rows64[:, None] * (K // 8) + word[None, :], mask=ok, other=0)  # [BN, W] int32
+        if PREFETCH:
+            p = p_next
+            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < K // 8)[None, :],
+                             other=0)
+        else:
+            p = tl.load(q_rows + word[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0)  # [BN, W] int32
+        group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
+        g_ok = row_ok[:, None] & (group < K // G)[None, :]
+        s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
+        z = tl.load(z_ptr + g_rows + group[None, :], mask=g_ok, other=0).to(tl.float32)
+        x0, r0 = _load_input(x_ptr, word * 8 + 0, w_ok, K, nw_ptr, NORM, GLU)  # [W] each: x[8 w + j]
+        x1, r1 = _load_input(x_ptr, word * 8 + 1, w_ok, K, nw_ptr, NORM, GLU)
+        x2, r2 = _load_input(x_ptr, word * 8 + 2, w_ok, K, nw_ptr, NORM, GLU)
+        x3, r3 = _load_input(x_ptr, word * 8 + 3, w_ok, K, nw_ptr, NORM, GLU)
+        x4, r4 = _load_input(x_ptr, word * 8 + 4, w_ok, K, nw_ptr, NORM, GLU)
+        x5, r5 = _load_input(x_ptr, word * 8 + 5, w_ok, K, nw_ptr, NORM, GLU)
+        x6, r6 = _load_input(x_ptr, word * 8 + 6, w_ok, K, nw_ptr, NORM, GLU)
+        x7, r7 = _load_input(x_ptr, word * 8 + 7, w_ok, K, nw_ptr, NORM, GLU)
+        if NORM:
+            ss += r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3 + r4 * r4 + r5 * r5 + r6 * r6 + r7 * r7
+        xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
         p_hi = p >> 12
-        part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)  # sum_j code[8w + j] x[8w + j]
-        xsum = tl.zeros([WORDS], dtype=tl.float32)  # sum_j x[8w + j]
-        for j in tl.static_range(8):
-            xj, x_raw = _load_input(x_ptr, word * 8 + j, w_ok, K, nw_ptr, NORM, GLU)  # [W]
-            if NORM:
-                ss += x_raw * x_raw
-            xsum += xj
-            if j < 5:
-                bits = _nibble_float(p, 0xF << (4 * j), USE_ASM)
-                xj = xj * (1.0 / (1 << (4 * j)))
-            else:
-                bits = _nibble_float(p_hi, 0xF << (4 * (j - 3)), USE_ASM)
-                xj = xj * (1.0 / (1 << (4 * (j - 3))))
-            part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xj[None, :]
+        part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
+        part += _nibble_dot(p, 1, x1, USE_ASM)
+        part += _nibble_dot(p, 2, x2, USE_ASM)
+        part += _nibble_dot(p, 3, x3, USE_ASM)
+        part += _nibble_dot(p, 4, x4, USE_ASM)
+        part += _nibble_dot(p_hi, 2, x5, USE_ASM)
+        part += _nibble_dot(p_hi, 3, x6, USE_ASM)
+        part += _nibble_dot(p_hi, 4, x7, USE_ASM)
         # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
         part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
         xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
-        group = k0 // G + quads // (G // 32)  # [W/4] each quad's group
-        g_ok = row_ok[:, None] & (group < K // G)[None, :]
-        g_off = rows64[:, None] * (K // G) + group[None, :]  # [BN, W/4]
-        s = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g_off, mask=g_ok, other=0).to(tl.float32)
         acc += s * (part - z * xsum[None, :])
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
@@ -189,6 +207,13 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     if RESIDUAL:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
+    """code_j(p) * x_j as [BN, W] floats, for nibble j (0..4) of words p: [BN, W] and x_j: [W]."""
+    bits = _nibble_float(p, 0xF << (4 * j), USE_ASM)
+    return (bits.to(tl.float32, bitcast=True) - 8388608.0) * (xj * (1.0 / (1 << (4 * j))))[None, :]
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM"],
@@ -216,6 +241,7 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
 
 
 FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
+INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups)
 
 
 def _launch(tuned, kernel, grid, args: tuple, fixed: dict):
@@ -267,7 +293,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_N": 64, "BLOCK_K": 2 * group_size})
+            {**INT4_FIXED, "BLOCK_K": 2 * group_size})
     return y
 
 
