@@ -25,11 +25,12 @@ from llamactl.kernels import interpreted
 
 
 def _bf16_configs():
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3),
-                                  (16, 256, 4, 1), (16, 512, 8, 1), (4, 1024, 4, 1), (8, 1024, 8, 1),
-                                  (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (4, 256, 2, 1),
-                                  (8, 2048, 8, 1), (4, 4096, 8, 1), (16, 2048, 8, 1)]]  # the last: int8
+    plain = [(4, 512, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3), (16, 256, 4, 1), (16, 512, 8, 1),
+             (4, 1024, 4, 1), (8, 1024, 8, 1), (2, 1024, 4, 1), (2, 2048, 8, 1), (4, 2048, 8, 1), (4, 256, 2, 1),
+             (8, 2048, 8, 1), (4, 4096, 8, 1), (16, 2048, 8, 1)]  # the last: int8
+    prefetch = [(8, 1024, 4, 1), (16, 1024, 8, 1), (8, 2048, 8, 1), (16, 2048, 8, 1)]  # for int8 (1 byte a weight)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf}, num_warps=w, num_stages=st)
+            for configs, pf in [(plain, False), (prefetch, True)] for bn, bk, w, st in configs]
 
 
 @triton.jit
@@ -68,12 +69,13 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
     #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
-    # (see _load_input for where it rounds); one program per BLOCK_N rows
+    # (see _load_input for where it rounds); one program per BLOCK_N rows; PREFETCH loads the next
+    # block of weights while this one is multiplied (registers for two blocks)
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
@@ -81,13 +83,19 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=row_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0)
         x, x_raw = _load_input(x_ptr, k, k_ok, K, nw_ptr, NORM, GLU)  # [BK]
         if NORM:
             ss += x_raw * x_raw
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
+        if not PREFETCH:
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
         if w_ptr.dtype.element_ty == tl.int8:
             acc += _int8_float(w, USE_ASM) * x[None, :]
         else:
@@ -241,6 +249,7 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
 
 
 FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
+GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False}  # the 16-bit/int8 kernel's fixed config
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups)
 
 
@@ -263,7 +272,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), {"BLOCK_N": 64, "BLOCK_K": 64})
+             residual is not None, not interpreted()), GEMV_FIXED)
     return y
 
 
