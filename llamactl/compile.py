@@ -121,7 +121,10 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         from llamactl import kernels
 
         triton_dir = f"triton-{_key_id(key)}"
-        saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir)
+        saved_kernels = 0
+        if dev.type == "cuda":  # the CPU step runs no Triton kernels of llamactl's
+            major, minor = torch.cuda.get_device_capability(dev)
+            saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir, 10 * major + minor)
         entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings}

@@ -27,6 +27,8 @@ def test_compile_writes_a_keyed_cache(compiled, trained_model):
     man = json.loads((out / "llamactl.json").read_text())
     assert man["stage"] == "compile" and man["metrics"]["compile_cache"][0]["file"] == entry["file"]
     assert (out / "config.json").read_text() == (trained_model / "config.json").read_text()
+    # the CPU step runs none of llamactl's Triton kernels, so no Triton cache entries travel
+    assert entry["triton_cache"] is None and not any(p.name.startswith("triton-") for p in (out / "compile-cache").iterdir())
 
 
 def test_generate_uses_the_cache_and_matches_eager(compiled):

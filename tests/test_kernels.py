@@ -3,6 +3,8 @@ against float64 references. Without CUDA they run through Triton's interpreter (
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,9 +251,12 @@ def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
     for entry, name in [("aaa", "_gemv_kernel.cubin"), ("bbb", "_split_kernel.autotune.json"), ("ccc", "triton_red_fused_0.cubin")]:
         (cache / entry).mkdir(parents=True)
         (cache / entry / name).write_text(entry)
+    for entry, arch in [("aaa", 90), ("ddd", 80)]:  # the kernels' metadata names the GPU they were built for
+        (cache / entry).mkdir(exist_ok=True)
+        (cache / entry / "_gemv_kernel.json").write_text(json.dumps({"target": {"backend": "cuda", "arch": arch}}))
     saved = tmp_path / "saved"
-    assert kernels.save_cache(saved) == 2
-    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb"]
+    assert kernels.save_cache(saved, 90) == 2
+    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb"]  # not Inductor's, not sm_80's
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
     assert kernels.load_cache(saved) == 2 and kernels.load_cache(saved) == 0  # the second adds nothing
     assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"

@@ -10,6 +10,7 @@ Triton's interpreter (slow; used by the tests). `available` says whether they ca
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -112,17 +113,31 @@ def cache_dir() -> Path | None:
     return Path(knobs.cache.dir)
 
 
-def save_cache(dest: Path) -> int:
-    """Copy the Triton cache entries of llamactl's kernels to dest; returns how many entries."""
+def save_cache(dest: Path, arch: int) -> int:
+    """Copy the Triton cache entries of llamactl's kernels built for CUDA compute capability `arch`
+    (90 for sm_90) and their autotune choices to dest; returns how many entries. Kernels built for
+    other GPUs (or by scripts/compile_kernels.py) stay behind."""
     src = cache_dir()
     if src is None or not src.is_dir():
         return 0
     n = 0
     for entry in sorted(src.iterdir()):
-        if entry.is_dir() and any(f.name.startswith(KERNEL_NAMES) for f in entry.iterdir()):
+        files = [f for f in entry.iterdir() if f.name.startswith(KERNEL_NAMES)] if entry.is_dir() else []
+        if files and all(_built_for(f, arch) for f in files):
             shutil.copytree(entry, dest / entry.name, dirs_exist_ok=True)
             n += 1
     return n
+
+
+def _built_for(f: Path, arch: int) -> bool:
+    """False for a kernel's metadata file (NAME.json) that names another target than CUDA `arch`."""
+    if f.suffix != ".json" or f.name.endswith(".autotune.json"):
+        return True
+    try:
+        target = json.loads(f.read_text()).get("target", {})
+    except (OSError, ValueError):
+        return False
+    return target.get("backend") == "cuda" and target.get("arch") == arch
 
 
 def load_cache(src: Path) -> int:
