@@ -20,14 +20,18 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 python -c "import torch, transformers, triton; print(torch.__version__, torch.version.cuda, transformers.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt"
 cat "$out/gpu.txt"
 std=(--prompt-len 128 --gen-len 256 --warmup 2 --repeat 5)
-bench() { name=$1; shift; echo "== $name: llamactl bench $*" >> "$out/commands.txt"
-          python -m llamactl bench "$@" --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" \
+# TRITON_PRINT_AUTOTUNING: the config each kernel's autotuner chose per shape goes to $out/autotune.txt
+# (one file for all parts: the device returns at most 8 files)
+bench() { name=$1; shift; echo "== $name: llamactl bench $*" | tee -a "$out/commands.txt" >> "$out/autotune.txt"
+          TRITON_PRINT_AUTOTUNING=1 python -m llamactl bench "$@" --format json -o "$out/$name.json" 2> "$out/$name.err" \
+          | grep -i "autotuning" >> "$out/autotune.txt"; [ -s "$out/$name.json" ] \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
           && cat "$out/$name.md" || tail -20 "$out/$name.err"; rm -f "$out/$name.err"; }
 for part in "$@"; do
   t0=$SECONDS
   case $part in
-    tests) python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py tests/test_int4.py 2>&1 | tail -15 | tee "$out/tests.txt" ;;
+    tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py tests/test_gpu.py tests/test_int4.py 2>&1 \
+             | tail -30 | tee "$out/tests.txt" ;;
     probe) python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     bf16) bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
           for f in /tmp/prof/kernels-*.txt; do cp "$f" "$out/$(basename "$f")"; head -25 "$f"; done ;;
