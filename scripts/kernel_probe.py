@@ -5,6 +5,10 @@ the int4 GEMV against tinygemm, the int8 GEMV against torch's _weight_int8pack_m
 decode attention against SDPA over the whole cache. Every timing replays a CUDA graph that runs the
 product over enough copies of the weights (>= 1 GB) that the 50 MB L2 cannot serve them, and divides
 by the number of copies; GB/s counts the weight (or K/V) bytes read.
+"folded": the same GEMV with what the model folds into it at that layer (the RMSNorm before qkv,
+gate_up and lm_head; SwiGLU before and the residual after down; the residual after o), so the
+cost of the folds shows per shape. The attention sweep times launch plans of the split kernel
+(min chunk, positions a tile, warps) against the default.
 Usage: python scripts/kernel_probe.py [OUT.json]
 """
 
@@ -24,6 +28,18 @@ torch.manual_seed(0)
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
           "lm_head": (32000, 4096), "l3 qkv": (6144, 4096), "l3 gate_up": (28672, 4096),
           "l3 down": (4096, 14336), "l3 lm_head": (128256, 4096)}
+FOLDS = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "residual", "down": "glu+residual"}
+
+
+def folds(name: str, x: torch.Tensor, n: int) -> tuple[torch.Tensor, dict]:
+    """The input and the fold arguments (norm_weight/eps, residual, glu) the model uses for `name`."""
+    kind = FOLDS[name.removeprefix("l3 ")]
+    if kind == "norm":
+        return x, {"norm_weight": torch.rand_like(x) + 0.5, "eps": 1e-5}
+    residual = torch.randn(n, device=dev, dtype=bf16)
+    if kind == "residual":
+        return x, {"residual": residual}
+    return torch.randn(2 * x.numel(), device=dev, dtype=bf16), {"residual": residual, "glu": True}
 
 
 def graph_time(fns) -> float:
@@ -60,9 +76,12 @@ def probe_linear(name, n, k, out):
     err = rel(gemv.gemv_bf16(x, ws[0]), ws[0].double() @ x.double())
     t_cublas = graph_time([lambda w=w: F.linear(x[None], w) for w in ws])
     t_triton = graph_time([lambda w=w: gemv.gemv_bf16(x, w) for w in ws])
+    xf, kw = folds(name, x, n)
+    t_folded = graph_time([lambda w=w: gemv.gemv(xf, w, **kw) for w in ws])
     gb = n * k * 2 / 1e9
     row = {"shape": name, "n": n, "k": k, "bf16_rel_err": err, "cublas_us": t_cublas * 1e6, "triton_us": t_triton * 1e6,
-           "cublas_gbs": gb / t_cublas, "triton_gbs": gb / t_triton}
+           "cublas_gbs": gb / t_cublas, "triton_gbs": gb / t_triton, "triton_folded_us": t_folded * 1e6,
+           "folds": FOLDS[name.removeprefix("l3 ")]}
     del ws
     # int4, group 128: llamactl's GEMV against tinygemm on the same codes
     g = 128
@@ -80,10 +99,13 @@ def probe_linear(name, n, k, out):
     qws = [qw.clone() for _ in range(copies4)]
     tinys = [tiny.clone() for _ in range(copies4)]
     t4 = graph_time([lambda q=q: gemv.gemv_int4(x, q, s16, z8, g) for q in qws])
+    xf, kw = folds(name, x, n)
+    t4f = graph_time([lambda q=q: gemv.gemv_int4(xf, q, s16, z8, g, **kw) for q in qws])
     tt = graph_time([lambda q=q: torch.ops.aten._weight_int4pack_mm(x[None], q, g, sz) for q in tinys])
     del qws, tinys
     gb4 = n * k / 2 / 1e9
-    row.update(int4_triton_us=t4 * 1e6, tinygemm_us=tt * 1e6, int4_triton_gbs=gb4 / t4, tinygemm_gbs=gb4 / tt)
+    row.update(int4_triton_us=t4 * 1e6, tinygemm_us=tt * 1e6, int4_triton_gbs=gb4 / t4, tinygemm_gbs=gb4 / tt,
+               int4_folded_us=t4f * 1e6)
     # int8 per channel
     copies8 = max(2, int(1.2e9 // (n * k)))
     w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
@@ -92,18 +114,22 @@ def probe_linear(name, n, k, out):
     row["int8_rel_err"] = rel(gemv.gemv_int8(x, w8, s8), ref8)
     w8s = [w8.clone() for _ in range(copies8)]
     t8 = graph_time([lambda w=w: gemv.gemv_int8(x, w, s8) for w in w8s])
+    xf, kw = folds(name, x, n)
+    t8f = graph_time([lambda w=w: gemv.gemv(xf, w, s8, **kw) for w in w8s])
     try:
         t8t = graph_time([lambda w=w: torch.ops.aten._weight_int8pack_mm(x[None], w, s8) for w in w8s])
     except Exception as e:  # noqa: BLE001
         print(f"_weight_int8pack_mm: {type(e).__name__}: {str(e)[:120]}")
         t8t = float("nan")
     del w8s
-    row.update(int8_triton_us=t8 * 1e6, int8_torch_us=t8t * 1e6, int8_triton_gbs=n * k / 1e9 / t8)
+    row.update(int8_triton_us=t8 * 1e6, int8_torch_us=t8t * 1e6, int8_triton_gbs=n * k / 1e9 / t8, int8_folded_us=t8f * 1e6)
     out.append(row)
     print(f"{name:11s} {n}x{k}: bf16 cublas {t_cublas*1e6:7.1f} us {gb/t_cublas:5.0f} GB/s | triton {t_triton*1e6:7.1f} us "
           f"{gb/t_triton:5.0f} GB/s ({t_cublas/t_triton:.2f}x) | int4 triton {t4*1e6:6.1f} us {gb4/t4:5.0f} GB/s, "
           f"tinygemm {tt*1e6:6.1f} us ({tt/t4:.2f}x) | int8 triton {t8*1e6:6.1f} us, torch {t8t*1e6:6.1f} us | "
-          f"err bf16 {err:.1e} int4 {row['int4_rel_err']:.1e} int8 {row['int8_rel_err']:.1e}", flush=True)
+          f"err bf16 {err:.1e} int4 {row['int4_rel_err']:.1e} int8 {row['int8_rel_err']:.1e}\n"
+          f"{'':11s} folded ({row['folds']}): bf16 {t_folded*1e6:7.1f} us | int4 {t4f*1e6:6.1f} us | int8 {t8f*1e6:6.1f} us",
+          flush=True)
 
 
 def probe_attention(hkv, rep, s_max, ctx, out):
@@ -127,6 +153,32 @@ def probe_attention(hkv, rep, s_max, ctx, out):
           f"({gb/t_tri:5.0f} GB/s of K/V, {t_sdpa/t_tri:.2f}x) | err {err:.1e}", flush=True)
 
 
+def sweep_attention(hkv, rep, s_max, ctx, out):
+    """The split kernel's launch plans for one shape, against the default plan."""
+    d = 128
+    q = torch.randn(1, hkv, rep, d, device=dev, dtype=bf16)
+    copies = max(2, int(1.2e9 // (2 * hkv * s_max * d * 2)))
+    caches = [(torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16), torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16))
+              for _ in range(copies)]
+    pos = torch.tensor([ctx - 1], device=dev)
+    base = graph_time([lambda k=k, v=v: attention._attend(q, k, v, pos, None) for k, v in caches])
+    rows = []
+    for min_chunk in (32, 64, 128, 256, 512):
+        for block_s in (32, 64):
+            for warps in (2, 4):
+                if block_s > min_chunk:
+                    continue
+                t = graph_time([lambda k=k, v=v: attention._attend(q, k, v, pos, None, min_chunk, block_s, warps)
+                                for k, v in caches])
+                rows.append({"min_chunk": min_chunk, "block_s": block_s, "warps": warps, "us": t * 1e6,
+                             "splits": attention.plan(s_max, min_chunk)[0]})
+    best = sorted(rows, key=lambda r: r["us"])[:4]
+    out.append({"kv_heads": hkv, "rep": rep, "cache": s_max, "ctx": ctx, "default_us": base * 1e6, "plans": rows})
+    print(f"attention plans kv_heads {hkv} rep {rep} cache {s_max} ctx {ctx}: default {base*1e6:6.1f} us; best "
+          + ", ".join(f"chunk>={r['min_chunk']} tile {r['block_s']} warps {r['warps']} ({r['splits']} splits) "
+                      f"{r['us']:6.1f} us" for r in best), flush=True)
+
+
 def main():
     lin, att = [], []
     for name, (n, k) in SHAPES.items():
@@ -135,8 +187,12 @@ def main():
     for hkv, rep, s_max, ctx in [(32, 1, 384, 256), (32, 1, 2048, 300), (8, 4, 384, 256), (8, 4, 16640, 16512),
                                  (8, 4, 16640, 8000)]:
         probe_attention(hkv, rep, s_max, ctx, att)
+    plans = []
+    for hkv, rep, s_max, ctx in [(32, 1, 384, 256), (8, 4, 384, 256), (8, 4, 16640, 16512)]:
+        sweep_attention(hkv, rep, s_max, ctx, plans)
     if len(sys.argv) > 1:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "linear": lin, "attention": att},
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "linear": lin, "attention": att,
+                   "attention_plans": plans},
                   open(sys.argv[1], "w"), indent=1)
 
 

@@ -100,31 +100,34 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr,
     tl.store(o_ptr + (bh * R + r) * D + d, o.to(o_ptr.dtype.element_ty))
 
 
-def plan(max_seq: int) -> tuple[int, int]:
-    """(splits, chunk) for a cache of max_seq positions: chunks of at least MIN_CHUNK, at most MAX_SPLITS."""
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(max_seq, MIN_CHUNK)))
+def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+    """(splits, chunk) for a cache of max_seq positions: chunks of at least min_chunk positions
+    (a multiple of it), at most MAX_SPLITS of them, a power of two."""
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(max_seq, min_chunk)))
     splits = triton.next_power_of_2(splits)
-    chunk = triton.cdiv(triton.cdiv(max_seq, splits), 64) * 64
+    chunk = triton.cdiv(triton.cdiv(max_seq, splits), min_chunk) * min_chunk
     return splits, chunk
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-            rope: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+            rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
+            warps: int = 4) -> torch.Tensor:
     """Launch the split and merge kernels; rope: (k_new, v_new, cos, sin) to fold RoPE and the cache
-    write in, or None. q and the rope tensors must be contiguous; the caches are used in place."""
+    write in, or None. q and the rope tensors must be contiguous; the caches are used in place.
+    min_chunk, block_s (positions a tile) and warps: the launch plan (scripts/kernel_probe.py sweeps them)."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
-    splits, chunk = plan(s)
+    splits, chunk = plan(s, min_chunk)
     block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
-                                R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=64,
+                                R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                num_warps=4)
+                                num_warps=warps)
     out = torch.empty_like(q)
     _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
     return out
