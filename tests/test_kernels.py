@@ -243,22 +243,24 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
 
 
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
-    """save_cache takes llamactl's kernel entries (not Inductor's), load_cache adds them atomically."""
+    """save_cache takes llamactl's kernel entries (not Inductor's) and Triton's launchers, load_cache
+    adds them atomically."""
     from llamactl import kernels
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    for entry, name in [("aaa", "_gemv_kernel.cubin"), ("bbb", "_split_kernel.autotune.json"), ("ccc", "triton_red_fused_0.cubin")]:
+    for entry, name in [("aaa", "_gemv_kernel.cubin"), ("bbb", "_split_kernel.autotune.json"), ("ccc", "triton_red_fused_0.cubin"),
+                        ("eee", "__triton_launcher.cpython-311-x86_64-linux-gnu.so")]:
         (cache / entry).mkdir(parents=True)
         (cache / entry / name).write_text(entry)
     for entry, arch in [("aaa", 90), ("ddd", 80)]:  # the kernels' metadata names the GPU they were built for
         (cache / entry).mkdir(exist_ok=True)
         (cache / entry / "_gemv_kernel.json").write_text(json.dumps({"target": {"backend": "cuda", "arch": arch}}))
     saved = tmp_path / "saved"
-    assert kernels.save_cache(saved, 90) == 2
-    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb"]  # not Inductor's, not sm_80's
+    assert kernels.save_cache(saved, 90) == 3
+    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb", "eee"]  # not Inductor's kernels, not sm_80's
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
-    assert kernels.load_cache(saved) == 2 and kernels.load_cache(saved) == 0  # the second adds nothing
+    assert kernels.load_cache(saved) == 3 and kernels.load_cache(saved) == 0  # the second adds nothing
     assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"
 
 

@@ -20,6 +20,7 @@ import torch
 # the @triton.jit functions of gemv.py and attention.py: their Triton cache entries travel with
 # `llamactl compile` artifacts (compiled binaries and autotune choices)
 KERNEL_NAMES = ("_gemv_kernel", "_gemv_int4_kernel", "_dequant_int4_kernel", "_split_kernel", "_merge_kernel")
+LAUNCHERS = ("__triton_launcher", "cuda_utils")  # Triton's C launchers, in its cache too
 
 
 def interpreted() -> bool:
@@ -115,14 +116,16 @@ def cache_dir() -> Path | None:
 
 def save_cache(dest: Path, arch: int) -> int:
     """Copy the Triton cache entries of llamactl's kernels built for CUDA compute capability `arch`
-    (90 for sm_90) and their autotune choices to dest; returns how many entries. Kernels built for
-    other GPUs (or by scripts/compile_kernels.py) stay behind."""
+    (90 for sm_90), their autotune choices and Triton's compiled launchers to dest; returns how many
+    entries. Kernels built for other GPUs (or by scripts/compile_kernels.py) stay behind. A launcher
+    is a C extension named for its Python ABI, so another Python misses it and rebuilds it (about
+    0.3 s each with gcc, which a warm start otherwise pays)."""
     src = cache_dir()
     if src is None or not src.is_dir():
         return 0
     n = 0
     for entry in sorted(src.iterdir()):
-        files = [f for f in entry.iterdir() if f.name.startswith(KERNEL_NAMES)] if entry.is_dir() else []
+        files = [f for f in entry.iterdir() if f.name.startswith(KERNEL_NAMES + LAUNCHERS)] if entry.is_dir() else []
         if files and all(_built_for(f, arch) for f in files):
             shutil.copytree(entry, dest / entry.name, dirs_exist_ok=True)
             n += 1
