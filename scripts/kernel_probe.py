@@ -132,13 +132,18 @@ def probe_linear(name, n, k, out):
           flush=True)
 
 
-def probe_attention(hkv, rep, s_max, ctx, out):
-    d = 128
+def attention_inputs(hkv, rep, s_max, ctx, d=128):
+    """q: [1, hkv, rep, d], enough K/V cache copies ([1, hkv, s_max, d] each) to exceed L2, pos: [1] = ctx - 1."""
     q = torch.randn(1, hkv, rep, d, device=dev, dtype=bf16)
     copies = max(2, int(1.2e9 // (2 * hkv * s_max * d * 2)))
     caches = [(torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16), torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16))
               for _ in range(copies)]
-    pos = torch.tensor([ctx - 1], device=dev)
+    return q, caches, torch.tensor([ctx - 1], device=dev)
+
+
+def probe_attention(hkv, rep, s_max, ctx, out):
+    d = 128
+    q, caches, pos = attention_inputs(hkv, rep, s_max, ctx, d)
     k, v = caches[0]
     ref = F.scaled_dot_product_attention(q.double(), k[:, :, :ctx].double(), v[:, :, :ctx].double())
     err = rel(attention.decode_attention(q, k, v, pos), ref)
@@ -155,12 +160,7 @@ def probe_attention(hkv, rep, s_max, ctx, out):
 
 def sweep_attention(hkv, rep, s_max, ctx, out):
     """The split kernel's launch plans for one shape, against the default plan."""
-    d = 128
-    q = torch.randn(1, hkv, rep, d, device=dev, dtype=bf16)
-    copies = max(2, int(1.2e9 // (2 * hkv * s_max * d * 2)))
-    caches = [(torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16), torch.randn(1, hkv, s_max, d, device=dev, dtype=bf16))
-              for _ in range(copies)]
-    pos = torch.tensor([ctx - 1], device=dev)
+    q, caches, pos = attention_inputs(hkv, rep, s_max, ctx)
     base = graph_time([lambda k=k, v=v: attention._attend(q, k, v, pos, None) for k, v in caches])
     rows = []
     for min_chunk in (32, 64, 128, 256, 512):
