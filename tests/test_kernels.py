@@ -72,6 +72,37 @@ def _int4_case(n, k, g, seed=0):
     return gemv.pack_int4(codes), scales, zeros, w
 
 
+def _fixed(config) -> dict:
+    """An autotune config as the fixed launch arguments of _launch."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+@pytest.mark.parametrize("config", gemv._bf16_configs(), ids=str)
+def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
+    """The autotuner keeps the fastest config, not a correct one: each candidate must be right.
+    Odd sizes (rows and K not multiples of the blocks) exercise the masks; int8 and bf16 weights."""
+    torch.manual_seed(5)
+    n, k = 40, 1100
+    monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
+    monkeypatch.setattr(gemv, "GEMV_FIXED", _fixed(config))
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    assert rel(gemv.gemv_bf16(x, w).cpu(), w.double().cpu() @ x.double().cpu()) < 1e-2
+    w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+    s8 = (torch.rand(n, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
+    assert rel(gemv.gemv_int8(x, w8, s8).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("config", gemv._int4_configs(), ids=str)
+def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
+    n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
+    q, s, z, w = _int4_case(n, k, g, seed=7)
+    monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
+    monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
+
+
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     codes = torch.arange(16).repeat(2, 1)  # [2, 16]: 0..15 per row
     words = gemv.pack_int4(codes)

@@ -72,7 +72,7 @@ def self_check(device: torch.device) -> str | None:
     bf16 = torch.bfloat16
     x = torch.randn(256, device=device, generator=gen).to(bf16)
     checks = {}
-    gemv.FIXED_BLOCKS = True
+    fixed, gemv.FIXED_BLOCKS = gemv.FIXED_BLOCKS, True
     try:
         w = torch.randn(48, 256, device=device, generator=gen).to(bf16)
         checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
@@ -100,7 +100,7 @@ def self_check(device: torch.device) -> str | None:
     except Exception as e:  # a kernel that does not compile or launch here
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     finally:
-        gemv.FIXED_BLOCKS = False
+        gemv.FIXED_BLOCKS = fixed
     bad = [f"{name} error {err:.1e}" for name, err in checks.items() if not err < 2e-2]
     return "; ".join(bad) or None
 

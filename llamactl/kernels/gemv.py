@@ -250,7 +250,7 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
 
 FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
 GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False}  # the 16-bit/int8 kernel's fixed config
-INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups)
+INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
 def _launch(tuned, kernel, grid, args: tuple, fixed: dict):
@@ -302,7 +302,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {**INT4_FIXED, "BLOCK_K": 2 * group_size})
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED})
     return y
 
 
