@@ -173,11 +173,25 @@ def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, m
         assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
 
 
+@pytest.mark.parametrize("min_chunk,block_s,warps", [(32, 32, 2), (128, 64, 4), (512, 32, 4)])
+def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps):
+    """The plans kernel_probe.py sweeps give the same attention as the default one."""
+    torch.manual_seed(min_chunk)
+    q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(1, 2, 700, 64, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    for pos in (0, 31, 300, 699):
+        p = torch.tensor([pos], device=DEV)
+        ref = attention._attend(q, k, v, p, None)
+        assert rel(attention._attend(q, k, v, p, None, min_chunk, block_s, warps).cpu(), ref.double().cpu()) < 5e-3
+
+
 def test_plan_covers_the_cache_with_few_power_of_two_splits():
     for s in (1, 64, 255, 256, 700, 4096, 16640, 131072):
-        splits, chunk = attention.plan(s)
-        assert splits & (splits - 1) == 0 and splits <= attention.MAX_SPLITS
-        assert splits * chunk >= s and chunk % 64 == 0
+        for min_chunk in (32, 64, 512):
+            splits, chunk = attention.plan(s, min_chunk)
+            assert splits & (splits - 1) == 0 and splits <= attention.MAX_SPLITS
+            assert splits * chunk >= s and chunk % min_chunk == 0
 
 
 def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
