@@ -31,9 +31,15 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 FOLDS = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "residual", "down": "glu+residual"}
 
 
-def folds(name: str, x: torch.Tensor, n: int) -> tuple[torch.Tensor, dict]:
-    """The input and the fold arguments (norm_weight/eps, residual, glu) the model uses for `name`."""
+def folds(name: str, x: torch.Tensor, n: int, swiglu_after_gate_up: bool = False) -> tuple[torch.Tensor, dict]:
+    """The input and the fold arguments (norm_weight/eps, residual, glu) the model uses for `name`;
+    swiglu_after_gate_up: the alternative where gate_up applies SwiGLU to its own (row-interleaved)
+    outputs (glu_out) and down takes the result plainly."""
     kind = FOLDS[name.removeprefix("l3 ")]
+    if swiglu_after_gate_up and kind == "norm" and name.endswith("gate_up"):
+        return x, {"norm_weight": torch.rand_like(x) + 0.5, "eps": 1e-5, "glu_out": True}
+    if swiglu_after_gate_up and kind == "glu+residual":
+        return x, {"residual": torch.randn(n, device=dev, dtype=bf16)}
     if kind == "norm":
         return x, {"norm_weight": torch.rand_like(x) + 0.5, "eps": 1e-5}
     residual = torch.randn(n, device=dev, dtype=bf16)
@@ -78,9 +84,11 @@ def probe_linear(name, n, k, out):
     t_triton = graph_time([lambda w=w: gemv.gemv_bf16(x, w) for w in ws])
     xf, kw = folds(name, x, n)
     t_folded = graph_time([lambda w=w: gemv.gemv(xf, w, **kw) for w in ws])
+    xa, kwa = folds(name, x, n, swiglu_after_gate_up=True)
+    t_alt = graph_time([lambda w=w: gemv.gemv(xa, w, **kwa) for w in ws])
     gb = n * k * 2 / 1e9
     row = {"shape": name, "n": n, "k": k, "bf16_rel_err": err, "cublas_us": t_cublas * 1e6, "triton_us": t_triton * 1e6,
-           "cublas_gbs": gb / t_cublas, "triton_gbs": gb / t_triton, "triton_folded_us": t_folded * 1e6,
+           "cublas_gbs": gb / t_cublas, "triton_gbs": gb / t_triton, "triton_folded_us": t_folded * 1e6, "triton_alt_us": t_alt * 1e6,
            "folds": FOLDS[name.removeprefix("l3 ")]}
     del ws
     # int4, group 128: llamactl's GEMV against tinygemm on the same codes
@@ -101,11 +109,12 @@ def probe_linear(name, n, k, out):
     t4 = graph_time([lambda q=q: gemv.gemv_int4(x, q, s16, z8, g) for q in qws])
     xf, kw = folds(name, x, n)
     t4f = graph_time([lambda q=q: gemv.gemv_int4(xf, q, s16, z8, g, **kw) for q in qws])
+    t4a = graph_time([lambda q=q: gemv.gemv_int4(xa, q, s16, z8, g, **kwa) for q in qws])
     tt = graph_time([lambda q=q: torch.ops.aten._weight_int4pack_mm(x[None], q, g, sz) for q in tinys])
     del qws, tinys
     gb4 = n * k / 2 / 1e9
     row.update(int4_triton_us=t4 * 1e6, tinygemm_us=tt * 1e6, int4_triton_gbs=gb4 / t4, tinygemm_gbs=gb4 / tt,
-               int4_folded_us=t4f * 1e6)
+               int4_folded_us=t4f * 1e6, int4_alt_us=t4a * 1e6)
     # int8 per channel
     copies8 = max(2, int(1.2e9 // (n * k)))
     w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
@@ -116,13 +125,15 @@ def probe_linear(name, n, k, out):
     t8 = graph_time([lambda w=w: gemv.gemv_int8(x, w, s8) for w in w8s])
     xf, kw = folds(name, x, n)
     t8f = graph_time([lambda w=w: gemv.gemv(xf, w, s8, **kw) for w in w8s])
+    t8a = graph_time([lambda w=w: gemv.gemv(xa, w, s8, **kwa) for w in w8s])
     try:
         t8t = graph_time([lambda w=w: torch.ops.aten._weight_int8pack_mm(x[None], w, s8) for w in w8s])
     except Exception as e:  # noqa: BLE001
         print(f"_weight_int8pack_mm: {type(e).__name__}: {str(e)[:120]}")
         t8t = float("nan")
     del w8s
-    row.update(int8_triton_us=t8 * 1e6, int8_torch_us=t8t * 1e6, int8_triton_gbs=n * k / 1e9 / t8, int8_folded_us=t8f * 1e6)
+    row.update(int8_triton_us=t8 * 1e6, int8_torch_us=t8t * 1e6, int8_triton_gbs=n * k / 1e9 / t8, int8_folded_us=t8f * 1e6,
+               int8_alt_us=t8a * 1e6)
     out.append(row)
     print(f"{name:11s} {n}x{k}: bf16 cublas {t_cublas*1e6:7.1f} us {gb/t_cublas:5.0f} GB/s | triton {t_triton*1e6:7.1f} us "
           f"{gb/t_triton:5.0f} GB/s ({t_cublas/t_triton:.2f}x) | int4 triton {t4*1e6:6.1f} us {gb4/t4:5.0f} GB/s, "
@@ -184,6 +195,12 @@ def main():
     for name, (n, k) in SHAPES.items():
         probe_linear(name, n, k, lin)
         torch.cuda.empty_cache()
+    by_name = {r["shape"]: r for r in lin}
+    for prefix in ("", "l3 "):  # the MLP's two GEMVs: SwiGLU folded into down (now) or after gate_up (alt)
+        gu, dn = by_name[prefix + "gate_up"], by_name[prefix + "down"]
+        print(f"{prefix}MLP, SwiGLU before down vs after gate_up: " + " | ".join(
+            f"{kind} {gu[f'{kind}_folded_us'] + dn[f'{kind}_folded_us']:6.1f} vs {gu[f'{kind}_alt_us'] + dn[f'{kind}_alt_us']:6.1f} us"
+            for kind in ("triton", "int4", "int8")), flush=True)
     for hkv, rep, s_max, ctx in [(32, 1, 384, 256), (32, 1, 2048, 300), (8, 4, 384, 256), (8, 4, 16640, 16512),
                                  (8, 4, 16640, 8000)]:
         probe_attention(hkv, rep, s_max, ctx, att)

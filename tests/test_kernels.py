@@ -53,6 +53,24 @@ def test_gemv_folds_rmsnorm_swiglu_and_the_residual(gemv_prefetch):
     assert rel(y.cpu(), ref.cpu()) < 1e-5
 
 
+def test_gemv_applies_swiglu_to_row_interleaved_gate_up(gemv_prefetch):
+    """glu_out: rows 2i/2i+1 are gate_i/up_i; the kernel stores silu(gate) * up, rounded as the
+    unfused model rounds (16-bit and int8 weights, with the RMSNorm before it folded in too)."""
+    torch.manual_seed(4)
+    n, k = 24, 192
+    gate, up = torch.randn(n, k, device=DEV), torch.randn(n, k, device=DEV)
+    w = torch.stack([gate, up], dim=1).reshape(2 * n, k)  # [2n, k]: gate_0, up_0, gate_1, ...
+    x, nw = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5
+    xn = x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()
+    ref = F.silu(gate.double() @ xn) * (up.double() @ xn)
+    y = gemv.gemv(x, w, None, nw, 1e-5, glu_out=True)
+    assert y.shape == (n,) and rel(y.cpu(), ref.cpu()) < 1e-5
+    w8 = torch.randint(-127, 128, (2 * n, k), device=DEV, dtype=torch.int8)
+    s8 = torch.rand(2 * n, device=DEV) * 0.01 + 1e-3
+    h = (w8.double() @ x.double()) * s8.double()
+    assert rel(gemv.gemv(x, w8, s8, glu_out=True).cpu(), (F.silu(h[0::2]) * h[1::2]).cpu()) < 1e-5
+
+
 def test_gemv_int8_applies_row_scales(gemv_prefetch):
     torch.manual_seed(1)
     n, k = 40, 256
@@ -136,6 +154,15 @@ def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual(int4_prefetch):
     h = torch.randn(2 * k, device=DEV)
     y = gemv.gemv_int4(h, q, s, z, g, glu=True)
     assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-5
+
+
+def test_gemv_int4_applies_swiglu_to_row_interleaved_gate_up(int4_prefetch):
+    n, k, g = 16, 384, 128
+    q, s, z, w = _int4_case(n, k, g, seed=6)  # rows 2i/2i+1 read as gate_i/up_i
+    x = torch.randn(k, device=DEV)
+    h = w @ x.double()
+    y = gemv.gemv_int4(x, q, s, z, g, glu_out=True)
+    assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[0::2]) * h[1::2]).cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -52,6 +52,23 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
 
 
 @triton.jit
+def _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL: tl.constexpr, GLU_OUT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Store the finished products y: [BN] (float32) of rows: y + r (RESIDUAL), or with GLU_OUT,
+    where rows 2i and 2i+1 hold gate_i and up_i, silu(gate_i) * up_i at i (N // 2 outputs), rounded
+    where the unfused model rounds (the gate/up output, then the SiLU, then the product)."""
+    dt = y_ptr.dtype.element_ty
+    if GLU_OUT:
+        gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BLOCK_N // 2, 2]))  # [BN/2] each
+        out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + out, ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt), mask=out < N // 2)
+    else:
+        if RESIDUAL:
+            y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(dt), mask=row_ok)
+
+
+@triton.jit
 def _int8_float(w, USE_ASM: tl.constexpr):
     """int8 -> float32 without I2F (a quarter-rate instruction): the byte, offset to 0..255 by
     flipping its sign bit, is OR-ed into the mantissa of 2^23 (one LOP3, table 0xBE = a ^ b | c),
@@ -69,13 +86,15 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+                 GLU_OUT: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
     #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
     # (see _load_input for where it rounds); one program per BLOCK_N rows; PREFETCH loads the next
-    # block of weights while this one is multiplied (registers for two blocks)
+    # block of weights while this one is multiplied (registers for two blocks); GLU_OUT: SwiGLU of
+    # row-interleaved gate/up outputs instead (see _store_output)
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
@@ -105,13 +124,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if RESIDUAL:
-        y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
-_gemv_tuned = triton.autotune(configs=_bf16_configs(), key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM"],
+_gemv_tuned = triton.autotune(configs=_bf16_configs(),
+                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT"],
                               cache_results=True)(_gemv_kernel)
 
 
@@ -149,9 +167,10 @@ def _nibble_float(p, mask, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+                      GLU_OUT: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
-    # NORM, GLU and RESIDUAL fold in the same steps as _gemv_kernel
+    # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
     # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
     # the mantissa of 2^23 and read as a float32, is 2^23 + code * 16^j; subtracting 2^23 is exact,
@@ -212,9 +231,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    if RESIDUAL:
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
 @triton.jit
@@ -224,7 +241,8 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
     return (bits.to(tl.float32, bitcast=True) - 8388608.0) * (xj * (1.0 / (1 << (4 * j))))[None, :]
 
 
-_gemv_int4_tuned = triton.autotune(configs=_int4_configs(), key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM"],
+_gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
+                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -253,32 +271,34 @@ GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False}  # the 16-bit/int
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
-def _launch(tuned, kernel, grid, args: tuple, fixed: dict):
+def _launch(tuned, kernel, grid, args: tuple, fixed: dict, glu_out: bool = False):
     """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
     self-check, which should not pay for tuning)."""
     if interpreted() or FIXED_BLOCKS:
         kernel[grid(fixed)](*args, **fixed)
     else:
-        tuned[grid](*args)
+        tuned[grid](*args, GLU_OUT=glu_out)
 
 
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+         eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False,
+         glu_out: bool = False) -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
-    with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in."""
+    with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
+    rows 2i/2i+1 are gate_i/up_i and y: [N // 2] = silu(gate) * up."""
     n, k = w.shape
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED)
+             residual is not None, not interpreted()), {**GEMV_FIXED, "GLU_OUT": glu_out}, glu_out)
     return y
 
 
 @gemv.register_fake
-def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False):
-    return x.new_empty(w.shape[0])
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False):
+    return x.new_empty(w.shape[0] // 2 if glu_out else w.shape[0])
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -294,21 +314,21 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-              glu: bool = False) -> torch.Tensor:
-    """x: [K] ([2K] with glu) -> y: [N] in x's dtype, for the 4-bit layout of this module's docstring,
-    with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
+              glu: bool = False, glu_out: bool = False) -> torch.Tensor:
+    """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
+    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
-    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED})
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED, "GLU_OUT": glu_out}, glu_out)
     return y
 
 
 @gemv_int4.register_fake
-def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False):
-    return x.new_empty(qweight.shape[0])
+def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False):
+    return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
