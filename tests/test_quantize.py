@@ -126,8 +126,9 @@ def test_transformers_loads_our_gptq_checkpoint(tiny128, tmp_path):
 
 
 @needs_gptq
-def test_gptq_through_gptqmodel(tiny128, tmp_path):
+def test_gptq_through_gptqmodel(tiny128, tmp_path, monkeypatch):
     out = tmp_path / "gptq"
+    monkeypatch.chdir(tmp_path)  # GPTQModel's own log files must not land in the working directory
     r = quantize_cli(tiny128, "-o", out, "--method", "gptq", "--n-samples", "8", "--seq-len", "64",
                      "--eval-tokens", "1024", "--json")
     assert r.exit_code == 0, r.output
@@ -138,6 +139,7 @@ def test_gptq_through_gptqmodel(tiny128, tmp_path):
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["checkpoint_format"] == "gptq" and cfg["desc_act"] is False
     assert report["quality"]["kl_mean"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptq"]
 
 
 @needs_bnb

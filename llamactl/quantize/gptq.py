@@ -6,6 +6,8 @@ GPTQModel 7.6.0 facts this module depends on (checked against its source and out
 - its default `damp_percent` is 0.05; llamactl passes --damp (0.01, the GPTQ paper's value).
 - it writes v1 checkpoints (`checkpoint_format: gptq`, stored zero point = zero - 1) with fp16 scales.
 - on a CPU it needs GPTQMODEL_CPU_WORKERS set to the cores it may use.
+- it writes a log file a run under ./logs of the working directory (`loop_processor._PROJECT_LOG_DIR`);
+  llamactl points that at a temporary folder, so the user's folder gets nothing but the output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +58,8 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         with progress("gptq layers", len(layers)) as advance:
             hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
             try:
-                model.quantize(calib, batch_size=1, calibration_sort=None)
+                with _logs_outside_the_working_dir():
+                    model.quantize(calib, batch_size=1, calibration_sort=None)
             finally:
                 for h in hooks:
                     h.remove()
@@ -79,6 +84,22 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}",
         "device": str(dev),
     }
+
+
+@contextlib.contextmanager
+def _logs_outside_the_working_dir():
+    """Send GPTQModel's per-run log files (./logs/gptq_log_*.log) to a temporary folder."""
+    from gptqmodel.looper import loop_processor
+
+    if not hasattr(loop_processor, "_PROJECT_LOG_DIR"):  # another GPTQModel version: nothing to redirect
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="llamactl-gptq-logs-") as tmp:
+        saved, loop_processor._PROJECT_LOG_DIR = loop_processor._PROJECT_LOG_DIR, Path(tmp)
+        try:
+            yield
+        finally:
+            loop_processor._PROJECT_LOG_DIR = saved
 
 
 def _variant(name: str) -> dict[str, Any]:
