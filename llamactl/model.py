@@ -152,6 +152,8 @@ class MLP(nn.Module):
     def forward(self, x, residual):
         # x: [B, S, hidden] (normed), residual: [B, S, hidden] -> residual + mlp(x)
         if self.gate_up_proj is not None:
+            if getattr(self.gate_up_proj, "glu_out", False):  # its kernel applies SwiGLU to its output
+                return add_linear(self.down_proj, self.gate_up_proj(x), residual)  # [B, S, intermediate] in
             h = self.gate_up_proj(x)  # [B, S, 2 * intermediate]
             if getattr(self.down_proj, "glu", False):  # the kernel applies SwiGLU itself
                 return add_linear(self.down_proj, h, residual)

@@ -16,6 +16,8 @@ from llamactl.kernels import attention, gemv  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's CPU interpreter mishandles bf16 matrix products (tl.dot); attention is checked in fp16 there
 ATTN_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+# and it truncates where the GPU rounds bf16 to nearest: results rounded several times are checked in fp16 there
+ROUND_DTYPE = ATTN_DTYPE
 
 
 def rel(y, ref) -> float:
@@ -54,12 +56,12 @@ def test_gemv_folds_rmsnorm_swiglu_and_the_residual(gemv_prefetch):
 
 
 def test_gemv_applies_swiglu_to_row_interleaved_gate_up(gemv_prefetch):
-    """glu_out: rows 2i/2i+1 are gate_i/up_i; the kernel stores silu(gate) * up, rounded as the
-    unfused model rounds (16-bit and int8 weights, with the RMSNorm before it folded in too)."""
+    """glu_out: w is a fused [gate; up]; the kernel stores silu(gate) * up, rounded as the unfused
+    model rounds (16-bit and int8 weights, with the RMSNorm before it folded in too)."""
     torch.manual_seed(4)
     n, k = 24, 192
     gate, up = torch.randn(n, k, device=DEV), torch.randn(n, k, device=DEV)
-    w = torch.stack([gate, up], dim=1).reshape(2 * n, k)  # [2n, k]: gate_0, up_0, gate_1, ...
+    w = torch.cat([gate, up])  # [2n, k]
     x, nw = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5
     xn = x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()
     ref = F.silu(gate.double() @ xn) * (up.double() @ xn)
@@ -68,7 +70,7 @@ def test_gemv_applies_swiglu_to_row_interleaved_gate_up(gemv_prefetch):
     w8 = torch.randint(-127, 128, (2 * n, k), device=DEV, dtype=torch.int8)
     s8 = torch.rand(2 * n, device=DEV) * 0.01 + 1e-3
     h = (w8.double() @ x.double()) * s8.double()
-    assert rel(gemv.gemv(x, w8, s8, glu_out=True).cpu(), (F.silu(h[0::2]) * h[1::2]).cpu()) < 1e-5
+    assert rel(gemv.gemv(x, w8, s8, glu_out=True).cpu(), (F.silu(h[:n]) * h[n:]).cpu()) < 1e-5
 
 
 def test_gemv_int8_applies_row_scales(gemv_prefetch):
@@ -90,6 +92,12 @@ def _int4_case(n, k, g, seed=0):
     return gemv.pack_int4(codes), scales, zeros, w
 
 
+def _swiglu_rounded(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate; up] output h, rounded to dtype where the model rounds."""
+    gate, up = (t.to(dtype).double() for t in h.chunk(2))
+    return F.silu(gate).to(dtype).double() * up
+
+
 def _fixed(config) -> dict:
     """An autotune config as the fixed launch arguments of _launch."""
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -109,6 +117,8 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
     s8 = (torch.rand(n, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
     assert rel(gemv.gemv_int8(x, w8, s8).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-2
+    xr = x.to(ROUND_DTYPE)  # as a fused [gate; up]: SwiGLU in the epilogue, three roundings
+    assert rel(gemv.gemv(xr, w, glu_out=True).cpu(), _swiglu_rounded(w.double() @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
 
 
 @pytest.mark.parametrize("config", gemv._int4_configs(), ids=str)
@@ -119,6 +129,8 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
     assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
+    xr = x.to(ROUND_DTYPE)
+    assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
 
 
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
@@ -158,11 +170,11 @@ def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual(int4_prefetch):
 
 def test_gemv_int4_applies_swiglu_to_row_interleaved_gate_up(int4_prefetch):
     n, k, g = 16, 384, 128
-    q, s, z, w = _int4_case(n, k, g, seed=6)  # rows 2i/2i+1 read as gate_i/up_i
+    q, s, z, w = _int4_case(n, k, g, seed=6)  # rows [:n/2] read as gate, [n/2:] as up
     x = torch.randn(k, device=DEV)
     h = w @ x.double()
     y = gemv.gemv_int4(x, q, s, z, g, glu_out=True)
-    assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[0::2]) * h[1::2]).cpu()) < 1e-5
+    assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[: n // 2]) * h[n // 2 :]).cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -221,13 +233,17 @@ def test_plan_covers_the_cache_with_few_power_of_two_splits():
             assert splits * chunk >= s and chunk % min_chunk == 0
 
 
-def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
-    """The whole model through set_kernels (GEMV linears + decode attention) against cuBLAS/SDPA."""
+@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
+def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch):
+    """The whole model through set_kernels (GEMV linears + decode attention) against cuBLAS/SDPA,
+    with SwiGLU folded into down_proj's kernel or into gate_up_proj's."""
     from llamactl.artifact import open_artifact
     from llamactl.kernels.linear import GemvLinear, set_kernels
     from llamactl.load import load_model
 
+    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    model.fuse_projections()  # as the decoder does: q/k/v and gate/up concatenated
     model.setup_caches(1, 64)
     ids = torch.randint(0, 8192, (1, 9), device=DEV)
 
@@ -241,10 +257,22 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa):
     info = set_kernels(model, True)
     assert isinstance(model.lm_head, GemvLinear) and info["decode_attention"] == "triton split-kv"
     assert model.lm_head.norm is not None and model.dtype == torch.float32  # the final norm moved into lm_head
+    mlp = model.model.layers[0].mlp
+    assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
+    assert ("SwiGLU after gate_up" in info["gemv"]) == (swiglu == "gate_up")
     model.setup_caches(1, 64)
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
     assert set_kernels(model, False)["gemv"] == "cublas" and type(model.lm_head) is torch.nn.Linear
+
+
+def test_a_bad_swiglu_site_is_refused(monkeypatch):
+    from llamactl.errors import InputError
+    from llamactl.kernels.linear import swiglu_site
+
+    monkeypatch.setenv("LLAMACTL_SWIGLU", "up")
+    with pytest.raises(InputError, match="LLAMACTL_SWIGLU"):
+        swiglu_site()
 
 
 def test_quantized_projections_fuse_side_by_side():
@@ -282,9 +310,11 @@ def test_quantized_projections_fuse_side_by_side():
     torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))
 
 
-def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
+def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
     residuals folded into the int4 GEMV decodes like the same layers run unfused."""
+    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     from conftest import make_hf_model
 
     from llamactl.artifact import open_artifact
@@ -310,7 +340,9 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     set_kernels(model, False)
     ref = run()
     set_kernels(model, True)
-    assert model.model.layers[0].mlp.down_proj.glu and model.model.layers[0].self_attn.qkv_proj.norm is not None
+    mlp = model.model.layers[0].mlp
+    assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
+    assert model.model.layers[0].self_attn.qkv_proj.norm is not None
     torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
 
 

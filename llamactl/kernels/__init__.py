@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # the @triton.jit functions of gemv.py and attention.py: their Triton cache entries travel with
 # `llamactl compile` artifacts (compiled binaries and autotune choices)
@@ -76,6 +77,8 @@ def self_check(device: torch.device) -> str | None:
     try:
         w = torch.randn(48, 256, device=device, generator=gen).to(bf16)
         checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
+        h = w.double() @ x.double()  # w as a fused [gate; up]: SwiGLU in the epilogue
+        checks["gemv swiglu"] = rel(gemv.gemv(x, w, glu_out=True), F.silu(h[:24]) * h[24:])
         w8 = torch.randint(-127, 128, (48, 256), device=device, generator=gen, dtype=torch.int8)
         s8 = (torch.rand(48, device=device, generator=gen) * 0.01 + 1e-3).to(bf16)
         checks["gemv int8"] = rel(gemv.gemv(x, w8, s8), (w8.double() @ x.double()) * s8.double())

@@ -52,14 +52,27 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
 
 
 @triton.jit
+def _program_rows(N, BLOCK_N: tl.constexpr, GLU_OUT: tl.constexpr):
+    """(rows [BN] of w this program reads, which are real, output index [BN]). With GLU_OUT, w is a
+    fused gate/up ([gate; up], N = 2 I rows) and the program takes BN/2 gate rows and the same BN/2
+    up rows, so it can finish silu(gate) * up itself: outputs i in [0, I)."""
+    lane = tl.arange(0, BLOCK_N)
+    if GLU_OUT:
+        out = tl.program_id(0) * (BLOCK_N // 2) + lane % (BLOCK_N // 2)
+        return out + (lane >= BLOCK_N // 2).to(tl.int32) * (N // 2), out < N // 2, out
+    rows = tl.program_id(0) * BLOCK_N + lane
+    return rows, rows < N, rows
+
+
+@triton.jit
 def _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL: tl.constexpr, GLU_OUT: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    """Store the finished products y: [BN] (float32) of rows: y + r (RESIDUAL), or with GLU_OUT,
-    where rows 2i and 2i+1 hold gate_i and up_i, silu(gate_i) * up_i at i (N // 2 outputs), rounded
-    where the unfused model rounds (the gate/up output, then the SiLU, then the product)."""
+    """Store the finished products y: [BN] (float32) of rows: y + r (RESIDUAL), or with GLU_OUT
+    (rows from _program_rows: BN/2 gate rows, then their up rows) silu(gate) * up at the BN/2
+    outputs, rounded where the unfused model rounds (the gate/up output, the SiLU, the product)."""
     dt = y_ptr.dtype.element_ty
     if GLU_OUT:
-        gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BLOCK_N // 2, 2]))  # [BN/2] each
+        gate, up = tl.split(tl.trans(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2])))  # [BN/2] each
         out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + out, ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt), mask=out < N // 2)
     else:
@@ -93,12 +106,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
     #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
     # (see _load_input for where it rounds); one program per BLOCK_N rows; PREFETCH loads the next
-    # block of weights while this one is multiplied (registers for two blocks); GLU_OUT: SwiGLU of
-    # row-interleaved gate/up outputs instead (see _store_output)
-    dt = x_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    # block of weights while this one is multiplied (registers for two blocks); GLU_OUT: w is a
+    # fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows)
+    rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
-    row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -124,7 +135,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
+    _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
@@ -181,8 +192,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # arithmetic, so their latencies overlap; PREFETCH also loads the next iteration's weights
     # (registers for two blocks: an autotune choice for the narrower blocks).
     WORDS: tl.constexpr = BLOCK_K // 8
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    row_ok = rows < N
+    rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
     g_rows = rows.to(tl.int64)[:, None] * (K // G)  # [BN, 1]
     words = tl.arange(0, WORDS)  # [W]
@@ -231,7 +241,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
+    _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
 @triton.jit
@@ -286,10 +296,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
          glu_out: bool = False) -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
     with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
-    rows 2i/2i+1 are gate_i/up_i and y: [N // 2] = silu(gate) * up."""
+    w is a fused [gate; up] and y: [N // 2] = silu(gate) * up."""
     n, k = w.shape
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
+    _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(y.numel(), m["BLOCK_N"] // 2 if glu_out else m["BLOCK_N"]),),
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
              residual is not None, not interpreted()), {**GEMV_FIXED, "GLU_OUT": glu_out}, glu_out)
@@ -319,7 +329,8 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_int4_tuned, _gemv_int4_kernel, lambda m: (triton.cdiv(n, m["BLOCK_N"]),),
+    _launch(_gemv_int4_tuned, _gemv_int4_kernel,
+            lambda m: (triton.cdiv(y.numel(), m["BLOCK_N"] // 2 if glu_out else m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
             {"BLOCK_K": 2 * group_size, **INT4_FIXED, "GLU_OUT": glu_out}, glu_out)

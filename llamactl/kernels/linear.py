@@ -3,11 +3,14 @@ puts them (and the split-KV decode attention) into a model."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llamactl import kernels
+from llamactl.errors import InputError
 
 
 class FusedIO:
@@ -19,7 +22,8 @@ class FusedIO:
 
     def _init_fused_io(self) -> None:
         self.norm: nn.Module | None = None  # an instance attribute: a class one would hide the submodule
-        self.glu = False
+        self.glu = False  # down_proj: the input is a fused [gate; up] output, SwiGLU applied on reading it
+        self.glu_out = False  # gate_up_proj: return silu(gate) * up of its own output instead
 
     def can_fuse(self) -> bool:
         return getattr(self, "bias", None) is None
@@ -35,8 +39,17 @@ class FusedIO:
             x = F.silu(gate) * up
         return x
 
+    def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
+        if self.glu_out:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y
+
     def _input_width(self) -> int:
         return self.in_features * (2 if self.glu else 1)
+
+    def _output_width(self) -> int:
+        return self.out_features // (2 if self.glu_out else 1)
 
 
 class GemvLinear(nn.Linear, FusedIO):
@@ -53,9 +66,9 @@ class GemvLinear(nn.Linear, FusedIO):
             from llamactl.kernels.gemv import gemv
 
             y = gemv(x.reshape(-1), self.weight, None, *self._norm_args(),
-                     None if residual is None else residual.reshape(-1), self.glu)
-            return y.view(*x.shape[:-1], self.out_features)
-        y = F.linear(self._unfused_input(x), self.weight, self.bias)
+                     None if residual is None else residual.reshape(-1), self.glu, self.glu_out)
+            return y.view(*x.shape[:-1], self._output_width())
+        y = self._unfused_output(F.linear(self._unfused_input(x), self.weight, self.bias))
         return y if residual is None else residual + y
 
 
@@ -110,8 +123,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
-                          None if residual is None else residual.reshape(-1), self.glu)
-            return y.view(*x.shape[:-1], self.out_features)
+                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out)
+            return y.view(*x.shape[:-1], self._output_width())
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
@@ -122,7 +135,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
         return y if residual is None else residual + y
 
 
@@ -142,26 +155,40 @@ def _norm_sites(model) -> list[tuple[nn.Module, str, nn.Module | None]]:
 
 
 def _unfuse(model) -> None:
-    """Put every RMSNorm folded into a projection back in its place, and clear glu."""
+    """Put every RMSNorm folded into a projection back in its place, and clear glu/glu_out."""
     for owner, attr, lin in _norm_sites(model):
         if isinstance(lin, FusedIO) and lin.norm is not None:
             setattr(owner, attr, lin.norm)
             lin.norm = None
     for layer in model.model.layers:
-        if isinstance(layer.mlp.down_proj, FusedIO):
-            layer.mlp.down_proj.glu = False
+        for lin in (layer.mlp.down_proj, layer.mlp.gate_up_proj):
+            if isinstance(lin, FusedIO):
+                lin.glu = lin.glu_out = False
+
+
+def swiglu_site() -> str:
+    """Where the decode step applies SwiGLU: "down" (down_proj's kernel, on reading its input; every
+    program recomputes the SiLU over the whole input) or "gate_up" (gate_up_proj's kernel, once per
+    element, on its output). LLAMACTL_SWIGLU chooses; "down" until the GPU measures "gate_up"."""
+    site = os.environ.get("LLAMACTL_SWIGLU", "down")
+    if site not in ("down", "gate_up"):
+        raise InputError(f"LLAMACTL_SWIGLU={site!r} is not a SwiGLU site", "use down or gate_up")
+    return site
 
 
 def _fuse(model) -> None:
-    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj."""
+    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or gate_up_proj."""
     for owner, attr, lin in _norm_sites(model):
         if isinstance(lin, FusedIO) and lin.can_fuse():
             lin.norm = getattr(owner, attr)
             setattr(owner, attr, nn.Identity())
+    site = swiglu_site()
     for layer in model.model.layers:
-        mlp = layer.mlp
-        if mlp.gate_up_proj is not None and isinstance(mlp.down_proj, FusedIO) and mlp.down_proj.can_fuse():
-            mlp.down_proj.glu = True
+        gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+        if site == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse():
+            gate_up.glu_out = True
+        elif gate_up is not None and isinstance(down, FusedIO) and down.can_fuse():
+            down.glu = True
 
 
 @torch.no_grad()
@@ -185,7 +212,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
         layer.self_attn.decode_kernel = attn
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
-    return {"gemv": f"triton {kernels.triton_version()}", "decode_attention": "triton split-kv" if attn else "sdpa"}
+    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU after gate_up" if swiglu_site() == "gate_up" else "")
+    return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 
 def unfold_cache_writes(model) -> None:

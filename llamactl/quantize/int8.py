@@ -69,8 +69,9 @@ class Int8Kernel(nn.Module, FusedIO):
             from llamactl.kernels.gemv import gemv
 
             y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales, *self._norm_args(),
-                     None if residual is None else residual.reshape(-1).to(torch.bfloat16), self.glu)  # batch-1 decode
-            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+                     None if residual is None else residual.reshape(-1).to(torch.bfloat16), self.glu,
+                     self.glu_out)  # batch-1 decode
+            y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
@@ -80,7 +81,7 @@ class Int8Kernel(nn.Module, FusedIO):
             y = torch.nn.functional.linear(x2, self.weight.to(torch.bfloat16)) * self.scales
         if self.bias is not None:
             y = y + self.bias
-        y = y.view(*shape[:-1], self.out_features).to(dtype)
+        y = self._unfused_output(y.view(*shape[:-1], self.out_features).to(dtype))
         return y if residual is None else residual + y
 
 
