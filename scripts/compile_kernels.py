@@ -51,7 +51,7 @@ def cases():
             yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch}", gemv._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
                         PREFETCH=prefetch))
-    for w_type in ("*bf16", "*i8"):  # SwiGLU of row-interleaved gate/up outputs, the norm before it
+    for w_type in ("*bf16", "*i8"):  # SwiGLU of a fused [gate; up] output, the norm before it
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,
                     BLOCK_K=512, PREFETCH=False, GLU_OUT=True))

@@ -33,7 +33,7 @@ FOLDS = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "residual", "
 
 def folds(name: str, x: torch.Tensor, n: int, swiglu_after_gate_up: bool = False) -> tuple[torch.Tensor, dict]:
     """The input and the fold arguments (norm_weight/eps, residual, glu) the model uses for `name`;
-    swiglu_after_gate_up: the alternative where gate_up applies SwiGLU to its own (row-interleaved)
+    swiglu_after_gate_up: the alternative where gate_up applies SwiGLU to its own
     outputs (glu_out) and down takes the result plainly."""
     kind = FOLDS[name.removeprefix("l3 ")]
     if swiglu_after_gate_up and kind == "norm" and name.endswith("gate_up"):

@@ -55,7 +55,7 @@ def test_gemv_folds_rmsnorm_swiglu_and_the_residual(gemv_prefetch):
     assert rel(y.cpu(), ref.cpu()) < 1e-5
 
 
-def test_gemv_applies_swiglu_to_row_interleaved_gate_up(gemv_prefetch):
+def test_gemv_applies_swiglu_to_a_fused_gate_up(gemv_prefetch):
     """glu_out: w is a fused [gate; up]; the kernel stores silu(gate) * up, rounded as the unfused
     model rounds (16-bit and int8 weights, with the RMSNorm before it folded in too)."""
     torch.manual_seed(4)
@@ -168,7 +168,7 @@ def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual(int4_prefetch):
     assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-5
 
 
-def test_gemv_int4_applies_swiglu_to_row_interleaved_gate_up(int4_prefetch):
+def test_gemv_int4_applies_swiglu_to_a_fused_gate_up(int4_prefetch):
     n, k, g = 16, 384, 128
     q, s, z, w = _int4_case(n, k, g, seed=6)  # rows [:n/2] read as gate, [n/2:] as up
     x = torch.randn(k, device=DEV)
