@@ -42,10 +42,11 @@ def cases():
     for w_type, (norm, glu, res) in itertools.product(["*bf16", "*i8"], flags):
         if norm and glu:
             continue  # never both: a norm feeds qkv/gate_up, SwiGLU feeds down_proj
-        for prefetch in (False, True):
-            yield (f"gemv {w_type[1:]} norm={norm} glu={glu} residual={res} prefetch={prefetch}", gemv._gemv_kernel,
-                   dict(GEMV, w_ptr=w_type), dict(HAS_SCALE=w_type == "*i8", NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True,
-                                                  BLOCK_N=8, BLOCK_K=512, PREFETCH=prefetch))
+        for prefetch, reduce_each in ((False, False), (True, False), (False, True)):
+            yield (f"gemv {w_type[1:]} norm={norm} glu={glu} residual={res} prefetch={prefetch} reduce_each={reduce_each}",
+                   gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
+                   dict(HAS_SCALE=w_type == "*i8", NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
+                        PREFETCH=prefetch, REDUCE_EACH=reduce_each))
     for (norm, glu, res), prefetch in itertools.product(flags, [False, True]):
         if not (norm and glu):
             yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch}", gemv._gemv_int4_kernel, INT4,

@@ -30,8 +30,13 @@ def _bf16_configs():
              (8, 2048, 8, 1), (4, 4096, 8, 1), (16, 2048, 8, 1)]  # the last: int8
     # for int8 (1 byte a weight); 222-231 registers a thread on sm_90, and 16 x 2048 would spill
     prefetch = [(8, 1024, 4, 1), (16, 1024, 8, 1), (8, 2048, 8, 1)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf}, num_warps=w, num_stages=st)
-            for configs, pf in [(plain, False), (prefetch, True)] for bn, bk, w, st in configs]
+    # REDUCE_EACH: a third to a half of the registers (int8 16 x 2048: 234 -> 96), so more programs
+    # a multiprocessor hide more latency, for ~1 more instruction a weight (sm_90 SASS; 32 rows of
+    # 2048 would take 255 registers with the folded norm)
+    reduce_each = [(16, 2048, 8, 1), (16, 1024, 4, 1), (8, 2048, 8, 1)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "REDUCE_EACH": red}, num_warps=w, num_stages=st)
+            for configs, pf, red in [(plain, False, False), (prefetch, True, False), (reduce_each, False, True)]
+            for bn, bk, w, st in configs]
 
 
 @triton.jit
@@ -101,19 +106,21 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 GLU_OUT: tl.constexpr = False):
+                 GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
     #   x' = silu(x[:K]) * x[K:]      (GLU)     SwiGLU of a fused gate/up output, x: [2K]
     # (see _load_input for where it rounds); one program per BLOCK_N rows; PREFETCH loads the next
-    # block of weights while this one is multiplied (registers for two blocks); GLU_OUT: w is a
-    # fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows)
+    # block of weights while this one is multiplied (registers for two blocks); REDUCE_EACH sums
+    # each block's products across threads at once instead of keeping a [BN, BK] accumulator;
+    # GLU_OUT: w is a fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows)
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0)
     for k0 in range(0, K, BLOCK_K):
@@ -128,10 +135,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         if not PREFETCH:
             w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
         if w_ptr.dtype.element_ty == tl.int8:
-            acc += _int8_float(w, USE_ASM) * x[None, :]
+            prod = _int8_float(w, USE_ASM) * x[None, :]
         else:
-            acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)  # [BN]
+            prod = w.to(tl.float32) * x[None, :]
+        if REDUCE_EACH:  # fewer registers (more programs a multiprocessor), a cross-thread sum an iteration
+            acc_rows += tl.sum(prod, axis=1)
+        else:
+            acc += prod
+    y = acc_rows if REDUCE_EACH else tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
@@ -278,7 +289,7 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
 
 
 FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
-GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False}  # the 16-bit/int8 kernel's fixed config
+GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": False}  # the 16-bit/int8 kernel's fixed config
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
