@@ -33,7 +33,7 @@ for part in "$@"; do
   case $part in
     tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py tests/test_gpu.py tests/test_int4.py 2>&1 \
              | tail -30 | tee "$out/tests.txt" ;;
-    probe) python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
+    probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     bf16) bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
           for f in /tmp/prof/kernels-*.txt; do cp "$f" "$out/$(basename "$f")"; head -25 "$f"; done ;;
     quant) bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profq
