@@ -402,14 +402,16 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
         assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
 
 
-@pytest.mark.parametrize("regions", [False, True])
-def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions):
+@pytest.mark.parametrize("regions,swiglu", [(False, "down"), (True, "down"), (False, "gate_up")])
+def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu, monkeypatch):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
-    compilation, which cannot take a mutating op, the model falls back to the plain attention op."""
+    compilation, which cannot take a mutating op, the model falls back to the plain attention op.
+    SwiGLU folded into either kernel traces too (the ops' fake shapes)."""
     from llamactl.artifact import open_artifact
     from llamactl.kernels.linear import set_kernels, unfold_cache_writes
     from llamactl.load import load_model
 
+    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     torch._dynamo.reset()
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
     model.fuse_projections()
