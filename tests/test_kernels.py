@@ -133,6 +133,42 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
 
 
+def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
+    """The GPU's launch path (triton.autotune with the call's GLU_OUT keyword and the int4 pruning),
+    here with a stand-in benchmark that makes the last candidate the fastest: each candidate runs,
+    the last one is kept, and its product is right."""
+    import itertools
+
+    import triton
+
+    if DEV == "cuda":
+        pytest.skip("the GPU benchmarks for real (test_every_*_autotune_config covers each candidate)")
+    def stand_in(clock):
+        def bench(call, quantiles):
+            call()  # the candidate runs, through the interpreter
+            return [float(next(clock))] * 3  # every later candidate is faster
+
+        return bench
+
+    for tuned in (gemv._gemv_tuned, gemv._gemv_int4_tuned):
+        monkeypatch.setattr(tuned, "_do_bench", stand_in(itertools.count(1000, -1)))
+        monkeypatch.setattr(tuned, "cache", {})
+    x = torch.randn(256, dtype=torch.float16)
+    w = torch.randn(64, 256, dtype=torch.float16)
+    y = torch.empty(32, dtype=x.dtype)  # glu_out: w is a fused [gate; up]
+    gemv._gemv_tuned[lambda m: (triton.cdiv(32, m["BLOCK_N"] // 2),)](
+        x, w, w, x, x, y, 64, 256, 1e-6, False, False, False, False, False, GLU_OUT=True)
+    assert gemv._gemv_tuned.best_config.kwargs == gemv._bf16_configs()[-1].kwargs
+    assert rel(y, _swiglu_rounded(w.double() @ x.double(), torch.float16)) < 1e-2
+    q, s4, z4, w4 = _int4_case(64, 512, 128, seed=9)
+    y4 = torch.empty(64, dtype=x.dtype)
+    x4 = torch.randn(512, dtype=torch.float16)
+    gemv._gemv_int4_tuned[lambda m: (triton.cdiv(64, m["BLOCK_N"]),)](
+        x4, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
+    assert gemv._gemv_int4_tuned.best_config.kwargs == gemv._int4_configs()[-1].kwargs
+    assert rel(y4, w4 @ x4.double()) < 1e-2
+
+
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     codes = torch.arange(16).repeat(2, 1)  # [2, 16]: 0..15 per row
     words = gemv.pack_int4(codes)
