@@ -150,8 +150,9 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
 
         return bench
 
-    for tuned in (gemv._gemv_tuned, gemv._gemv_int4_tuned):
-        monkeypatch.setattr(tuned, "_do_bench", stand_in(itertools.count(1000, -1)))
+    clocks = [itertools.count(1000, -1), itertools.count(1000, -1)]
+    for tuned, clock in zip((gemv._gemv_tuned, gemv._gemv_int4_tuned), clocks):
+        monkeypatch.setattr(tuned, "_do_bench", stand_in(clock))
         monkeypatch.setattr(tuned, "cache", {})
     x = torch.randn(256, dtype=torch.float16)
     w = torch.randn(64, 256, dtype=torch.float16)
@@ -167,6 +168,8 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
         x4, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
     assert gemv._gemv_int4_tuned.best_config.kwargs == gemv._int4_configs()[-1].kwargs
     assert rel(y4, w4 @ x4.double()) < 1e-2
+    # each candidate was benchmarked once (int4: all of them divide into groups of 128)
+    assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv._int4_configs())]
 
 
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
