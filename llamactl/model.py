@@ -157,9 +157,14 @@ class MLP(nn.Module):
             h = self.gate_up_proj(x)  # [B, S, 2 * intermediate]
             if getattr(self.down_proj, "glu", False):  # the kernel applies SwiGLU itself
                 return add_linear(self.down_proj, h, residual)
-            gate, up = h.chunk(2, dim=-1)
-            return add_linear(self.down_proj, F.silu(gate) * up, residual)
+            return add_linear(self.down_proj, swiglu(h), residual)
         return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """h: [..., 2 I], a fused [gate; up] output -> silu(gate) * up: [..., I]."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos):

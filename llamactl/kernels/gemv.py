@@ -53,8 +53,15 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
         xp = x * tl.load(nw_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     if GLU:
         up = tl.load(x_ptr + K + idx, mask=mask, other=0.0).to(tl.float32)
-        xp = ((x * tl.sigmoid(x)).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
+        xp = _swiglu(x, up, dt).to(tl.float32)
     return xp, x
+
+
+@triton.jit
+def _swiglu(gate, up, dt: tl.constexpr):
+    """silu(gate) * up in dt, from float32 gate/up already rounded to dt: the SiLU rounded to dt
+    before the product, as the unfused model computes F.silu(gate) * up in dt."""
+    return ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt)
 
 
 @triton.jit
@@ -80,7 +87,7 @@ def _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL: tl.constexpr, GLU_
     if GLU_OUT:
         gate, up = tl.split(tl.trans(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2])))  # [BN/2] each
         out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + out, ((gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up).to(dt), mask=out < N // 2)
+        tl.store(y_ptr + out, _swiglu(gate, up, dt), mask=out < N // 2)
     else:
         if RESIDUAL:
             y = y.to(dt).to(tl.float32) + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -293,11 +300,16 @@ GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": Fa
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
-def _launch(tuned, kernel, grid, args: tuple, fixed: dict, glu_out: bool = False):
+def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool) -> None:
     """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
-    self-check, which should not pay for tuning)."""
+    self-check, which should not pay for tuning). One program per BLOCK_N rows of the weight,
+    which with glu_out give BLOCK_N // 2 of the `outputs`."""
+
+    def grid(meta):
+        return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
+
     if interpreted() or FIXED_BLOCKS:
-        kernel[grid(fixed)](*args, **fixed)
+        kernel[grid(fixed)](*args, **fixed, GLU_OUT=glu_out)
     else:
         tuned[grid](*args, GLU_OUT=glu_out)
 
@@ -311,10 +323,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     w is a fused [gate; up] and y: [N // 2] = silu(gate) * up."""
     n, k = w.shape
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_tuned, _gemv_kernel, lambda m: (triton.cdiv(y.numel(), m["BLOCK_N"] // 2 if glu_out else m["BLOCK_N"]),),
+    _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), {**GEMV_FIXED, "GLU_OUT": glu_out}, glu_out)
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out)
     return y
 
 
@@ -342,10 +354,9 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, k = qweight.shape[0], qweight.shape[1] * 8
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
-            lambda m: (triton.cdiv(y.numel(), m["BLOCK_N"] // 2 if glu_out else m["BLOCK_N"]),),
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED, "GLU_OUT": glu_out}, glu_out)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out)
     return y
 
 

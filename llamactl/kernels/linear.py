@@ -11,6 +11,7 @@ from torch import nn
 
 from llamactl import kernels
 from llamactl.errors import InputError
+from llamactl.model import swiglu
 
 
 class FusedIO:
@@ -34,16 +35,10 @@ class FusedIO:
     def _unfused_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
-        if self.glu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        return x
+        return swiglu(x) if self.glu else x
 
     def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
-        if self.glu_out:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        return y
+        return swiglu(y) if self.glu_out else y
 
     def _input_width(self) -> int:
         return self.in_features * (2 if self.glu else 1)
