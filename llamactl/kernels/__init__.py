@@ -49,6 +49,11 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and interpreted()
 
 
+def on_gpu(device: torch.device) -> bool:
+    """Whether the kernels run compiled on `device`, a CUDA device (not through the CPU interpreter)."""
+    return device.type == "cuda" and available(device)
+
+
 @functools.lru_cache(maxsize=None)
 def _checked(index: int) -> bool:
     problem = self_check(torch.device("cuda", index))

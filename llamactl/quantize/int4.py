@@ -32,7 +32,7 @@ def triton_supported(in_features: int, group_size: int) -> bool:
 def _use_triton(device: torch.device) -> bool:
     from llamactl import kernels
 
-    return device.type == "cuda" and kernels.available(device)
+    return kernels.on_gpu(device)
 
 
 def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):

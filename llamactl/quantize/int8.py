@@ -22,7 +22,7 @@ def available(device_type: str) -> bool:
     """Whether int8 layers have a fast path on this device type: torch's kernel or llamactl's GEMV."""
     from llamactl import kernels
 
-    return torch_kernel(device_type) or (device_type == "cuda" and kernels.available(torch.device("cuda")))
+    return torch_kernel(device_type) or kernels.on_gpu(torch.device(device_type))
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +49,7 @@ class Int8Kernel(nn.Module, FusedIO):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         from llamactl import kernels
 
-        self.triton = self.weight.device.type == "cuda" and kernels.available(self.weight.device)
+        self.triton = kernels.on_gpu(self.weight.device)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
