@@ -64,7 +64,7 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
 
 def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]:
     """Compile and run the decode step once per bucket; returns seconds per bucket."""
-    from llamactl.decode import Decoder
+    from llamactl.decode import Decoder, sync
 
     timings = []
     with progress("compile buckets", len(buckets)) as advance:
@@ -75,8 +75,7 @@ def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]
             tok = dec.prefill(ids)
             for i in range(2):
                 tok = dec.step(tok, ids.shape[1] + i)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(model.device)
             timings.append({"bucket": b, "seconds": round(time.perf_counter() - t0, 2)})
             advance(1)
     return timings
