@@ -56,6 +56,15 @@ def test_int4_kernel_matches_the_dequantized_reference(device, act_order):
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
+def _logits_of_both(fast, plain, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits of the two models for the same random n-token prompt: [1, n, V] each."""
+    ids = torch.randint(0, 8192, (1, n))
+    for m in (fast, plain):
+        m.setup_caches(1, n)
+    with torch.no_grad():
+        return fast(ids, torch.arange(n)).float(), plain(ids, torch.arange(n)).float()
+
+
 def test_bf16_load_of_a_4bit_checkpoint_uses_the_int4_kernel(trained_model, tmp_path):
     from typer.testing import CliRunner
 
@@ -71,11 +80,7 @@ def test_bf16_load_of_a_4bit_checkpoint_uses_the_int4_kernel(trained_model, tmp_
     plain = load_model(art, torch.device("cpu"), torch.float32)
     assert isinstance(fast.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(plain.model.layers[0].mlp.down_proj, GPTQLinear)
-    ids = torch.randint(0, 8192, (1, 64))
-    for m in (fast, plain):
-        m.setup_caches(1, 64)
-    with torch.no_grad():
-        a, b = fast(ids, torch.arange(64)).float(), plain(ids, torch.arange(64))
+    a, b = _logits_of_both(fast, plain, 64)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     assert ((a - b).norm() / b.norm()).item() < 3e-2
 
@@ -126,11 +131,7 @@ def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path
     plain = load_model(art, torch.device("cpu"), torch.float32)
     assert isinstance(fast.model.layers[0].self_attn.q_proj, Int8Kernel)
     assert not isinstance(plain.model.layers[0].self_attn.q_proj, Int8Kernel)
-    ids = torch.randint(0, 8192, (1, 32))
-    for m in (fast, plain):
-        m.setup_caches(1, 32)
-    with torch.no_grad():
-        a, b = fast(ids, torch.arange(32)).float(), plain(ids, torch.arange(32))
+    a, b = _logits_of_both(fast, plain, 32)
     assert ((a - b).norm() / b.norm()).item() < 3e-2
 
 
