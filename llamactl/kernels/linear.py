@@ -171,16 +171,16 @@ def swiglu_site() -> str:
     return site
 
 
-def _fuse(model) -> None:
-    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or gate_up_proj."""
+def _fuse(model, swiglu_at: str) -> None:
+    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or
+    gate_up_proj (swiglu_at, see swiglu_site)."""
     for owner, attr, lin in _norm_sites(model):
         if isinstance(lin, FusedIO) and lin.can_fuse():
             lin.norm = getattr(owner, attr)
             setattr(owner, attr, nn.Identity())
-    site = swiglu_site()
     for layer in model.model.layers:
         gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
-        if site == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse():
+        if swiglu_at == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse():
             gate_up.glu_out = True
         elif gate_up is not None and isinstance(down, FusedIO) and down.can_fuse():
             down.glu = True
@@ -200,14 +200,15 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
     if on:
-        _fuse(model)
+        site = swiglu_site()
+        _fuse(model, site)
     hd = model.args.head_dim
     attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
     for layer in model.model.layers:
         layer.self_attn.decode_kernel = attn
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
-    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU after gate_up" if swiglu_site() == "gate_up" else "")
+    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU after gate_up" if site == "gate_up" else "")
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 
