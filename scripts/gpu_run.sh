@@ -25,7 +25,7 @@ std=(--prompt-len 128 --gen-len 256 --warmup 2 --repeat 5)
 # (one file for all parts: the device returns at most 8 files)
 bench() { name=$1; shift; echo "== $name: llamactl bench $*" | tee -a "$out/commands.txt" >> "$out/autotune.txt"
           TRITON_PRINT_AUTOTUNING=1 python -m llamactl bench "$@" --format json -o "$out/$name.json" 2> "$out/$name.err" \
-          | grep -i "autotuning" >> "$out/autotune.txt"; [ -s "$out/$name.json" ] \
+          | grep -iE "autotuning for|with key|best config" >> "$out/autotune.txt"; [ -s "$out/$name.json" ] \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
           && cat "$out/$name.md" || tail -20 "$out/$name.err"; rm -f "$out/$name.err"; }
 for part in "$@"; do
@@ -36,9 +36,11 @@ for part in "$@"; do
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper 2>&1 \
              | tail -30 | tee "$out/tests.txt" ;;
     probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
-    bf16) bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
+    # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted
+    # run's table would otherwise take the first name
+    bf16) rm -rf /tmp/prof; bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
           for f in /tmp/prof/kernels-*.txt; do cp "$f" "$out/$(basename "$f")"; head -25 "$f"; done ;;
-    quant) bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profq
+    quant) rm -rf /tmp/profq; bench llama2-7b-quant --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profq
            cp /tmp/profq/kernels-compile-triton-2.txt "$out/kernels-int4.txt"; head -30 "$out/kernels-int4.txt" ;;
     l3) bench llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5 ;;
     long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --prompt-len 128,16384 --gen-len 256 --warmup 2 --repeat 5 ;;

@@ -272,15 +272,18 @@ def test_plan_covers_the_cache_with_few_power_of_two_splits():
             assert splits * chunk >= s and chunk % min_chunk == 0
 
 
-@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
+@pytest.mark.parametrize("swiglu", ["down", "gate_up", None])
 def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch):
     """The whole model through set_kernels (GEMV linears + decode attention) against cuBLAS/SDPA,
-    with SwiGLU folded into down_proj's kernel or into gate_up_proj's."""
+    with SwiGLU folded into down_proj's kernel or into gate_up_proj's (None: the default, gate_up's)."""
     from llamactl.artifact import open_artifact
     from llamactl.kernels.linear import GemvLinear, set_kernels
     from llamactl.load import load_model
 
-    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
+    if swiglu is None:
+        monkeypatch.delenv("LLAMACTL_SWIGLU", raising=False)
+    else:
+        monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
     model.fuse_projections()  # as the decoder does: q/k/v and gate/up concatenated
     model.setup_caches(1, 64)
@@ -297,8 +300,8 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch)
     assert isinstance(model.lm_head, GemvLinear) and info["decode_attention"] == "triton split-kv"
     assert model.lm_head.norm is not None and model.dtype == torch.float32  # the final norm moved into lm_head
     mlp = model.model.layers[0].mlp
-    assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
-    assert ("SwiGLU after gate_up" in info["gemv"]) == (swiglu == "gate_up")
+    assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu != "down", swiglu == "down")
+    assert ("SwiGLU before down" in info["gemv"]) == (swiglu == "down")
     model.setup_caches(1, 64)
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
@@ -441,7 +444,7 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
         assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
 
 
-@pytest.mark.parametrize("regions,swiglu", [(False, "down"), (True, "down"), (False, "gate_up")])
+@pytest.mark.parametrize("regions,swiglu", [(False, "gate_up"), (True, "gate_up"), (False, "down")])
 def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu, monkeypatch):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
     compilation, which cannot take a mutating op, the model falls back to the plain attention op.

@@ -162,10 +162,12 @@ def _unfuse(model) -> None:
 
 
 def swiglu_site() -> str:
-    """Where the decode step applies SwiGLU: "down" (down_proj's kernel, on reading its input; every
-    program recomputes the SiLU over the whole input) or "gate_up" (gate_up_proj's kernel, once per
-    element, on its output). LLAMACTL_SWIGLU chooses; "down" until the GPU measures "gate_up"."""
-    site = os.environ.get("LLAMACTL_SWIGLU", "down")
+    """Where the decode step applies SwiGLU: "gate_up" (gate_up_proj's kernel, once per element, on
+    its output; the default) or "down" (down_proj's kernel, on reading its input: every program
+    recomputes the SiLU over the whole input). LLAMACTL_SWIGLU chooses. On the H200 "gate_up" made
+    the llama2-7b MLP 47.3 -> 42.4 us in int4, 51.6 -> 49.3 in int8, 72.5 -> 71.5 in bf16
+    (docs/bench/run14-probe.txt) and int4 decode 384 -> 409 tok/s (run15)."""
+    site = os.environ.get("LLAMACTL_SWIGLU", "gate_up")
     if site not in ("down", "gate_up"):
         raise InputError(f"LLAMACTL_SWIGLU={site!r} is not a SwiGLU site", "use down or gate_up")
     return site
@@ -208,7 +210,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
         layer.self_attn.decode_kernel = attn
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
-    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU after gate_up" if site == "gate_up" else "")
+    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 
