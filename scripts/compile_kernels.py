@@ -32,6 +32,8 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64",
 def compile_one(fn, signature: dict, constexprs: dict, warps: int = 4):
     names = fn.arg_names
     sig = {n: signature.get(n, "constexpr") for n in names}
+    # ASTSource does not apply a constexpr's default value as a launch would
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in ("N", "K")}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
@@ -42,16 +44,17 @@ def cases():
     for w_type, (norm, glu, res) in itertools.product(["*bf16", "*i8"], flags):
         if norm and glu:
             continue  # never both: a norm feeds qkv/gate_up, SwiGLU feeds down_proj
-        for prefetch, reduce_each in ((False, False), (True, False), (False, True)):
-            yield (f"gemv {w_type[1:]} norm={norm} glu={glu} residual={res} prefetch={prefetch} reduce_each={reduce_each}",
-                   gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
+        for prefetch, reduce_each, pdl in ((False, False, False), (True, False, False), (False, True, False),
+                                           (False, False, True), (True, False, True), (False, True, True)):
+            yield (f"gemv {w_type[1:]} norm={norm} glu={glu} residual={res} prefetch={prefetch} reduce_each={reduce_each}"
+                   f" pdl={pdl}", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                    dict(HAS_SCALE=w_type == "*i8", NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
-                        PREFETCH=prefetch, REDUCE_EACH=reduce_each))
-    for (norm, glu, res), prefetch in itertools.product(flags, [False, True]):
+                        PREFETCH=prefetch, REDUCE_EACH=reduce_each, PDL=pdl))
+    for (norm, glu, res), prefetch, pdl in itertools.product(flags, [False, True], [False, True]):
         if not (norm and glu):
-            yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch}", gemv._gemv_int4_kernel, INT4,
-                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
-                        PREFETCH=prefetch))
+            yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch} pdl={pdl}", gemv._gemv_int4_kernel,
+                   INT4, dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
+                              PREFETCH=prefetch, PDL=pdl))
     for w_type in ("*bf16", "*i8"):  # SwiGLU of a fused [gate; up] output, the norm before it
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,
@@ -62,11 +65,12 @@ def cases():
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
-    for rope, (r, d) in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)]):
-        yield (f"decode attention rope={rope} R={r} D={d}", attention._split_kernel, ATTN,
-               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32"))
-    yield ("attention merge", attention._merge_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"},
-           dict(R=4, SPLITS=8, D=128, BLOCK_R=16))
+    for rope, (r, d), pdl in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True]):
+        yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl}", attention._split_kernel, ATTN,
+               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32", PDL=pdl))
+    for pdl in (False, True):
+        yield (f"attention merge pdl={pdl}", attention._merge_kernel,
+               {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))
 
 
 def main() -> None:
@@ -75,6 +79,8 @@ def main() -> None:
         ptx = kernel.asm["ptx"]
         if const.get("USE_ASM") and (fn is gemv._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
             assert "lop3.b32" in ptx, f"{name}: the inline PTX is missing"
+        waits = ptx.count("griddepcontrol.wait")
+        assert waits == (1 if const.get("PDL") else 0), f"{name}: {waits} griddepcontrol.wait, PDL={const.get('PDL')}"
         print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 code")
     print("all compiled")
 

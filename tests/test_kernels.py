@@ -24,11 +24,18 @@ def rel(y, ref) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.fixture(params=[False, True], ids=["load", "prefetch"])
+# how a GEMV kernel loads its weights: per iteration; the next block ahead; or, as with programmatic
+# dependent launch (PDL), the first block before waiting for the previous kernel and each next one at
+# the end of the iteration before (on the CPU the fixed config runs these; on a GPU the autotuner
+# chooses between the first two, and PDL is on where the GPU has it)
+LOADS = {"load": (False, False), "prefetch": (True, False), "pdl": (False, True), "prefetch-pdl": (True, True)}
+
+
+@pytest.fixture(params=LOADS.values(), ids=LOADS.keys())
 def gemv_prefetch(request, monkeypatch):
-    """Both ways the 16-bit/int8 kernel loads its weights: per iteration, or the next block ahead
-    (on the CPU the fixed config runs; on the GPU the autotuner chooses among both kinds)."""
-    monkeypatch.setitem(gemv.GEMV_FIXED, "PREFETCH", request.param)
+    """Each way the 16-bit/int8 kernel loads its weights (LOADS)."""
+    monkeypatch.setitem(gemv.GEMV_FIXED, "PREFETCH", request.param[0])
+    monkeypatch.setitem(gemv.GEMV_FIXED, "PDL", request.param[1])
 
 
 @pytest.mark.parametrize("n,k", [(24, 128), (13, 200), (64, 1024)])
@@ -172,6 +179,31 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
     assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv._int4_configs())]
 
 
+def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeypatch):
+    from llamactl import kernels
+
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    for capability, env, on in [((9, 0), None, True), ((10, 0), None, True), ((8, 0), None, False), ((9, 0), "0", False)]:
+        monkeypatch.setattr(kernels, "_capability", lambda index, c=capability: c)
+        if env is None:
+            monkeypatch.delenv("LLAMACTL_PDL", raising=False)
+        else:
+            monkeypatch.setenv("LLAMACTL_PDL", env)
+        assert kernels.pdl(torch.device("cuda", 0)) is on, (capability, env)
+    assert not kernels.pdl(torch.device("cpu"))
+    monkeypatch.setattr(kernels, "interpreted", lambda: True)
+    assert not kernels.pdl(torch.device("cuda", 0))
+
+
+def test_int4_kernels_refuse_partial_groups():
+    q = torch.zeros(8, 20, dtype=torch.int32, device=DEV)  # 160 columns: no whole groups of 128
+    s, z = torch.ones(8, 2, dtype=torch.float16, device=DEV), torch.zeros(8, 2, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="whole groups"):
+        gemv.gemv_int4(torch.zeros(160, device=DEV), q, s, z, 128)
+    with pytest.raises(ValueError, match="whole groups"):
+        gemv.dequantize_int4(q, s, z, 128, torch.float32)
+
+
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     codes = torch.arange(16).repeat(2, 1)  # [2, 16]: 0..15 per row
     words = gemv.pack_int4(codes)
@@ -180,11 +212,11 @@ def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
 
 
-@pytest.fixture(params=[False, True], ids=["load", "prefetch"])
+@pytest.fixture(params=LOADS.values(), ids=LOADS.keys())
 def int4_prefetch(request, monkeypatch):
-    """Both ways the int4 kernel loads its weights: per iteration, or the next block ahead (on the
-    CPU the fixed config runs; on the GPU the autotuner chooses among both kinds)."""
-    monkeypatch.setitem(gemv.INT4_FIXED, "PREFETCH", request.param)
+    """Each way the int4 kernel loads its weights (LOADS)."""
+    monkeypatch.setitem(gemv.INT4_FIXED, "PREFETCH", request.param[0])
+    monkeypatch.setitem(gemv.INT4_FIXED, "PDL", request.param[1])
 
 
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128), (8, 640, 128)])

@@ -49,6 +49,22 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and interpreted()
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch on `device`: each one's
+    programs start while the kernel before it finishes, load their first weights and wait
+    (griddepcontrol.wait) before reading what that kernel wrote, so the gaps between the ~224
+    kernels of a decode step overlap. CUDA graphs keep it. Hopper (sm_90) and later, compiled
+    kernels only; LLAMACTL_PDL=0 turns it off."""
+    if device.type != "cuda" or interpreted() or os.environ.get("LLAMACTL_PDL", "1") == "0":
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def on_gpu(device: torch.device) -> bool:
     """Whether the kernels run compiled on `device`, a CUDA device (not through the CPU interpreter)."""
     return device.type == "cuda" and available(device)

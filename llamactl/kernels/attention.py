@@ -16,6 +16,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llamactl.kernels import pdl
 
 MAX_SPLITS = 64
 MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)
@@ -33,11 +36,16 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
+                  PDL: tl.constexpr = False):
     # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R]
     # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
     # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
+    # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -84,8 +92,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr,
 
 @triton.jit
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     # one program per (bh, query row r): o[bh, r] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     i = tl.arange(0, SPLITS)
@@ -124,12 +135,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
+    launch = {"PDL": True, "launch_pdl": True} if pdl(q.device) else {}
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                num_warps=warps)
+                                num_warps=warps, **launch)
     out = torch.empty_like(q)
-    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4)
+    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llamactl.kernels import interpreted
+from llamactl.kernels import interpreted, pdl
 
 
 def _bf16_configs():
@@ -55,6 +56,18 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
         up = tl.load(x_ptr + K + idx, mask=mask, other=0.0).to(tl.float32)
         xp = _swiglu(x, up, dt).to(tl.float32)
     return xp, x
+
+
+@triton.jit
+def _wait_for_previous_kernel(PDL: tl.constexpr, USE_ASM: tl.constexpr):
+    """Programmatic dependent launch (PDL, Hopper on): the program may have started while the
+    kernel before it in the stream was still running, and has loaded its first weights, which
+    nothing writes. Here it waits for that kernel to finish (and its writes to show) before it
+    reads x or the residual or stores anything, then lets the next kernel start launching (not
+    before: one kernel waits at a time). No-op without PDL and under the interpreter (no PTX)."""
+    if PDL and USE_ASM:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -113,7 +126,7 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False):
+                 GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -121,15 +134,18 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     # (see _load_input for where it rounds); one program per BLOCK_N rows; PREFETCH loads the next
     # block of weights while this one is multiplied (registers for two blocks); REDUCE_EACH sums
     # each block's products across threads at once instead of keeping a [BN, BK] accumulator;
-    # GLU_OUT: w is a fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows)
+    # GLU_OUT: w is a fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows);
+    # PDL: the first block of weights is loaded before waiting for the previous kernel (without
+    # PREFETCH each later block is then loaded at the end of the iteration before it)
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
+    if PREFETCH or PDL:
         w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0)
+    _wait_for_previous_kernel(PDL, USE_ASM)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
@@ -140,7 +156,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         if NORM:
             ss += x_raw * x_raw
         if not PREFETCH:
-            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
+            if PDL:
+                w = w_next
+            else:
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
         if w_ptr.dtype.element_ty == tl.int8:
             prod = _int8_float(w, USE_ASM) * x[None, :]
         else:
@@ -149,6 +168,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
             acc_rows += tl.sum(prod, axis=1)
         else:
             acc += prod
+        if PDL and not PREFETCH:
+            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=row_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0)
     y = acc_rows if REDUCE_EACH else tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -159,7 +180,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
 _gemv_tuned = triton.autotune(configs=_bf16_configs(),
-                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT"],
+                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL"],
                               cache_results=True)(_gemv_kernel)
 
 
@@ -198,7 +219,7 @@ def _nibble_float(p, mask, USE_ASM: tl.constexpr):
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      GLU_OUT: tl.constexpr = False):
+                      GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
@@ -209,24 +230,30 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # reduced across threads until the end: about 3 instructions a weight (LOP3, FADD, FFMA).
     # Every load of an iteration (weights, the 8 slices of x, scales, zeros) is issued before its
     # arithmetic, so their latencies overlap; PREFETCH also loads the next iteration's weights
-    # (registers for two blocks: an autotune choice for the narrower blocks).
+    # (registers for two blocks: an autotune choice for the narrower blocks). PDL: as in _gemv_kernel.
     WORDS: tl.constexpr = BLOCK_K // 8
+    # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
+    # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
+    KW = tl.multiple_of(K // 8, G // 8)
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
-    q_rows = q_ptr + rows.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
     g_rows = rows.to(tl.int64)[:, None] * (K // G)  # [BN, 1]
     words = tl.arange(0, WORDS)  # [W]
     quads = tl.arange(0, WORDS // 4)  # [W/4]
     ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
-    if PREFETCH:
-        p_next = tl.load(q_rows + words[None, :], mask=row_ok[:, None] & (words < K // 8)[None, :], other=0)
+    if PREFETCH or PDL:
+        p_next = tl.load(q_rows + words[None, :], mask=row_ok[:, None] & (words < KW)[None, :], other=0)
+    _wait_for_previous_kernel(PDL, USE_ASM)
     for k0 in range(0, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
-        w_ok = word < K // 8
+        w_ok = word < KW
         if PREFETCH:
             p = p_next
-            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < K // 8)[None, :],
+            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < KW)[None, :],
                              other=0)
+        elif PDL:
+            p = p_next
         else:
             p = tl.load(q_rows + word[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0)  # [BN, W] int32
         group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
@@ -257,6 +284,9 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
         xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
         acc += s * (part - z * xsum[None, :])
+        if PDL and not PREFETCH:
+            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < KW)[None, :],
+                             other=0)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -271,7 +301,7 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
-                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT"],
+                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -282,9 +312,10 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
     # q: [N, K // 8] int32 -> w: [N, K] in w's dtype; one program per [BLOCK_N, 8 * WORDS] tile
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
-    ok = (rows < N)[:, None] & (words < K // 8)[None, :]
+    kw = tl.multiple_of(K // 8, G // 8)  # words a row (K % G == 0): 16-byte loads, as in _gemv_int4_kernel
+    ok = (rows < N)[:, None] & (words < kw)[None, :]
     rows64 = rows.to(tl.int64)
-    p = tl.load(q_ptr + rows64[:, None] * (K // 8) + words[None, :], mask=ok, other=0)  # [BN, W]
+    p = tl.load(q_ptr + rows64[:, None] * kw + words[None, :], mask=ok, other=0)  # [BN, W]
     j = tl.arange(0, 8)
     codes = ((p[:, :, None] >> (j * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, W, 8]
     g_off = rows64[:, None] * (K // G) + (words * 8 // G)[None, :]  # [BN, W]
@@ -300,18 +331,20 @@ GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": Fa
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
-def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool) -> None:
+def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool, device: torch.device) -> None:
     """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
     self-check, which should not pay for tuning). One program per BLOCK_N rows of the weight,
-    which with glu_out give BLOCK_N // 2 of the `outputs`."""
+    which with glu_out give BLOCK_N // 2 of the `outputs`. With kernels.pdl, a programmatic
+    dependent launch (a fixed config's own PDL runs the kernel's PDL code without the launch)."""
 
     def grid(meta):
         return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
 
+    launch = {"GLU_OUT": glu_out} | ({"PDL": True, "launch_pdl": True} if pdl(device) else {})
     if interpreted() or FIXED_BLOCKS:
-        kernel[grid(fixed)](*args, **fixed, GLU_OUT=glu_out)
+        kernel[grid(fixed)](*args, **(fixed | launch))
     else:
-        tuned[grid](*args, GLU_OUT=glu_out)
+        tuned[grid](*args, **launch)
 
 
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
@@ -326,7 +359,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out)
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device)
     return y
 
 
@@ -352,11 +385,12 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
     this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
+    _whole_groups(k, group_size)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device)
     return y
 
 
@@ -365,10 +399,17 @@ def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residua
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 
+def _whole_groups(k: int, group_size: int) -> None:
+    """The int4 kernels assume K % G == 0 (their 16-byte loads rely on it)."""
+    if k % group_size:
+        raise ValueError(f"int4 weight: {k} input columns are not whole groups of {group_size}")
+
+
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
     """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
+    _whole_groups(k, group_size)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, words = 32, 32
     _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, words))](
