@@ -360,7 +360,11 @@ def bench(
     kernel_list = tuple(kernel_opts[k] for k in kernels.split(","))
     total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + len(targets) * len(modes) * len(kernel_list))
     with ui.progress("bench", total) as advance:
-        result = core.run(targets, trial, modes, hf, dev, dt, on_result=lambda r: advance(1),
+        def measured(row: dict) -> None:
+            ui.log(report.row_line(row), markup=False)
+            advance(1)
+
+        result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list)
     if quality:
         qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress)

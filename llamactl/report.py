@@ -61,6 +61,16 @@ def rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, out
 
 
+def row_line(r: dict) -> str:
+    """One measured row as a log line, printed as soon as it is measured: a run cut short (a time
+    limit, Ctrl-C) still shows what it measured before the table."""
+    where = f"{r['model']} | {r['stage']} | batch {r['batch']}, prompt {r['prompt_len']}"
+    if r.get("skipped"):
+        return f"{where}: skipped ({r['skipped']})"
+    return (f"{where}: decode {r['decode_tok_s']:.1f} tok/s ({r['bandwidth_ceiling_frac']:.1%} of the ceiling), "
+            f"prefill {r['prefill_tok_s']:.0f} tok/s" + (f", gemv {r['gemv']}" if r.get("gemv") else ""))
+
+
 def to_markdown(report: dict) -> str:
     headers, body = rows(report["results"])
     env = report["env"]

@@ -24,10 +24,11 @@ def set_quiet(quiet: bool) -> None:
     _state["quiet"] = quiet
 
 
-def log(message: str) -> None:
-    """A progress or status line on stderr (silenced by --quiet)."""
+def log(message: str, markup: bool = True) -> None:
+    """A progress or status line on stderr (silenced by --quiet), never broken into several lines
+    (logs are grepped); markup=False prints brackets in the message as they are."""
     if not _state["quiet"]:
-        _console(stderr=True).print(message)
+        _console(stderr=True).print(message, markup=markup, soft_wrap=True)
 
 
 def warn(message: str) -> None:

@@ -10,7 +10,10 @@
 #   ladder  llama2-7b: transformers eager and static cache, llamactl eager, graphs, compile (kernels on), one run
 #   warm    cold compile against a warm start from `llamactl compile` artifacts, regional compilation on and off
 #   regions llama2-7b bf16 decode with regional compilation (LLAMACTL_COMPILE_REGIONS=1), to decide its CUDA default
-#   swiglu  the quant case again with SwiGLU in gate_up's kernel (LLAMACTL_SWIGLU=gate_up), against quant's default
+#   swiglu  the quant case again with SwiGLU in down_proj's kernel (LLAMACTL_SWIGLU=down), against quant's default
+#   pdl     the quant case again with programmatic dependent launch (LLAMACTL_PDL=1), against quant's default
+# Times on a fresh machine (cold Triton caches): quant/swiglu/pdl over 130 s each (about 105 s warm),
+# probe about 300 s, tests about 380 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
 out=${1:-out}; shift
 mkdir -p "$out"
@@ -48,8 +51,10 @@ for part in "$@"; do
     warm) for r in 1 0; do LLAMACTL_COMPILE_REGIONS=$r bash scripts/compile_warm_start.sh llamactl/assets/docs-llama-17m /tmp/warm$r cuda \
             | tee "$out/warm-regions$r.txt"; done ;;
     regions) LLAMACTL_COMPILE_REGIONS=1 bench llama2-7b-regions --synthetic llama2-7b --mode compile "${std[@]}" ;;
-    swiglu) LLAMACTL_SWIGLU=gate_up bench llama2-7b-quant-swiglu --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+    swiglu) LLAMACTL_SWIGLU=down bench llama2-7b-quant-swiglu-down --synthetic llama2-7b --synthetic-quant none,int4,int8 \
               --dtype bfloat16 --mode compile "${std[@]}" ;;
+    pdl) LLAMACTL_PDL=1 bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+           --dtype bfloat16 --mode compile "${std[@]}" ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done

@@ -40,6 +40,10 @@ def tiny_json(tmp_path_factory):
               "--format", "json", "-o", out)
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == json.loads(out.read_text())
+    # each row is logged as soon as it is measured, in one line (a run cut short keeps them)
+    for row in json.loads(r.stdout)["results"]:
+        line = f"synthetic:tiny | {row['stage']} | batch 1, prompt {row['prompt_len']}: decode {row['decode_tok_s']:.1f} tok/s"
+        assert line in r.stderr, (line, r.stderr)
     return out
 
 

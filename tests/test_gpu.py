@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def greedy(model, mode: str, n: int = 32, kernels: bool = True) -> list[int]:
     ids = torch.arange(10, 60, device="cuda").view(1, -1)
     dec = Decoder(model, 1, ids.shape[1] + n, mode, kernels=kernels)
+    assert dec.kernels["gemv"].startswith("triton") == kernels, dec.kernels  # on a GPU they pass their self-check
     tok = dec.prefill(ids)
     out = [int(tok)]
     for i in range(n - 1):
@@ -32,8 +33,11 @@ def test_cuda_graphs_and_compile_match_eager(trained_model, dtype):
     assert compiled[:16] == eager[:16]  # fused kernels round differently; early tokens must agree
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs", "compile"])
-def test_triton_kernels_decode_like_cublas_and_sdpa(trained_model, mode):
+@pytest.mark.parametrize("mode,pdl", [("eager", "0"), ("graphs", "0"), ("compile", "0"), ("graphs", "1"), ("compile", "1")])
+def test_triton_kernels_decode_like_cublas_and_sdpa(trained_model, mode, pdl, monkeypatch):
+    """pdl: programmatic dependent launch (kernels.pdl), which graphs must keep and which must not
+    let a kernel read its input before the kernel writing it has finished."""
+    monkeypatch.setenv("LLAMACTL_PDL", pdl)
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
     plain = greedy(model, "eager", 48, kernels=False)
     fast = greedy(model, mode, 48, kernels=True)

@@ -183,7 +183,8 @@ def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeyp
     from llamactl import kernels
 
     monkeypatch.setattr(kernels, "interpreted", lambda: False)
-    for capability, env, on in [((9, 0), None, True), ((10, 0), None, True), ((8, 0), None, False), ((9, 0), "0", False)]:
+    for capability, env, on in [((9, 0), "1", True), ((10, 0), "1", True), ((8, 0), "1", False), ((9, 0), "0", False),
+                                ((9, 0), None, False)]:
         monkeypatch.setattr(kernels, "_capability", lambda index, c=capability: c)
         if env is None:
             monkeypatch.delenv("LLAMACTL_PDL", raising=False)

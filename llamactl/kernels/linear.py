@@ -210,7 +210,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
         layer.self_attn.decode_kernel = attn
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
-    gemv = f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
+    gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
+            + (", PDL" if kernels.pdl(model.device) else ""))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 
