@@ -59,6 +59,12 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
 
 
 @triton.jit
+def _block(row_ptrs, idx, row_ok, limit):
+    """Weights row_ptrs[:, None] + idx[None, :] ([BN, len(idx)]), zero past `limit` and outside the rows."""
+    return tl.load(row_ptrs + idx[None, :], mask=row_ok[:, None] & (idx < limit)[None, :], other=0)
+
+
+@triton.jit
 def _wait_for_previous_kernel(PDL: tl.constexpr, USE_ASM: tl.constexpr):
     """Programmatic dependent launch (PDL, Hopper on): the program may have started while the
     kernel before it in the stream was still running, and has loaded its first weights, which
@@ -144,14 +150,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PREFETCH or PDL:
-        w_next = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0)
+        w_next = _block(w_rows, cols, row_ok, K)  # [BN, BK]
     _wait_for_previous_kernel(PDL, USE_ASM)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
         if PREFETCH:
             w = w_next
-            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=row_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0)
+            w_next = _block(w_rows, k + BLOCK_K, row_ok, K)
         x, x_raw = _load_input(x_ptr, k, k_ok, K, nw_ptr, NORM, GLU)  # [BK]
         if NORM:
             ss += x_raw * x_raw
@@ -159,7 +165,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
             if PDL:
                 w = w_next
             else:
-                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
+                w = _block(w_rows, k, row_ok, K)  # [BN, BK]
         if w_ptr.dtype.element_ty == tl.int8:
             prod = _int8_float(w, USE_ASM) * x[None, :]
         else:
@@ -169,7 +175,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         else:
             acc += prod
         if PDL and not PREFETCH:
-            w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=row_ok[:, None] & (k + BLOCK_K < K)[None, :], other=0)
+            w_next = _block(w_rows, k + BLOCK_K, row_ok, K)
     y = acc_rows if REDUCE_EACH else tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -243,19 +249,18 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
     if PREFETCH or PDL:
-        p_next = tl.load(q_rows + words[None, :], mask=row_ok[:, None] & (words < KW)[None, :], other=0)
+        p_next = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
     _wait_for_previous_kernel(PDL, USE_ASM)
     for k0 in range(0, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
         w_ok = word < KW
         if PREFETCH:
             p = p_next
-            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < KW)[None, :],
-                             other=0)
+            p_next = _block(q_rows, word + WORDS, row_ok, KW)
         elif PDL:
             p = p_next
         else:
-            p = tl.load(q_rows + word[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0)  # [BN, W] int32
+            p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
         group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
         g_ok = row_ok[:, None] & (group < K // G)[None, :]
         s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
@@ -285,8 +290,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
         acc += s * (part - z * xsum[None, :])
         if PDL and not PREFETCH:
-            p_next = tl.load(q_rows + (word + WORDS)[None, :], mask=row_ok[:, None] & (word + WORDS < KW)[None, :],
-                             other=0)
+            p_next = _block(q_rows, word + WORDS, row_ok, KW)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
