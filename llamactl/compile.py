@@ -12,7 +12,9 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +55,8 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
                     from llamactl import kernels
 
                     kernels.load_cache(art.path / CACHE_DIR / e["triton_cache"])
+                if e.get("cpu_builds"):
+                    load_cpu_builds(art.path / CACHE_DIR / e["cpu_builds"])
                 return e
             except Exception as ex:  # stale or corrupt bytes: recompile instead
                 warn(f"compile cache {path} could not be loaded ({type(ex).__name__}); compiling from scratch")
@@ -60,6 +64,56 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
     have = ", ".join(f"{e['key']['device_name']} torch {e['key']['torch']}" for e in entries)
     warn(f"compile cache in {art.path} was made for {have}, not {want['device_name']} torch {want['torch']}; compiling from scratch")
     return None
+
+
+def _inductor_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+@contextmanager
+def _fresh_inductor_dir():
+    """Inductor's cache dir set to an empty folder for the duration (the folder is yielded)."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+        try:
+            yield Path(d)
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+
+
+def save_cpu_builds(src: Path, dest: Path) -> int:
+    """Copy the shared libraries Inductor built under src (its C++ kernels and its probes of the
+    CPU's vector instructions) to dest, same relative paths; returns how many. The cache
+    artifacts hold their C++ source only, so without them a warm CPU start rebuilds each one with
+    the C++ compiler. Their names hash the source and the compiler flags (the vector ISA
+    included), so another CPU looks for other names and builds its own."""
+    n = 0
+    for f in sorted(src.glob("*/*.so")):
+        (dest / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest / f.parent.name / f.name)
+        n += 1
+    return n
+
+
+def load_cpu_builds(src: Path) -> int:
+    """Put saved builds into Inductor's cache dir where it has none of that name; returns how many."""
+    dest, n = _inductor_dir(), 0
+    for f in sorted(src.glob("*/*.so")):
+        target = dest / f.parent.name / f.name
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{f.name}.llamactl-tmp")
+        shutil.copy2(f, tmp)
+        os.replace(tmp, target)  # atomic: a concurrent compile never loads half a library
+        n += 1
+    return n
 
 
 def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]:
@@ -99,15 +153,18 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
     dt = resolve_dtype(dtype, dev, art)
     model = load_model(art, dev, dt)
     torch.compiler.reset()
-    t0 = time.perf_counter()
-    timings = warm(model, sorted(set(buckets)), mode, progress)
-    cold = time.perf_counter() - t0
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        raise InputError("torch produced no compile cache artifacts", "is the inductor cache disabled in this environment?")
-    blob, _info = saved
-    key = cache_key(dev, dt, mode)
-    with staged_output(out, force) as tmp:
+    with ExitStack() as stack:
+        # on the CPU, compile into an empty Inductor cache dir, so all its builds can be carried
+        inductor_dir = stack.enter_context(_fresh_inductor_dir()) if dev.type == "cpu" else None
+        t0 = time.perf_counter()
+        timings = warm(model, sorted(set(buckets)), mode, progress)
+        cold = time.perf_counter() - t0
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise InputError("torch produced no compile cache artifacts", "is the inductor cache disabled in this environment?")
+        blob, _info = saved
+        key = cache_key(dev, dt, mode)
+        tmp = stack.enter_context(staged_output(out, force))
         for f in art.path.iterdir():
             if f.is_file() and f.name != "llamactl.json":
                 try:
@@ -119,13 +176,16 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         (tmp / CACHE_DIR / fname).write_bytes(blob)
         from llamactl import kernels
 
-        triton_dir = f"triton-{_key_id(key)}"
-        saved_kernels = 0
+        triton_dir, builds_dir = f"triton-{_key_id(key)}", f"cpu-builds-{_key_id(key)}"
+        saved_kernels = n_builds = 0
         if dev.type == "cuda":  # the CPU step runs no Triton kernels of llamactl's
             major, minor = torch.cuda.get_device_capability(dev)
             saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir, 10 * major + minor)
+        if inductor_dir is not None:
+            n_builds = save_cpu_builds(inductor_dir, tmp / CACHE_DIR / builds_dir)
         entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
+                 "cpu_builds": builds_dir if n_builds else None, "cpu_build_files": n_builds,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}

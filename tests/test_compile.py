@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from llamactl.cli import app
@@ -29,6 +30,29 @@ def test_compile_writes_a_keyed_cache(compiled, trained_model):
     assert (out / "config.json").read_text() == (trained_model / "config.json").read_text()
     # the CPU step runs none of llamactl's Triton kernels, so no Triton cache entries travel
     assert entry["triton_cache"] is None and not any(p.name.startswith("triton-") for p in (out / "compile-cache").iterdir())
+    # but Inductor's C++ kernel builds do (the cache artifacts hold only their source)
+    builds = sorted((out / "compile-cache" / entry["cpu_builds"]).glob("*/*.so"))
+    assert len(builds) == entry["cpu_build_files"] > 0
+
+
+def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypatch):
+    """Loading the cache puts each carried build where Inductor looks for it (its cache dir, same
+    relative path), so the warm start loads it instead of running the C++ compiler; builds it
+    already has are left alone."""
+    from llamactl import compile as comp
+    from llamactl.artifact import open_artifact
+
+    out, entry = compiled
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    carried = out / "compile-cache" / entry["cpu_builds"]
+    names = sorted(p.relative_to(carried) for p in carried.glob("*/*.so"))
+    kept = tmp_path / "inductor" / names[0]
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"built here")
+    assert comp.load_compile_cache(open_artifact(out), torch.device("cpu"), torch.float32, warn=pytest.fail) is not None
+    assert sorted(p.relative_to(tmp_path / "inductor") for p in (tmp_path / "inductor").glob("*/*.so")) == names
+    assert kept.read_bytes() == b"built here"
+    assert not list((tmp_path / "inductor").glob("*/.*llamactl-tmp"))
 
 
 def test_generate_uses_the_cache_and_matches_eager(compiled):
