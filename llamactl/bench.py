@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -290,11 +291,45 @@ def kernel_table(events, steps: int, cuda: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None, ...],
+             device: torch.device) -> list[tuple[str, bool, bool | None]]:
+    """The llamactl configurations timed per target, batch and prompt length: (mode, kernels on,
+    programmatic dependent launch on/off, or None for LLAMACTL_PDL as set). PDL only changes
+    how the kernels launch on a GPU, so without kernels or a GPU only its first choice is timed."""
+    out = []
+    for mode in modes:
+        for on in kernels:
+            for i, p in enumerate(pdl):
+                if i == 0 or (on and device.type == "cuda"):
+                    out.append((mode, on, p))
+    return out
+
+
+@contextmanager
+def _pdl(choice: bool | None):
+    """LLAMACTL_PDL set to `choice` for the block (None: left as it is); kernels.pdl reads it at
+    each launch, and a decoder's CUDA graph keeps what its capture saw."""
+    if choice is None:
+        yield
+        return
+    before = os.environ.get("LLAMACTL_PDL")
+    os.environ["LLAMACTL_PDL"] = "1" if choice else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LLAMACTL_PDL", None)
+        else:
+            os.environ["LLAMACTL_PDL"] = before
+
+
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
         device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
-        profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,)) -> dict[str, Any]:
-    """Measure every target x mode x kernels x batch x prompt length; hf_stages run transformers
-    first. kernels: llamactl's Triton kernels on (where they run) and/or off (cuBLAS + SDPA)."""
+        profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,),
+        pdl: tuple[bool | None, ...] = (None,)) -> dict[str, Any]:
+    """Measure every target x variant (mode, kernels, PDL; see `variants`) x batch x prompt length;
+    hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
+    and/or off (cuBLAS + SDPA)."""
     bw = copy_bandwidth(device)
     results = []
 
@@ -328,15 +363,17 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
                 _free(device)
             for target in targets:
-                for mode, on in ((m, k) for m in modes for k in kernels):
+                for mode, on, launch in variants(modes, kernels, pdl, device):
                     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
                              "compile": "llamactl + compile + CUDA graphs"}[mode]
                     if mode != "eager" and device.type != "cuda":
                         add({"model": target.label, "stage": stage}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
-                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
+                    with _pdl(launch):
+                        raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
                     stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
+                    stage += " + PDL" if ", PDL" in raw["gemv"] else ""
                     add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

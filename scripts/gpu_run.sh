@@ -11,7 +11,7 @@
 #   warm    cold compile against a warm start from `llamactl compile` artifacts, regional compilation on and off
 #   regions llama2-7b bf16 decode with regional compilation (LLAMACTL_COMPILE_REGIONS=1), to decide its CUDA default
 #   swiglu  the quant case again with SwiGLU in down_proj's kernel (LLAMACTL_SWIGLU=down), against quant's default
-#   pdl     the quant case again with programmatic dependent launch (LLAMACTL_PDL=1), against quant's default
+#   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 # Times on a fresh machine (cold Triton caches): quant/swiglu/pdl over 130 s each (about 105 s warm),
 # probe about 300 s, tests about 380 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
@@ -53,8 +53,8 @@ for part in "$@"; do
     regions) LLAMACTL_COMPILE_REGIONS=1 bench llama2-7b-regions --synthetic llama2-7b --mode compile "${std[@]}" ;;
     swiglu) LLAMACTL_SWIGLU=down bench llama2-7b-quant-swiglu-down --synthetic llama2-7b --synthetic-quant none,int4,int8 \
               --dtype bfloat16 --mode compile "${std[@]}" ;;
-    pdl) LLAMACTL_PDL=1 bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
-           --dtype bfloat16 --mode compile "${std[@]}" ;;
+    pdl) bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+           --dtype bfloat16 --mode compile --pdl off,on "${std[@]}" ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done

@@ -134,9 +134,40 @@ def test_profile_writes_a_trace(tmp_path):
     assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
 
 
+def test_pdl_variants_are_timed_only_where_they_change_something(monkeypatch):
+    """--pdl off,on doubles the GPU configurations with kernels on, and nothing else; each
+    variant runs with LLAMACTL_PDL set as chosen, and the variable is restored afterwards."""
+    import os
+
+    import torch
+
+    from llamactl import bench as core
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    both = (False, True)
+    assert core.variants(["compile"], (True, False), both, gpu) == [
+        ("compile", True, False), ("compile", True, True), ("compile", False, False)]
+    assert core.variants(["eager"], (True,), both, cpu) == [("eager", True, False)]
+    assert core.variants(["graphs"], (True,), (None,), gpu) == [("graphs", True, None)]
+    monkeypatch.setenv("LLAMACTL_PDL", "0")
+    with core._pdl(True):
+        assert os.environ["LLAMACTL_PDL"] == "1"
+    with core._pdl(None):
+        assert os.environ["LLAMACTL_PDL"] == "0"
+    assert os.environ["LLAMACTL_PDL"] == "0"
+    monkeypatch.delenv("LLAMACTL_PDL")
+    with core._pdl(False):
+        assert os.environ["LLAMACTL_PDL"] == "0"
+    assert "LLAMACTL_PDL" not in os.environ
+    r = bench("--synthetic", "tiny", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--pdl", "off,on", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["results"]) == 1  # the CPU: one row, PDL changes nothing there
+
+
 @pytest.mark.parametrize("args,code", [
     (("--prompt-len", "abc"), 1), (("--prompt-len", "0"), 1), (("--synthetic", "gpt5"), 1),
-    (("--format", "xml"), 2), (("--mode", "turbo"), 2), (("--gen-len", "1"), 2),
+    (("--format", "xml"), 2), (("--mode", "turbo"), 2), (("--gen-len", "1"), 2), (("--pdl", "maybe"), 2),
 ])
 def test_bad_options(args, code):
     r = bench(*args)
