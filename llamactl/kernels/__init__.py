@@ -58,7 +58,9 @@ def pdl(device: torch.device) -> bool:
     H200's GPU tests pass with it, run 17; the bench of that run ran out of time)."""
     if device.type != "cuda" or interpreted() or os.environ.get("LLAMACTL_PDL", "0") != "1":
         return False
-    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0)
+    from llamactl.kernels.gdc import gdc_wait
+
+    return gdc_wait is not None and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,9 +16,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llamactl.kernels import pdl
+from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 MAX_SPLITS = 64
 MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llamactl.kernels import interpreted, pdl
+from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 
 def _bf16_configs():
