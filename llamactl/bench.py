@@ -12,7 +12,6 @@ import os
 import platform
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +20,7 @@ import torch
 
 from llamactl import __version__
 from llamactl.decode import Decoder, attention_backend, sync
+from llamactl.env import env_var
 from llamactl.stats import median, percentile, spread
 
 SCHEMA_VERSION = 1
@@ -305,22 +305,10 @@ def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None
     return out
 
 
-@contextmanager
 def _pdl(choice: bool | None):
-    """LLAMACTL_PDL set to `choice` for the block (None: left as it is); kernels.pdl reads it at
+    """LLAMACTL_PDL set to `choice` for a block (None: left as it is); kernels.pdl reads it at
     each launch, and a decoder's CUDA graph keeps what its capture saw."""
-    if choice is None:
-        yield
-        return
-    before = os.environ.get("LLAMACTL_PDL")
-    os.environ["LLAMACTL_PDL"] = "1" if choice else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LLAMACTL_PDL", None)
-        else:
-            os.environ["LLAMACTL_PDL"] = before
+    return env_var("LLAMACTL_PDL", None if choice is None else "1" if choice else "0")
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],

@@ -16,11 +16,12 @@ import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from llamactl.artifact import check_output, open_artifact, staged_output, write_manifest
+from llamactl.env import env_var
 from llamactl.errors import InputError
 
 CACHE_DIR = "compile-cache"
@@ -73,18 +74,10 @@ def _inductor_dir() -> Path:
 
 
 @contextmanager
-def _fresh_inductor_dir():
+def _fresh_inductor_dir() -> Iterator[Path]:
     """Inductor's cache dir set to an empty folder for the duration (the folder is yielded)."""
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
-        try:
-            yield Path(d)
-        finally:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d, env_var("TORCHINDUCTOR_CACHE_DIR", d):
+        yield Path(d)
 
 
 def save_cpu_builds(src: Path, dest: Path) -> int:
