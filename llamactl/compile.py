@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from llamactl.artifact import check_output, open_artifact, staged_output, write_manifest
+from llamactl.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
 from llamactl.env import env_var
 from llamactl.errors import InputError
 
@@ -57,7 +57,7 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
 
                     kernels.load_cache(art.path / CACHE_DIR / e["triton_cache"])
                 if e.get("cpu_builds"):
-                    load_cpu_builds(art.path / CACHE_DIR / e["cpu_builds"])
+                    load_cpu_builds(art.path / CACHE_DIR / e["cpu_builds"], e["cpu_build_sha256"], warn)
                 return e
             except Exception as ex:  # stale or corrupt bytes: recompile instead
                 warn(f"compile cache {path} could not be loaded ({type(ex).__name__}); compiling from scratch")
@@ -80,29 +80,35 @@ def _fresh_inductor_dir() -> Iterator[Path]:
         yield Path(d)
 
 
-def save_cpu_builds(src: Path, dest: Path) -> int:
+def save_cpu_builds(src: Path, dest: Path) -> dict[str, str]:
     """Copy the shared libraries Inductor built under src (its C++ kernels and its probes of the
-    CPU's vector instructions) to dest, same relative paths; returns how many. The cache
-    artifacts hold their C++ source only, so without them a warm CPU start rebuilds each one with
-    the C++ compiler. Their names hash the source and the compiler flags (the vector ISA
-    included), so another CPU looks for other names and builds its own."""
-    n = 0
+    CPU's vector instructions) to dest, same relative paths; returns {relative path: sha256}.
+    The cache artifacts hold their C++ source only, so without them a warm CPU start rebuilds
+    each one with the C++ compiler. Their names hash the source and the compiler flags (the
+    vector ISA included), so another CPU looks for other names and builds its own."""
+    sums = {}
     for f in sorted(src.glob("*/*.so")):
+        rel = f"{f.parent.name}/{f.name}"
         (dest / f.parent.name).mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, dest / f.parent.name / f.name)
-        n += 1
-    return n
+        shutil.copy2(f, dest / rel)
+        sums[rel] = sha256_file(dest / rel)
+    return sums
 
 
-def load_cpu_builds(src: Path) -> int:
-    """Put saved builds into Inductor's cache dir where it has none of that name; returns how many."""
+def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]) -> int:
+    """Put the saved builds into Inductor's cache dir where it has none of that name; returns how
+    many. Inductor would load a damaged library as it is, so one whose checksum differs from the
+    manifest's is left out (with a warning) and Inductor builds it again."""
     dest, n = _inductor_dir(), 0
-    for f in sorted(src.glob("*/*.so")):
-        target = dest / f.parent.name / f.name
+    for rel, digest in sorted(sums.items()):
+        f, target = src / rel, dest / rel
         if target.exists():
             continue
+        if not f.is_file() or sha256_file(f) != digest:
+            warn(f"compile cache build {f} is missing or damaged; Inductor will build it again")
+            continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{f.name}.llamactl-tmp")
+        tmp = target.with_name(f".{target.name}.llamactl-tmp")
         shutil.copy2(f, tmp)
         os.replace(tmp, target)  # atomic: a concurrent compile never loads half a library
         n += 1
@@ -170,15 +176,15 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         from llamactl import kernels
 
         triton_dir, builds_dir = f"triton-{_key_id(key)}", f"cpu-builds-{_key_id(key)}"
-        saved_kernels = n_builds = 0
+        saved_kernels, builds = 0, {}
         if dev.type == "cuda":  # the CPU step runs no Triton kernels of llamactl's
             major, minor = torch.cuda.get_device_capability(dev)
             saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir, 10 * major + minor)
         if inductor_dir is not None:
-            n_builds = save_cpu_builds(inductor_dir, tmp / CACHE_DIR / builds_dir)
+            builds = save_cpu_builds(inductor_dir, tmp / CACHE_DIR / builds_dir)
         entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
-                 "cpu_builds": builds_dir if n_builds else None, "cpu_build_files": n_builds,
+                 "cpu_builds": builds_dir if builds else None, "cpu_build_sha256": builds,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}

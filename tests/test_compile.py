@@ -31,27 +31,37 @@ def test_compile_writes_a_keyed_cache(compiled, trained_model):
     # the CPU step runs none of llamactl's Triton kernels, so no Triton cache entries travel
     assert entry["triton_cache"] is None and not any(p.name.startswith("triton-") for p in (out / "compile-cache").iterdir())
     # but Inductor's C++ kernel builds do (the cache artifacts hold only their source)
-    builds = sorted((out / "compile-cache" / entry["cpu_builds"]).glob("*/*.so"))
-    assert len(builds) == entry["cpu_build_files"] > 0
+    carried = out / "compile-cache" / entry["cpu_builds"]
+    builds = sorted(str(p.relative_to(carried)) for p in carried.glob("*/*.so"))
+    assert builds == sorted(entry["cpu_build_sha256"]) and builds
 
 
 def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypatch):
     """Loading the cache puts each carried build where Inductor looks for it (its cache dir, same
     relative path), so the warm start loads it instead of running the C++ compiler; builds it
-    already has are left alone."""
+    already has are left alone, and a damaged one is left out with a warning."""
+    import shutil
+
     from llamactl import compile as comp
     from llamactl.artifact import open_artifact
 
     out, entry = compiled
+    copy = tmp_path / "c"
+    shutil.copytree(out, copy)  # the module's artifact stays intact for the other tests
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    carried = out / "compile-cache" / entry["cpu_builds"]
-    names = sorted(p.relative_to(carried) for p in carried.glob("*/*.so"))
+    carried = copy / "compile-cache" / entry["cpu_builds"]
+    names = sorted(entry["cpu_build_sha256"])
+    assert len(names) >= 3
     kept = tmp_path / "inductor" / names[0]
     kept.parent.mkdir(parents=True)
     kept.write_bytes(b"built here")
-    assert comp.load_compile_cache(open_artifact(out), torch.device("cpu"), torch.float32, warn=pytest.fail) is not None
-    assert sorted(p.relative_to(tmp_path / "inductor") for p in (tmp_path / "inductor").glob("*/*.so")) == names
+    (carried / names[1]).write_bytes(b"damaged")
+    warnings = []
+    assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is not None
+    present = sorted(str(p.relative_to(tmp_path / "inductor")) for p in (tmp_path / "inductor").glob("*/*.so"))
+    assert present == [n for n in names if n != names[1]]
     assert kept.read_bytes() == b"built here"
+    assert len(warnings) == 1 and "damaged" in warnings[0] and names[1].split("/")[1] in warnings[0]
     assert not list((tmp_path / "inductor").glob("*/.*llamactl-tmp"))
 
 
