@@ -55,7 +55,12 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
                 if e.get("triton_cache"):  # llamactl's own kernels: binaries and autotune choices
                     from llamactl import kernels
 
-                    kernels.load_cache(art.path / CACHE_DIR / e["triton_cache"])
+                    folder = art.path / CACHE_DIR / e["triton_cache"]
+                    bad = _damaged(folder, e.get("triton_cache_sha256") or {})
+                    if bad:
+                        warn(f"compile cache {folder}: {len(bad)} Triton entries are missing or damaged; "
+                             "Triton will build those kernels again")
+                    kernels.load_cache(folder, bad)
                 if e.get("cpu_builds"):
                     load_cpu_builds(art.path / CACHE_DIR / e["cpu_builds"], e["cpu_build_sha256"], warn)
                 return e
@@ -78,6 +83,18 @@ def _fresh_inductor_dir() -> Iterator[Path]:
     """Inductor's cache dir set to an empty folder for the duration (the folder is yielded)."""
     with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d, env_var("TORCHINDUCTOR_CACHE_DIR", d):
         yield Path(d)
+
+
+def _checksums(folder: Path) -> dict[str, str]:
+    """{path relative to folder: sha256} of every file below folder."""
+    return {f.relative_to(folder).as_posix(): sha256_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _damaged(folder: Path, sums: dict[str, str]) -> frozenset[str]:
+    """The top-level entries of folder holding a file that is missing or differs from sums (a
+    loader would use a damaged binary as it is)."""
+    return frozenset(rel.split("/")[0] for rel, digest in sums.items()
+                     if not (folder / rel).is_file() or sha256_file(folder / rel) != digest)
 
 
 def save_cpu_builds(src: Path, dest: Path) -> dict[str, str]:
@@ -184,6 +201,7 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
             builds = save_cpu_builds(inductor_dir, tmp / CACHE_DIR / builds_dir)
         entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
+                 "triton_cache_sha256": _checksums(tmp / CACHE_DIR / triton_dir) if saved_kernels else {},
                  "cpu_builds": builds_dir if builds else None, "cpu_build_sha256": builds,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}

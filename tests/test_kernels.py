@@ -443,6 +443,25 @@ def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
     assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"
 
 
+def test_damaged_triton_entries_of_an_artifact_are_left_out(tmp_path, monkeypatch):
+    """compile records a checksum per saved file; an entry with a changed or missing file is not
+    put into Triton's cache (Triton would load the damaged binary), the others are."""
+    from llamactl import compile as comp, kernels
+
+    saved = tmp_path / "saved"
+    for entry in ("aaa", "bbb", "ccc"):
+        (saved / entry).mkdir(parents=True)
+        (saved / entry / "_gemv_kernel.cubin").write_text(entry)
+    sums = comp._checksums(saved)
+    assert sorted(sums) == ["aaa/_gemv_kernel.cubin", "bbb/_gemv_kernel.cubin", "ccc/_gemv_kernel.cubin"]
+    (saved / "bbb" / "_gemv_kernel.cubin").write_text("damaged")
+    (saved / "ccc" / "_gemv_kernel.cubin").unlink()
+    bad = comp._damaged(saved, sums)
+    assert bad == {"bbb", "ccc"}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    assert kernels.load_cache(saved, bad) == 1 and sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["aaa"]
+
+
 def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch):
     from llamactl import kernels
 

@@ -170,8 +170,9 @@ def _built_for(f: Path, arch: int) -> bool:
     return target.get("backend") == "cuda" and target.get("arch") == arch
 
 
-def load_cache(src: Path) -> int:
-    """Add saved entries to Triton's cache (existing ones are kept); returns how many were added."""
+def load_cache(src: Path, skip: frozenset[str] = frozenset()) -> int:
+    """Add saved entries to Triton's cache (existing ones, and those named in skip, are kept out);
+    returns how many were added."""
     dest = cache_dir()
     if dest is None or not src.is_dir():
         return 0
@@ -179,7 +180,7 @@ def load_cache(src: Path) -> int:
     n = 0
     for entry in sorted(src.iterdir()):
         target = dest / entry.name
-        if entry.is_dir() and not target.exists():
+        if entry.is_dir() and not target.exists() and entry.name not in skip:
             tmp = dest / f".{entry.name}.llamactl-tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(entry, tmp)
