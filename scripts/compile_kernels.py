@@ -50,11 +50,13 @@ def cases():
                    f" pdl={pdl}", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                    dict(HAS_SCALE=w_type == "*i8", NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
                         PREFETCH=prefetch, REDUCE_EACH=reduce_each, PDL=pdl))
-    for (norm, glu, res), prefetch, pdl in itertools.product(flags, [False, True], [False, True]):
+    for (norm, glu, res), (prefetch, x_contig), pdl in itertools.product(
+            flags, [(False, False), (True, False), (False, True)], [False, True]):
         if not (norm and glu):
-            yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch} pdl={pdl}", gemv._gemv_int4_kernel,
-                   INT4, dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
-                              PREFETCH=prefetch, PDL=pdl))
+            yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch} x_contig={x_contig} pdl={pdl}",
+                   gemv._gemv_int4_kernel, INT4,
+                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
+                        PREFETCH=prefetch, PDL=pdl, X_CONTIG=x_contig))
     for w_type in ("*bf16", "*i8"):  # SwiGLU of a fused [gate; up] output, the norm before it
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,

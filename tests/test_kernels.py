@@ -213,11 +213,12 @@ def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
 
 
-@pytest.fixture(params=LOADS.values(), ids=LOADS.keys())
+@pytest.fixture(params=[(*v, False) for v in LOADS.values()] + [(False, False, True)], ids=[*LOADS, "x-contig"])
 def int4_prefetch(request, monkeypatch):
-    """Each way the int4 kernel loads its weights (LOADS)."""
+    """Each way the int4 kernel loads its weights (LOADS), and x in one piece (X_CONTIG)."""
     monkeypatch.setitem(gemv.INT4_FIXED, "PREFETCH", request.param[0])
     monkeypatch.setitem(gemv.INT4_FIXED, "PDL", request.param[1])
+    monkeypatch.setitem(gemv.INT4_FIXED, "X_CONTIG", request.param[2])
 
 
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128), (8, 640, 128)])
