@@ -53,8 +53,10 @@ for part in "$@"; do
     regions) LLAMACTL_COMPILE_REGIONS=1 bench llama2-7b-regions --synthetic llama2-7b --mode compile "${std[@]}" ;;
     swiglu) LLAMACTL_SWIGLU=down bench llama2-7b-quant-swiglu-down --synthetic llama2-7b --synthetic-quant none,int4,int8 \
               --dtype bfloat16 --mode compile "${std[@]}" ;;
-    pdl) bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
-           --dtype bfloat16 --mode compile --pdl off,on "${std[@]}" ;;
+    # the step's kernel tables, one per row in row order (bf16, int4, int8, each PDL off then on), in OUT/pdl/
+    pdl) rm -rf /tmp/profp; bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+           --dtype bfloat16 --mode compile --pdl off,on "${std[@]}" --profile /tmp/profp
+         mkdir -p "$out/pdl"; cp /tmp/profp/kernels-*.txt "$out/pdl/" ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done
