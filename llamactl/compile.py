@@ -56,7 +56,7 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
                     from llamactl import kernels
 
                     folder = art.path / CACHE_DIR / e["triton_cache"]
-                    bad = _damaged(folder, e.get("triton_cache_sha256") or {})
+                    bad = _damaged_entries(folder, e.get("triton_cache_sha256") or {})
                     if bad:
                         warn(f"compile cache {folder}: {len(bad)} Triton entries are missing or damaged; "
                              "Triton will build those kernels again")
@@ -90,11 +90,16 @@ def _checksums(folder: Path) -> dict[str, str]:
     return {f.relative_to(folder).as_posix(): sha256_file(f) for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
-def _damaged(folder: Path, sums: dict[str, str]) -> frozenset[str]:
-    """The top-level entries of folder holding a file that is missing or differs from sums (a
-    loader would use a damaged binary as it is)."""
-    return frozenset(rel.split("/")[0] for rel, digest in sums.items()
-                     if not (folder / rel).is_file() or sha256_file(folder / rel) != digest)
+def _damaged(folder: Path, sums: dict[str, str]) -> list[str]:
+    """The files of sums (paths relative to folder) that are missing or differ from their sum: a
+    loader (Triton, Inductor) would use a damaged binary as it is."""
+    return [rel for rel, digest in sorted(sums.items())
+            if not (folder / rel).is_file() or sha256_file(folder / rel) != digest]
+
+
+def _damaged_entries(folder: Path, sums: dict[str, str]) -> frozenset[str]:
+    """The top-level entries of folder (Triton cache entries) holding a damaged file (_damaged)."""
+    return frozenset(rel.split("/")[0] for rel in _damaged(folder, sums))
 
 
 def save_cpu_builds(src: Path, dest: Path) -> dict[str, str]:
@@ -103,13 +108,10 @@ def save_cpu_builds(src: Path, dest: Path) -> dict[str, str]:
     The cache artifacts hold their C++ source only, so without them a warm CPU start rebuilds
     each one with the C++ compiler. Their names hash the source and the compiler flags (the
     vector ISA included), so another CPU looks for other names and builds its own."""
-    sums = {}
     for f in sorted(src.glob("*/*.so")):
-        rel = f"{f.parent.name}/{f.name}"
         (dest / f.parent.name).mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, dest / rel)
-        sums[rel] = sha256_file(dest / rel)
-    return sums
+        shutil.copy2(f, dest / f.parent.name / f.name)
+    return _checksums(dest) if dest.is_dir() else {}
 
 
 def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]) -> int:
@@ -117,13 +119,12 @@ def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]
     many. Inductor would load a damaged library as it is, so one whose checksum differs from the
     manifest's is left out (with a warning) and Inductor builds it again."""
     dest, n = _inductor_dir(), 0
-    for rel, digest in sorted(sums.items()):
+    wanted = {rel: digest for rel, digest in sums.items() if not (dest / rel).exists()}
+    bad = _damaged(src, wanted)
+    for rel in bad:
+        warn(f"compile cache build {src / rel} is missing or damaged; Inductor will build it again")
+    for rel in sorted(set(wanted) - set(bad)):
         f, target = src / rel, dest / rel
-        if target.exists():
-            continue
-        if not f.is_file() or sha256_file(f) != digest:
-            warn(f"compile cache build {f} is missing or damaged; Inductor will build it again")
-            continue
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.llamactl-tmp")
         shutil.copy2(f, tmp)

@@ -457,7 +457,7 @@ def test_damaged_triton_entries_of_an_artifact_are_left_out(tmp_path, monkeypatc
     assert sorted(sums) == ["aaa/_gemv_kernel.cubin", "bbb/_gemv_kernel.cubin", "ccc/_gemv_kernel.cubin"]
     (saved / "bbb" / "_gemv_kernel.cubin").write_text("damaged")
     (saved / "ccc" / "_gemv_kernel.cubin").unlink()
-    bad = comp._damaged(saved, sums)
+    bad = comp._damaged_entries(saved, sums)
     assert bad == {"bbb", "ccc"}
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
     assert kernels.load_cache(saved, bad) == 1 and sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["aaa"]
