@@ -63,6 +63,12 @@ def pdl(device: torch.device) -> bool:
     return gdc_wait is not None and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0)
 
 
+def pdl_launch(device: torch.device) -> dict:
+    """The launch arguments of a kernel for `device`: with PDL, the kernel's own PDL flag (its
+    griddepcontrol code) and Triton's launch_pdl (the launch attribute); else none."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels import pdl
+from llamactl.kernels import pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 MAX_SPLITS = 64
@@ -135,7 +135,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
-    launch = {"PDL": True, "launch_pdl": True} if pdl(q.device) else {}
+    launch = pdl_launch(q.device)
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels import interpreted, pdl
+from llamactl.kernels import interpreted, pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 
@@ -370,7 +370,7 @@ def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool
     def grid(meta):
         return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
 
-    launch = {"GLU_OUT": glu_out} | ({"PDL": True, "launch_pdl": True} if pdl(device) else {})
+    launch = {"GLU_OUT": glu_out} | pdl_launch(device)
     if interpreted() or FIXED_BLOCKS:
         kernel[grid(fixed)](*args, **(fixed | launch))
     else:
