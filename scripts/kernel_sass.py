@@ -16,24 +16,17 @@ import tempfile
 from collections import Counter
 
 import triton
-from triton.backends.compiler import GPUTarget
 
 from llamactl.kernels import gemv
 
-SIGNATURE = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
-             "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32", "G": "constexpr", "NORM": "constexpr",
-             "GLU": "constexpr", "RESIDUAL": "constexpr", "USE_ASM": "constexpr", "BLOCK_N": "constexpr",
-             "BLOCK_K": "constexpr", "PREFETCH": "constexpr"}
+sys.path.insert(0, os.path.dirname(__file__))
+from compile_kernels import INT4, compile_one  # noqa: E402  (the runtime's specialization, constexpr defaults)
 
 
 def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False) -> list[str]:
     const = {"G": 128, "NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk,
              "PREFETCH": prefetch}
-    # as the runtime specializes them: 16-byte aligned pointers, N and K multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(SIGNATURE.items())
-             if kind.startswith("*") or name in ("N", "K")}
-    src = triton.compiler.ASTSource(fn=gemv._gemv_int4_kernel, signature=SIGNATURE, constexprs=const, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    kernel = compile_one(gemv._gemv_int4_kernel, INT4, const, warps)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
