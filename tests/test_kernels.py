@@ -25,8 +25,8 @@ def rel(y, ref) -> float:
 
 
 # how a GEMV kernel loads its weights: per iteration; the next block ahead; or, as with programmatic
-# dependent launch (PDL), the first block before waiting for the previous kernel and each next one at
-# the end of the iteration before (on the CPU the fixed config runs these; on a GPU the autotuner
+# dependent launch (PDL), the first block before waiting for the previous kernel, its iteration peeled
+# off the loop (on the CPU the fixed config runs these; on a GPU the autotuner
 # chooses between the first two, and PDL is on where the GPU has it)
 LOADS = {"load": (False, False), "prefetch": (True, False), "pdl": (False, True), "prefetch-pdl": (True, True)}
 

@@ -129,6 +129,25 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GLU: tl.constexpr,
+               REDUCE_EACH: tl.constexpr, USE_ASM: tl.constexpr):
+    """One block of _gemv_kernel: weights w: [BN, BK] times x'[k] (k: [BK]) into acc: [BN, BK]
+    (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss)."""
+    x, x_raw = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [BK]
+    if NORM:
+        ss += x_raw * x_raw
+    if w.dtype == tl.int8:
+        prod = _int8_float(w, USE_ASM) * x[None, :]
+    else:
+        prod = w.to(tl.float32) * x[None, :]
+    if REDUCE_EACH:  # fewer registers (more programs a multiprocessor), a cross-thread sum an iteration
+        acc_rows += tl.sum(prod, axis=1)
+    else:
+        acc += prod
+    return acc, acc_rows, ss
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
@@ -141,41 +160,32 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     # block of weights while this one is multiplied (registers for two blocks); REDUCE_EACH sums
     # each block's products across threads at once instead of keeping a [BN, BK] accumulator;
     # GLU_OUT: w is a fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows);
-    # PDL: the first block of weights is loaded before waiting for the previous kernel (without
-    # PREFETCH each later block is then loaded at the end of the iteration before it)
+    # PDL: the first block of weights is loaded before waiting for the previous kernel and its
+    # iteration is peeled off, so the loop itself is the same as without PDL
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PREFETCH or PDL:
+    k_start = 0
+    if PREFETCH:
         w_next = _block(w_rows, cols, row_ok, K)  # [BN, BK]
-    _wait_for_previous_kernel(PDL, USE_ASM)
-    for k0 in range(0, K, BLOCK_K):
+        _wait_for_previous_kernel(PDL, USE_ASM)
+    elif PDL:
+        w_first = _block(w_rows, cols, row_ok, K)  # [BN, BK]
+        _wait_for_previous_kernel(PDL, USE_ASM)
+        acc, acc_rows, ss = _gemv_step(w_first, x_ptr, cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH,
+                                       USE_ASM)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + cols
-        k_ok = k < K
         if PREFETCH:
             w = w_next
             w_next = _block(w_rows, k + BLOCK_K, row_ok, K)
-        x, x_raw = _load_input(x_ptr, k, k_ok, K, nw_ptr, NORM, GLU)  # [BK]
-        if NORM:
-            ss += x_raw * x_raw
-        if not PREFETCH:
-            if PDL:
-                w = w_next
-            else:
-                w = _block(w_rows, k, row_ok, K)  # [BN, BK]
-        if w_ptr.dtype.element_ty == tl.int8:
-            prod = _int8_float(w, USE_ASM) * x[None, :]
         else:
-            prod = w.to(tl.float32) * x[None, :]
-        if REDUCE_EACH:  # fewer registers (more programs a multiprocessor), a cross-thread sum an iteration
-            acc_rows += tl.sum(prod, axis=1)
-        else:
-            acc += prod
-        if PDL and not PREFETCH:
-            w_next = _block(w_rows, k + BLOCK_K, row_ok, K)
+            w = _block(w_rows, k, row_ok, K)  # [BN, BK]
+        acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM)
     y = acc_rows if REDUCE_EACH else tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -240,7 +250,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # reduced across threads until the end: about 3 instructions a weight (LOP3, FADD, FFMA).
     # Every load of an iteration (weights, the 8 slices of x, scales, zeros) is issued before its
     # arithmetic, so their latencies overlap; PREFETCH also loads the next iteration's weights
-    # (registers for two blocks: an autotune choice for the narrower blocks). PDL: as in _gemv_kernel.
+    # (registers for two blocks: an autotune choice for the narrower blocks). PDL: as in _gemv_kernel
+    # (the first iteration peeled off).
     # X_CONTIG: x's block is loaded in one contiguous piece and split into its 8 slices (fewer
     # layout conversions through shared memory than 8 strided loads; see _input_slices)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -254,57 +265,72 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     quads = tl.arange(0, WORDS // 4)  # [W/4]
     ss = tl.zeros([WORDS], dtype=tl.float32)  # NORM: sum of x^2
     acc = tl.zeros([BLOCK_N, WORDS // 4], dtype=tl.float32)
-    if PREFETCH or PDL:
+    k_start = 0
+    if PREFETCH:
         p_next = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
-    _wait_for_previous_kernel(PDL, USE_ASM)
-    for k0 in range(0, K, BLOCK_K):
+        _wait_for_previous_kernel(PDL, USE_ASM)
+    elif PDL:
+        p_first = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
+        _wait_for_previous_kernel(PDL, USE_ASM)
+        acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
-        w_ok = word < KW
         if PREFETCH:
             p = p_next
             p_next = _block(q_rows, word + WORDS, row_ok, KW)
-        elif PDL:
-            p = p_next
         else:
             p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
-        group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
-        g_ok = row_ok[:, None] & (group < K // G)[None, :]
-        s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
-        z = tl.load(z_ptr + g_rows + group[None, :], mask=g_ok, other=0).to(tl.float32)
-        if X_CONTIG:
-            x0, x1, x2, x3, x4, x5, x6, x7, sq = _input_slices(x_ptr, k0, K, nw_ptr, NORM, GLU, WORDS)
-        else:
-            x0, r0 = _load_input(x_ptr, word * 8 + 0, w_ok, K, nw_ptr, NORM, GLU)  # [W] each: x[8 w + j]
-            x1, r1 = _load_input(x_ptr, word * 8 + 1, w_ok, K, nw_ptr, NORM, GLU)
-            x2, r2 = _load_input(x_ptr, word * 8 + 2, w_ok, K, nw_ptr, NORM, GLU)
-            x3, r3 = _load_input(x_ptr, word * 8 + 3, w_ok, K, nw_ptr, NORM, GLU)
-            x4, r4 = _load_input(x_ptr, word * 8 + 4, w_ok, K, nw_ptr, NORM, GLU)
-            x5, r5 = _load_input(x_ptr, word * 8 + 5, w_ok, K, nw_ptr, NORM, GLU)
-            x6, r6 = _load_input(x_ptr, word * 8 + 6, w_ok, K, nw_ptr, NORM, GLU)
-            x7, r7 = _load_input(x_ptr, word * 8 + 7, w_ok, K, nw_ptr, NORM, GLU)
-            sq = r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3 + r4 * r4 + r5 * r5 + r6 * r6 + r7 * r7  # [W]
-        if NORM:
-            ss += sq
-        xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
-        p_hi = p >> 12
-        part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
-        part += _nibble_dot(p, 1, x1, USE_ASM)
-        part += _nibble_dot(p, 2, x2, USE_ASM)
-        part += _nibble_dot(p, 3, x3, USE_ASM)
-        part += _nibble_dot(p, 4, x4, USE_ASM)
-        part += _nibble_dot(p_hi, 2, x5, USE_ASM)
-        part += _nibble_dot(p_hi, 3, x6, USE_ASM)
-        part += _nibble_dot(p_hi, 4, x7, USE_ASM)
-        # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
-        part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
-        xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
-        acc += s * (part - z * xsum[None, :])
-        if PDL and not PREFETCH:
-            p_next = _block(q_rows, word + WORDS, row_ok, KW)
+        acc, ss = _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
+
+
+@triton.jit
+def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G: tl.constexpr,
+               NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
+               BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """One block of _gemv_int4_kernel: the words p: [BN, W] at columns k0 .. k0 + 8 W, with their
+    groups' scales and zeros and x's slices, into acc: [BN, W/4]; ss: [W] sums x^2 for NORM.
+    Returns (acc, ss)."""
+    word = k0 // 8 + words  # [W] word index along K
+    w_ok = word < KW
+    group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
+    g_ok = row_ok[:, None] & (group < K // G)[None, :]
+    s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
+    z = tl.load(z_ptr + g_rows + group[None, :], mask=g_ok, other=0).to(tl.float32)
+    if X_CONTIG:
+        x0, x1, x2, x3, x4, x5, x6, x7, sq = _input_slices(x_ptr, k0, K, nw_ptr, NORM, GLU, WORDS)
+    else:
+        x0, r0 = _load_input(x_ptr, word * 8 + 0, w_ok, K, nw_ptr, NORM, GLU)  # [W] each: x[8 w + j]
+        x1, r1 = _load_input(x_ptr, word * 8 + 1, w_ok, K, nw_ptr, NORM, GLU)
+        x2, r2 = _load_input(x_ptr, word * 8 + 2, w_ok, K, nw_ptr, NORM, GLU)
+        x3, r3 = _load_input(x_ptr, word * 8 + 3, w_ok, K, nw_ptr, NORM, GLU)
+        x4, r4 = _load_input(x_ptr, word * 8 + 4, w_ok, K, nw_ptr, NORM, GLU)
+        x5, r5 = _load_input(x_ptr, word * 8 + 5, w_ok, K, nw_ptr, NORM, GLU)
+        x6, r6 = _load_input(x_ptr, word * 8 + 6, w_ok, K, nw_ptr, NORM, GLU)
+        x7, r7 = _load_input(x_ptr, word * 8 + 7, w_ok, K, nw_ptr, NORM, GLU)
+        sq = r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3 + r4 * r4 + r5 * r5 + r6 * r6 + r7 * r7  # [W]
+    if NORM:
+        ss += sq
+    xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
+    p_hi = p >> 12
+    part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
+    part += _nibble_dot(p, 1, x1, USE_ASM)
+    part += _nibble_dot(p, 2, x2, USE_ASM)
+    part += _nibble_dot(p, 3, x3, USE_ASM)
+    part += _nibble_dot(p, 4, x4, USE_ASM)
+    part += _nibble_dot(p_hi, 2, x5, USE_ASM)
+    part += _nibble_dot(p_hi, 3, x6, USE_ASM)
+    part += _nibble_dot(p_hi, 4, x7, USE_ASM)
+    # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
+    part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
+    xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
+    return acc + s * (part - z * xsum[None, :]), ss
 
 
 @triton.jit
