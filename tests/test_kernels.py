@@ -184,7 +184,7 @@ def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeyp
 
     monkeypatch.setattr(kernels, "interpreted", lambda: False)
     for capability, env, on in [((9, 0), "1", True), ((10, 0), "1", True), ((8, 0), "1", False), ((9, 0), "0", False),
-                                ((9, 0), None, False)]:
+                                ((9, 0), None, True)]:
         monkeypatch.setattr(kernels, "_capability", lambda index, c=capability: c)
         if env is None:
             monkeypatch.delenv("LLAMACTL_PDL", raising=False)
