@@ -362,6 +362,7 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                         raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
                     stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
                     stage += " + PDL" if ", PDL" in raw["gemv"] else ""
+                    stage += " + int8 inputs" if "int8 inputs" in raw["gemv"] else ""
                     add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

@@ -64,6 +64,12 @@ def cases():
     yield ("gemv int4 norm=True glu_out=True", gemv._gemv_int4_kernel, INT4,
            dict(G=128, NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024, PREFETCH=False,
                 GLU_OUT=True))
+    for (norm, glu, res), x_contig, pdl in itertools.product(flags, [False, True], [False, True]):
+        if not (norm and glu):  # int8 inputs (A8): DP4A
+            yield (f"gemv int4 a8 norm={norm} glu={glu} residual={res} x_contig={x_contig} pdl={pdl}",
+                   gemv._gemv_int4_kernel, INT4,
+                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
+                        PREFETCH=False, PDL=pdl, X_CONTIG=x_contig, A8=True))
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
@@ -80,7 +86,8 @@ def main() -> None:
         kernel = compile_one(fn, sig, const)
         ptx = kernel.asm["ptx"]
         if const.get("USE_ASM") and (fn is gemv._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
-            assert "lop3.b32" in ptx, f"{name}: the inline PTX is missing"
+            asm = "dp4a.u32.s32" if const.get("A8") else "lop3.b32"
+            assert asm in ptx, f"{name}: the inline PTX ({asm}) is missing"
         waits = ptx.count("griddepcontrol.wait")
         assert waits == (1 if const.get("PDL") else 0), f"{name}: {waits} griddepcontrol.wait, PDL={const.get('PDL')}"
         print(f"{name}: {len(kernel.asm['cubin'])} bytes of sm_90 code")

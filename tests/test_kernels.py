@@ -138,6 +138,8 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
     xr = x.to(ROUND_DTYPE)
     assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
+    y8 = gemv.gemv_int4(x.float(), q, s, z, g, a8=True)  # int8 inputs: the same config with DP4A
+    assert rel(y8.cpu(), (w @ _int8_per_32(x).to(DEV)).cpu()) < 1e-5
 
 
 def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
@@ -248,6 +250,42 @@ def test_gemv_int4_applies_swiglu_to_a_fused_gate_up(int4_prefetch):
     h = w @ x.double()
     y = gemv.gemv_int4(x, q, s, z, g, glu_out=True)
     assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[: n // 2]) * h[n // 2 :]).cpu()) < 1e-5
+
+
+def _int8_per_32(x: torch.Tensor) -> torch.Tensor:
+    """x [K] float32 as the A8 kernel reads it: rounded to int8 per 32 columns (127 / max |x|, ties
+    to even), dequantized, in float64."""
+    xb = x.float().view(-1, 32)
+    qmax = xb.abs().amax(1, keepdim=True)
+    inv = torch.where(qmax > 0, 127.0 / qmax, torch.zeros_like(qmax))
+    return (torch.round(xb * inv).double() * (qmax.double() / 127)).view(-1)
+
+
+@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (8, 640, 128)])
+def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
+    """a8: the integer products (DP4A on the GPU) of the codes and x rounded to int8 per 32 columns
+    equal the dequantized weights times the dequantized x, up to float32 sums; against unrounded x,
+    within 2e-2 (stated tolerance; int8 inputs per 32 columns add ~0.5% relative error here)."""
+    q, s, z, w = _int4_case(n, k, g, seed=n + 1)
+    x = torch.randn(k, device=DEV, dtype=torch.float32)
+    x[32:64] = 0  # a quad of zeros: scale 0
+    x[70] = 40.0  # an outlier: its quad rounds coarsely
+    y = gemv.gemv_int4(x, q, s, z, g, a8=True)
+    assert rel(y.cpu(), (w @ _int8_per_32(x)).cpu()) < 1e-5
+    assert rel(y.cpu(), (w @ x.double()).cpu()) < 2e-2
+
+
+def test_gemv_int4_a8_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
+    n, k, g = 16, 384, 128
+    q, s, z, w = _int4_case(n, k, g, seed=5)
+    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, a8=True)
+    rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
+    assert rel(y.cpu(), (w @ _int8_per_32(x * nw) * rs + r.double()).cpu()) < 1e-5
+    h = torch.randn(2 * k, device=DEV)
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True, a8=True)
+    act = (F.silu(h[:k].double()) * h[k:].double()).float()
+    assert rel(y.cpu(), (w @ _int8_per_32(act)).cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -386,11 +424,13 @@ def test_quantized_projections_fuse_side_by_side():
     torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))
 
 
-@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
-def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu):
+@pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "float"), ("gate_up", "int8")])
+def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
-    residuals folded into the int4 GEMV decodes like the same layers run unfused."""
+    residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8
+    inputs (LLAMACTL_INT4_INPUTS=int8) the decode steps' logits within 2e-2 (prefill unchanged)."""
     monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
+    monkeypatch.setenv("LLAMACTL_INT4_INPUTS", inputs)
     from conftest import make_hf_model
 
     from llamactl.artifact import open_artifact
@@ -413,13 +453,31 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
             out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
         return torch.stack(out)
 
-    set_kernels(model, False)
+    assert set_kernels(model, False)["gemv"] == "cublas"
     ref = run()
-    set_kernels(model, True)
+    info = set_kernels(model, True)
     mlp = model.model.layers[0].mlp
     assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
     assert model.model.layers[0].self_attn.qkv_proj.norm is not None
-    torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
+    a8 = [m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear)]
+    assert a8 == [inputs == "int8"] * 4 * 2 and ("int8 inputs" in info["gemv"]) == (inputs == "int8")
+    if inputs == "float":
+        torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
+    else:
+        out = run()
+        torch.testing.assert_close(out[0], ref[0], atol=1e-3, rtol=1e-3)  # prefill: cuBLAS on dequantized weights
+        assert 0 < rel(out[1:], ref[1:].double()) < 2e-2
+    set_kernels(model, False)
+    assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
+
+
+def test_a_bad_int4_input_type_is_refused(monkeypatch):
+    from llamactl.errors import InputError
+    from llamactl.kernels.linear import int4_inputs
+
+    monkeypatch.setenv("LLAMACTL_INT4_INPUTS", "int4")
+    with pytest.raises(InputError, match="LLAMACTL_INT4_INPUTS"):
+        int4_inputs()
 
 
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):

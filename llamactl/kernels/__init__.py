@@ -117,6 +117,7 @@ def self_check(device: torch.device) -> str | None:
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
         checks["gemv int4"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128), w4 @ x.double())
+        checks["gemv int4 x int8"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, a8=True), w4 @ x.double())
         adt = torch.float16 if interpreted() else bf16  # the CPU interpreter mishandles bf16 tl.dot
         q = torch.randn(1, 2, 4, 64, device=device, generator=gen).to(adt)
         k, v = (torch.randn(1, 2, 300, 64, device=device, generator=gen).to(adt) for _ in range(2))

@@ -239,7 +239,8 @@ def _nibble_float(p, mask, USE_ASM: tl.constexpr):
 def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-                      GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False, X_CONTIG: tl.constexpr = False):
+                      GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False, X_CONTIG: tl.constexpr = False,
+                      A8: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
@@ -254,6 +255,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # (the first iteration peeled off).
     # X_CONTIG: x's block is loaded in one contiguous piece and split into its 8 slices (fewer
     # layout conversions through shared memory than 8 strided loads; see _input_slices)
+    # A8: x is rounded to int8 per 32 columns and each word's 8 products are summed in integers by
+    # two DP4A instructions (see _int4_a8_dot): about 0.9 instructions a weight instead of ~4.5
     WORDS: tl.constexpr = BLOCK_K // 8
     # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
     # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
@@ -273,7 +276,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         p_first = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
@@ -283,7 +286,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         else:
             p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
         acc, ss = _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -293,7 +296,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
 @triton.jit
 def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G: tl.constexpr,
                NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
-               BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False):
     """One block of _gemv_int4_kernel: the words p: [BN, W] at columns k0 .. k0 + 8 W, with their
     groups' scales and zeros and x's slices, into acc: [BN, W/4]; ss: [W] sums x^2 for NORM.
     Returns (acc, ss)."""
@@ -317,6 +320,8 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
         sq = r0 * r0 + r1 * r1 + r2 * r2 + r3 * r3 + r4 * r4 + r5 * r5 + r6 * r6 + r7 * r7  # [W]
     if NORM:
         ss += sq
+    if A8:
+        return acc + s * _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS), ss
     xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
     p_hi = p >> 12
     part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
@@ -331,6 +336,50 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
     part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
     xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
     return acc + s * (part - z * xsum[None, :]), ss
+
+
+@triton.jit
+def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 WORDS: tl.constexpr):
+    """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats, with x rounded to int8
+    per quad: v = round(x * 127 / max |x|) (4 consecutive words share one scale, as they share a
+    group). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points.
+    The even nibbles of a word are its bytes masked with 0x0F0F0F0F, the odd ones those of the word
+    shifted by 4; one DP4A each multiplies them with the matching 4 int8 inputs and adds."""
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))  # [W]
+    qmax = tl.max(tl.reshape(amax, [WORDS // 4, 4]), axis=1)  # [W/4]
+    inv = tl.where(qmax > 0, 127.0 / tl.maximum(qmax, 1e-30), 0.0)  # [W/4] (a quad of zeros: 0)
+    inv_w = tl.reshape(tl.broadcast_to(inv[:, None], [WORDS // 4, 4]), [WORDS])  # [W] each word's quad's
+    v0, v1, v2, v3 = _round(x0 * inv_w), _round(x1 * inv_w), _round(x2 * inv_w), _round(x3 * inv_w)  # [W] int32
+    v4, v5, v6, v7 = _round(x4 * inv_w), _round(x5 * inv_w), _round(x6 * inv_w), _round(x7 * inv_w)
+    x_even = (v0 & 0xFF) | ((v2 & 0xFF) << 8) | ((v4 & 0xFF) << 16) | ((v6 & 0xFF) << 24)  # [W] 4 int8 a word
+    x_odd = (v1 & 0xFF) | ((v3 & 0xFF) << 8) | ((v5 & 0xFF) << 16) | ((v7 & 0xFF) << 24)
+    vsum = tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)  # [W/4]
+    even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
+    odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    d = _dp4a(even, tl.broadcast_to(x_even[None, :], [BLOCK_N, WORDS]), tl.zeros([BLOCK_N, WORDS], tl.int32), USE_ASM)
+    d = _dp4a(odd, tl.broadcast_to(x_odd[None, :], [BLOCK_N, WORDS]), d, USE_ASM)  # [BN, W] sum_j code v
+    dot = tl.sum(tl.reshape(d, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4] exact
+    return (dot.to(tl.float32) - z * vsum.to(tl.float32)[None, :]) * (qmax * (1.0 / 127.0))[None, :]
+
+
+@triton.jit
+def _round(t):
+    """t (float32, |t| < 2^22) rounded to the nearest integer (ties to even) as int32: adding
+    1.5 * 2^23 leaves the integer in the low mantissa bits."""
+    return (t + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+    """c + the sum of the 4 products of a's bytes (unsigned) and b's bytes (signed), int32 (PTX dp4a)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    for i in tl.static_range(4):
+        c += ((a >> (8 * i)) & 0xFF) * ((((b >> (8 * i)) & 0xFF) ^ 0x80) - 0x80)
+    return c
 
 
 @triton.jit
@@ -357,7 +406,7 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
-                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL"],
+                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -387,16 +436,18 @@ GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": Fa
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
-def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool, device: torch.device) -> None:
+def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool, device: torch.device,
+            **flags) -> None:
     """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
     self-check, which should not pay for tuning). One program per BLOCK_N rows of the weight,
     which with glu_out give BLOCK_N // 2 of the `outputs`. With kernels.pdl, a programmatic
-    dependent launch (a fixed config's own PDL runs the kernel's PDL code without the launch)."""
+    dependent launch (a fixed config's own PDL runs the kernel's PDL code without the launch).
+    flags: more of the kernel's constexpr switches."""
 
     def grid(meta):
         return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
 
-    launch = {"GLU_OUT": glu_out} | pdl_launch(device)
+    launch = {"GLU_OUT": glu_out, **flags} | pdl_launch(device)
     if interpreted() or FIXED_BLOCKS:
         kernel[grid(fixed)](*args, **(fixed | launch))
     else:
@@ -437,21 +488,23 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-              glu: bool = False, glu_out: bool = False) -> torch.Tensor:
+              glu: bool = False, glu_out: bool = False, a8: bool = False) -> torch.Tensor:
     """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
-    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`."""
+    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; a8: x
+    rounded to int8 per 32 columns (after the folded RMSNorm/SwiGLU) and multiplied in integers."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, A8=a8)
     return y
 
 
 @gemv_int4.register_fake
-def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False):
+def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
+      a8=False):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 

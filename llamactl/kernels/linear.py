@@ -92,6 +92,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see int4_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -118,14 +119,14 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
-                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out)
+                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.a8)
             return y.view(*x.shape[:-1], self._output_width())
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
         if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
-            y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size)
-                             for row in x2])
+            y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
+                                       a8=self.a8) for row in x2])
         else:
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
@@ -173,6 +174,18 @@ def swiglu_site() -> str:
     return site
 
 
+def int4_inputs() -> str:
+    """What the int4 GEMV multiplies its weights with: "float" (x as it is, the default) or "int8"
+    (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU, and multiplied in integers
+    with DP4A: about 2 sm_90 instructions a weight instead of ~4.5; on docs-llama-17m it added
+    0.0004 nats to the int4 model's KL of 0.077, docs/bench/int4-a8-kl.txt). LLAMACTL_INT4_INPUTS
+    chooses; prefill (dequantized weights, cuBLAS) is not affected."""
+    kind = os.environ.get("LLAMACTL_INT4_INPUTS", "float")
+    if kind not in ("float", "int8"):
+        raise InputError(f"LLAMACTL_INT4_INPUTS={kind!r} is not an input type", "use float or int8")
+    return kind
+
+
 def _fuse(model, swiglu_at: str) -> None:
     """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or
     gate_up_proj (swiglu_at, see swiglu_site)."""
@@ -201,9 +214,15 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
+    inputs = int4_inputs() if on else "float"
     if on:
         site = swiglu_site()
         _fuse(model, site)
+    a8 = False
+    for mod in model.modules():
+        if isinstance(mod, TritonInt4Linear):
+            mod.a8 = inputs == "int8"
+            a8 = a8 or mod.a8
     hd = model.args.head_dim
     attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
     for layer in model.model.layers:
@@ -211,7 +230,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else ""))
+            + (", PDL" if kernels.pdl(model.device) else "") + (", int4 x int8 inputs" if a8 else ""))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 
