@@ -57,6 +57,13 @@ def cases():
                    gemv._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
                         PREFETCH=prefetch, PDL=pdl, X_CONTIG=x_contig))
+    for (norm, glu, res), prefetch, reduce_each, pdl in itertools.product(flags, [False, True], [False, True],
+                                                                         [False, True]):
+        if not (norm and glu) and not (prefetch and reduce_each):  # int8 weights and inputs (A8): DP4A
+            yield (f"gemv i8 a8 norm={norm} glu={glu} residual={res} prefetch={prefetch} reduce_each={reduce_each}"
+                   f" pdl={pdl}", gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"),
+                   dict(HAS_SCALE=True, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
+                        PREFETCH=prefetch, REDUCE_EACH=reduce_each, PDL=pdl, A8=True))
     for w_type in ("*bf16", "*i8"):  # SwiGLU of a fused [gate; up] output, the norm before it
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,
@@ -86,7 +93,7 @@ def main() -> None:
         kernel = compile_one(fn, sig, const)
         ptx = kernel.asm["ptx"]
         if const.get("USE_ASM") and (fn is gemv._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
-            asm = "dp4a.u32.s32" if const.get("A8") else "lop3.b32"
+            asm = ("dp4a.u32.s32" if fn is gemv._gemv_int4_kernel else "dp4a.s32.s32") if const.get("A8") else "lop3.b32"
             assert asm in ptx, f"{name}: the inline PTX ({asm}) is missing"
         waits = ptx.count("griddepcontrol.wait")
         assert waits == (1 if const.get("PDL") else 0), f"{name}: {waits} griddepcontrol.wait, PDL={const.get('PDL')}"

@@ -126,6 +126,10 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv_int8(x, w8, s8).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-2
     xr = x.to(ROUND_DTYPE)  # as a fused [gate; up]: SwiGLU in the epilogue, three roundings
     assert rel(gemv.gemv(xr, w, glu_out=True).cpu(), _swiglu_rounded(w.double() @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
+    x32 = torch.randn(1056, device=DEV)  # int8 inputs (DP4A): whole 32-column blocks, not whole config blocks
+    w8 = torch.randint(-127, 128, (n, 1056), device=DEV, dtype=torch.int8)
+    y8 = gemv.gemv(x32, w8, s8.float(), a8=True)
+    assert rel(y8.cpu(), ((w8.double() @ _int8_per_32(x32)) * s8.double()).cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("config", gemv._int4_configs(), ids=str)
@@ -288,6 +292,35 @@ def test_gemv_int4_a8_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
     assert rel(y.cpu(), (w @ _int8_per_32(act)).cpu()) < 1e-5
 
 
+@pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])
+def test_gemv_int8_a8_multiplies_int8_inputs_exactly(n, k, gemv_prefetch):
+    """a8 with int8 weights: one DP4A a word of 4 weights and 4 int8 inputs (rounded per 32
+    columns), exact against the dequantized inputs up to float32 sums; the norm and SwiGLU fold in."""
+    torch.manual_seed(n)
+    w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+    s8 = torch.rand(n, device=DEV) * 0.01 + 1e-3
+    x = torch.randn(k, device=DEV)
+    x[:32] = 0
+    y = gemv.gemv(x, w8, s8, a8=True)
+    assert rel(y.cpu(), ((w8.double() @ _int8_per_32(x)) * s8.double()).cpu()) < 1e-5
+    assert rel(y.cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 2e-2
+    nw, r = torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
+    y = gemv.gemv(x + 1, w8, s8, nw, 1e-5, r, False, a8=True)
+    rs = torch.rsqrt((x.double() + 1).pow(2).mean() + 1e-5)
+    assert rel(y.cpu(), ((w8.double() @ _int8_per_32((x + 1) * nw)) * rs * s8.double() + r.double()).cpu()) < 1e-5
+    h = torch.randn(2 * k, device=DEV)
+    act = (F.silu(h[:k].double()) * h[k:].double()).float()
+    assert rel(gemv.gemv(h, w8, s8, glu=True, a8=True).cpu(), ((w8.double() @ _int8_per_32(act)) * s8.double()).cpu()) < 1e-5
+
+
+def test_int8_inputs_need_int8_weights_in_32_column_blocks():
+    x = torch.randn(200, device=DEV)
+    with pytest.raises(ValueError, match="int8 inputs"):
+        gemv.gemv(x, torch.zeros(8, 200, dtype=torch.int8, device=DEV), torch.ones(8, device=DEV), a8=True)
+    with pytest.raises(ValueError, match="int8 inputs"):
+        gemv.gemv(x[:192], torch.zeros(8, 192, device=DEV), a8=True)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
     from test_int4 import gptq_layer
@@ -428,9 +461,9 @@ def test_quantized_projections_fuse_side_by_side():
 def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
     residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8
-    inputs (LLAMACTL_INT4_INPUTS=int8) the decode steps' logits within 2e-2 (prefill unchanged)."""
+    inputs (LLAMACTL_QUANT_INPUTS=int8) the decode steps' logits within 2e-2 (prefill unchanged)."""
     monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
-    monkeypatch.setenv("LLAMACTL_INT4_INPUTS", inputs)
+    monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", inputs)
     from conftest import make_hf_model
 
     from llamactl.artifact import open_artifact
@@ -473,11 +506,11 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
 
 def test_a_bad_int4_input_type_is_refused(monkeypatch):
     from llamactl.errors import InputError
-    from llamactl.kernels.linear import int4_inputs
+    from llamactl.kernels.linear import quant_inputs
 
-    monkeypatch.setenv("LLAMACTL_INT4_INPUTS", "int4")
-    with pytest.raises(InputError, match="LLAMACTL_INT4_INPUTS"):
-        int4_inputs()
+    monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", "int4")
+    with pytest.raises(InputError, match="LLAMACTL_QUANT_INPUTS"):
+        quant_inputs()
 
 
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):

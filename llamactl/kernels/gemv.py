@@ -130,20 +130,25 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GLU: tl.constexpr,
-               REDUCE_EACH: tl.constexpr, USE_ASM: tl.constexpr):
+               REDUCE_EACH: tl.constexpr, USE_ASM: tl.constexpr, A8: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """One block of _gemv_kernel: weights w: [BN, BK] times x'[k] (k: [BK]) into acc: [BN, BK]
-    (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss)."""
+    (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss).
+    A8: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/32] (see _int8_a8_dot)."""
     x, x_raw = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [BK]
     if NORM:
         ss += x_raw * x_raw
-    if w.dtype == tl.int8:
-        prod = _int8_float(w, USE_ASM) * x[None, :]
+    if A8:
+        acc += _int8_a8_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
     else:
-        prod = w.to(tl.float32) * x[None, :]
-    if REDUCE_EACH:  # fewer registers (more programs a multiprocessor), a cross-thread sum an iteration
-        acc_rows += tl.sum(prod, axis=1)
-    else:
-        acc += prod
+        if w.dtype == tl.int8:
+            prod = _int8_float(w, USE_ASM) * x[None, :]
+        else:
+            prod = w.to(tl.float32) * x[None, :]
+        if REDUCE_EACH:  # fewer registers (more programs a multiprocessor), a cross-thread sum an iteration
+            acc_rows += tl.sum(prod, axis=1)
+        else:
+            acc += prod
     return acc, acc_rows, ss
 
 
@@ -151,7 +156,8 @@ def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GL
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-                 GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False):
+                 GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False,
+                 A8: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -161,32 +167,50 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     # each block's products across threads at once instead of keeping a [BN, BK] accumulator;
     # GLU_OUT: w is a fused gate/up and y: [N // 2] = silu(gate) * up (see _program_rows);
     # PDL: the first block of weights is loaded before waiting for the previous kernel and its
-    # iteration is peeled off, so the loop itself is the same as without PDL
+    # iteration is peeled off, so the loop itself is the same as without PDL;
+    # A8 (int8 weights, K % 32 == 0): the weights are read as int32 words of 4 and x is rounded to
+    # int8 per 32 columns, one DP4A a word (see _int8_a8_dot)
+    WK: tl.constexpr = BLOCK_K // 4 if A8 else BLOCK_K  # weight elements of a row a block
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
+    if A8:
+        w_cols = tl.arange(0, WK)  # [WK]
+        w_len = tl.multiple_of(K // 4, 8)  # words a row
+        w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * w_len  # [BN, 1]
+    else:
+        w_cols = cols
+        w_len = K
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if A8:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_start = 0
     if PREFETCH:
-        w_next = _block(w_rows, cols, row_ok, K)  # [BN, BK]
+        w_next = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
     elif PDL:
-        w_first = _block(w_rows, cols, row_ok, K)  # [BN, BK]
+        w_first = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, acc_rows, ss = _gemv_step(w_first, x_ptr, cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH,
-                                       USE_ASM)
+                                       USE_ASM, A8, BLOCK_N, BLOCK_K)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + cols
+        if A8:
+            wk = k0 // 4 + w_cols  # [WK] the block's words
+        else:
+            wk = k
         if PREFETCH:
             w = w_next
-            w_next = _block(w_rows, k + BLOCK_K, row_ok, K)
+            w_next = _block(w_rows, wk + WK, row_ok, w_len)
         else:
-            w = _block(w_rows, k, row_ok, K)  # [BN, BK]
-        acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM)
-    y = acc_rows if REDUCE_EACH else tl.sum(acc, axis=1)  # [BN]
+            w = _block(w_rows, wk, row_ok, w_len)  # [BN, WK]
+        acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM, A8,
+                                       BLOCK_N, BLOCK_K)
+    y = acc_rows if REDUCE_EACH and not A8 else tl.sum(acc, axis=1)  # [BN] (A8 sums into acc only)
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
@@ -196,7 +220,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
 _gemv_tuned = triton.autotune(configs=_bf16_configs(),
-                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL"],
+                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8"],
                               cache_results=True)(_gemv_kernel)
 
 
@@ -321,7 +345,17 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
     if NORM:
         ss += sq
     if A8:
-        return acc + s * _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS), ss
+        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)  # [BN, W/4]
+    else:
+        part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)
+    return acc + s * part, ss
+
+
+@triton.jit
+def _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WORDS: tl.constexpr):
+    """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats (see _gemv_int4_kernel):
+    words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points."""
     xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
     p_hi = p >> 12
     part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
@@ -335,7 +369,7 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
     # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
     part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
     xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
-    return acc + s * (part - z * xsum[None, :]), ss
+    return part - z * xsum[None, :]
 
 
 @triton.jit
@@ -372,14 +406,40 @@ def _round(t):
 
 
 @triton.jit
-def _dp4a(a, b, c, USE_ASM: tl.constexpr):
-    """c + the sum of the 4 products of a's bytes (unsigned) and b's bytes (signed), int32 (PTX dp4a)."""
+def _dp4a(a, b, c, USE_ASM: tl.constexpr, A_SIGNED: tl.constexpr = False):
+    """c + the sum of the 4 products of a's bytes (unsigned, or signed with A_SIGNED) and b's bytes
+    (signed), int32 (PTX dp4a)."""
     if USE_ASM:
+        if A_SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
         return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                          dtype=tl.int32, is_pure=True, pack=1)
     for i in tl.static_range(4):
-        c += ((a >> (8 * i)) & 0xFF) * ((((b >> (8 * i)) & 0xFF) ^ 0x80) - 0x80)
+        ai = (a >> (8 * i)) & 0xFF
+        if A_SIGNED:
+            ai = (ai ^ 0x80) - 0x80
+        c += ai * ((((b >> (8 * i)) & 0xFF) ^ 0x80) - 0x80)
     return c
+
+
+@triton.jit
+def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over each 32 columns of w x as [BN, BK/32] floats, with x rounded to int8 per 32 columns
+    (as in _int4_a8_dot). w: [BN, BK/4] int32, each 4 consecutive int8 weights (little-endian);
+    x: [BK] float32. One DP4A a word."""
+    xb = tl.reshape(x, [BLOCK_K // 32, 32])
+    qmax = tl.max(tl.abs(xb), axis=1)  # [BK/32]
+    inv = tl.where(qmax > 0, 127.0 / tl.maximum(qmax, 1e-30), 0.0)
+    v = tl.reshape(_round(xb * inv[:, None]) & 0xFF, [BLOCK_K // 4, 2, 2])  # [BK/4, 2, 2]: column 4 w + 2 i + j
+    v_even, v_odd = tl.split(v)  # [BK/4, 2]: columns 4 w + 2 i, 4 w + 2 i + 1
+    v0, v2 = tl.split(v_even)  # [BK/4]
+    v1, v3 = tl.split(v_odd)
+    xw = v0 | (v1 << 8) | (v2 << 16) | (v3 << 24)  # [BK/4] 4 int8 a word, as the weights
+    d = _dp4a(w, tl.broadcast_to(xw[None, :], [BLOCK_N, BLOCK_K // 4]), tl.zeros([BLOCK_N, BLOCK_K // 4], tl.int32),
+              USE_ASM, A_SIGNED=True)  # [BN, BK/4]
+    dot = tl.sum(tl.reshape(d, [BLOCK_N, BLOCK_K // 32, 8]), axis=2)  # [BN, BK/32] exact
+    return dot.to(tl.float32) * (qmax * (1.0 / 127.0))[None, :]
 
 
 @triton.jit
@@ -457,21 +517,24 @@ def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False,
-         glu_out: bool = False) -> torch.Tensor:
+         glu_out: bool = False, a8: bool = False) -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
     with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
-    w is a fused [gate; up] and y: [N // 2] = silu(gate) * up."""
+    w is a fused [gate; up] and y: [N // 2] = silu(gate) * up; a8 (int8 w, K % 32 == 0): x rounded
+    to int8 per 32 columns and multiplied in integers."""
     n, k = w.shape
+    if a8 and (w.dtype != torch.int8 or k % 32):
+        raise ValueError(f"int8 inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device)
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, A8=a8)
     return y
 
 
 @gemv.register_fake
-def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False):
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, a8=False):
     return x.new_empty(w.shape[0] // 2 if glu_out else w.shape[0])
 
 

@@ -92,7 +92,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see int4_inputs)
+        self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see quant_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -174,15 +174,15 @@ def swiglu_site() -> str:
     return site
 
 
-def int4_inputs() -> str:
-    """What the int4 GEMV multiplies its weights with: "float" (x as it is, the default) or "int8"
-    (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU, and multiplied in integers
-    with DP4A: about 2 sm_90 instructions a weight instead of ~4.5; on docs-llama-17m it added
-    0.0004 nats to the int4 model's KL of 0.077, docs/bench/int4-a8-kl.txt). LLAMACTL_INT4_INPUTS
-    chooses; prefill (dequantized weights, cuBLAS) is not affected."""
-    kind = os.environ.get("LLAMACTL_INT4_INPUTS", "float")
+def quant_inputs() -> str:
+    """What the int4 and int8 GEMVs multiply their weights with: "float" (x as it is, the default)
+    or "int8" (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU and multiplied in
+    integers with DP4A: sm_90 instructions a weight 4.1-5.6 -> 1.5-2.8 for int4, 4.7-7.2 -> 1.5-6.1
+    for int8, docs/bench/README.md; on docs-llama-17m it added 0.0004 nats to the int4 models' KL,
+    docs/bench/quant-inputs-kl.txt). LLAMACTL_QUANT_INPUTS chooses; prefill (cuBLAS) is not affected."""
+    kind = os.environ.get("LLAMACTL_QUANT_INPUTS", "float")
     if kind not in ("float", "int8"):
-        raise InputError(f"LLAMACTL_INT4_INPUTS={kind!r} is not an input type", "use float or int8")
+        raise InputError(f"LLAMACTL_QUANT_INPUTS={kind!r} is not an input type", "use float or int8")
     return kind
 
 
@@ -214,13 +214,15 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
-    inputs = int4_inputs() if on else "float"
+    from llamactl.quantize.int8 import Int8Kernel
+
+    inputs = quant_inputs() if on else "float"
     if on:
         site = swiglu_site()
         _fuse(model, site)
     a8 = False
     for mod in model.modules():
-        if isinstance(mod, TritonInt4Linear):
+        if isinstance(mod, TritonInt4Linear) or isinstance(mod, Int8Kernel) and mod.in_features % 32 == 0:
             mod.a8 = inputs == "int8"
             a8 = a8 or mod.a8
     hd = model.args.head_dim
@@ -230,7 +232,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else "") + (", int4 x int8 inputs" if a8 else ""))
+            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else ""))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 

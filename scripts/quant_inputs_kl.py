@@ -1,10 +1,10 @@
-"""What rounding the int4 GEMV's inputs to int8 (LLAMACTL_INT4_INPUTS=int8) costs in quality, on the CPU.
+"""What rounding the int4/int8 GEMVs' inputs to int8 (LLAMACTL_QUANT_INPUTS=int8) costs in quality, on the CPU.
 
 The kernel rounds each projection's input to int8 per 32 columns (127 / max |x|, after the folded
 RMSNorm/SwiGLU) and multiplies in integers; here every projection's input is rounded the same way
 (a forward pre-hook; lm_head is left as it is, as in the kernel path) and the model scored with
 llamactl's quality.measure (KL against the parent, 16K tokens of the packaged eval text).
-Usage: python scripts/int4_inputs_kl.py PARENT CHILD   (CHILD: e.g. `llamactl quantize PARENT --method rtn -o CHILD`)
+Usage: python scripts/quant_inputs_kl.py PARENT CHILD   (CHILD: e.g. `llamactl quantize PARENT --method rtn -o CHILD`)
 """
 
 from __future__ import annotations
