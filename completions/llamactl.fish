@@ -16,6 +16,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from bench' -l dtype -r -d 'auto
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l mode -r -d 'llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l kernels -r -d 'llamactls Triton GEMV and decode-attention kernels (CUDA): on, off, or on,off to time both.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l pdl -r -d 'Programmatic dependent launch of the kernels (Hopper GPUs): on, off, or off,on to time both in one run (default: LLAMACTL_PDL).'
+complete -c llamactl -n '__fish_seen_subcommand_from bench' -l quant-inputs -r -d 'What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), or float,int8 to time both in one run (default: LLAMACTL_QUANT_INPUTS).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l stages -d 'The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l synthetic -r -d 'Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l synthetic-quant -r -d 'int4 (RTN, group 128), int8 (per channel) or none; a comma list times several copies of the synthetic model in one run.'

@@ -292,16 +292,20 @@ def kernel_table(events, steps: int, cuda: bool) -> str:
 
 
 def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None, ...],
-             device: torch.device) -> list[tuple[str, bool, bool | None]]:
+             device: torch.device, inputs: tuple[str | None, ...] = (None,),
+             quantized: bool = True) -> list[tuple[str, bool, bool | None, str | None]]:
     """The llamactl configurations timed per target, batch and prompt length: (mode, kernels on,
-    programmatic dependent launch on/off, or None for LLAMACTL_PDL as set). PDL only changes
-    how the kernels launch on a GPU, so without kernels or a GPU only its first choice is timed."""
+    programmatic dependent launch on/off, the quantized GEMVs' inputs "float"/"int8"; None: the
+    environment's LLAMACTL_PDL / LLAMACTL_QUANT_INPUTS). Both only change llamactl's kernels on a
+    GPU, and the inputs only a `quantized` model's, so elsewhere only the first choice is timed."""
     out = []
     for mode in modes:
         for on in kernels:
+            gpu = on and device.type == "cuda"
             for i, p in enumerate(pdl):
-                if i == 0 or (on and device.type == "cuda"):
-                    out.append((mode, on, p))
+                for j, kind in enumerate(inputs):
+                    if (i == 0 or gpu) and (j == 0 or gpu and quantized):
+                        out.append((mode, on, p, kind))
     return out
 
 
@@ -311,11 +315,19 @@ def _pdl(choice: bool | None):
     return env_var("LLAMACTL_PDL", None if choice is None else "1" if choice else "0")
 
 
+def is_quantized(model) -> bool:
+    """Whether the model has int4 or int8 layers (whose GEMV inputs --quant-inputs chooses)."""
+    from llamactl.kernels.linear import TritonInt4Linear
+    from llamactl.quantize.int8 import Int8Kernel
+
+    return any(isinstance(m, (TritonInt4Linear, Int8Kernel)) for m in model.modules())
+
+
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
         device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
         profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,),
-        pdl: tuple[bool | None, ...] = (None,)) -> dict[str, Any]:
-    """Measure every target x variant (mode, kernels, PDL; see `variants`) x batch x prompt length;
+        pdl: tuple[bool | None, ...] = (None,), inputs: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
+    """Measure every target x variant (mode, kernels, PDL, inputs; see `variants`) x batch x prompt length;
     hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
     and/or off (cuBLAS + SDPA)."""
     bw = copy_bandwidth(device)
@@ -351,14 +363,14 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
                 _free(device)
             for target in targets:
-                for mode, on, launch in variants(modes, kernels, pdl, device):
+                for mode, on, launch, kind in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model)):
                     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
                              "compile": "llamactl + compile + CUDA graphs"}[mode]
                     if mode != "eager" and device.type != "cuda":
                         add({"model": target.label, "stage": stage}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
-                    with _pdl(launch):
+                    with _pdl(launch), env_var("LLAMACTL_QUANT_INPUTS", kind):
                         raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
                     stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
                     stage += " + PDL" if ", PDL" in raw["gemv"] else ""

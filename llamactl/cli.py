@@ -309,6 +309,7 @@ def bench(
     mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
     kernels: Annotated[str, typer.Option(help="llamactl's Triton GEMV and decode-attention kernels (CUDA): on, off, or on,off to time both.")] = "on",
     pdl: Annotated[Optional[str], typer.Option("--pdl", help="Programmatic dependent launch of the kernels (Hopper GPUs): on, off, or off,on to time both in one run (default: LLAMACTL_PDL).")] = None,
+    quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), or float,int8 to time both in one run (default: LLAMACTL_QUANT_INPUTS).")] = None,
     stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
     synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
     synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4 (RTN, group 128), int8 (per channel) or none; a comma list times several copies of the synthetic model in one run.")] = None,
@@ -357,12 +358,16 @@ def bench(
     if pdl is not None and (not pdl or any(k not in kernel_opts for k in pdl.split(","))):
         raise typer.BadParameter(f"--pdl {pdl!r}: use on, off or off,on")
     pdl_list = (None,) if pdl is None else tuple(kernel_opts[k] for k in pdl.split(","))
+    if quant_inputs is not None and (not quant_inputs or any(k not in ("float", "int8") for k in quant_inputs.split(","))):
+        raise typer.BadParameter(f"--quant-inputs {quant_inputs!r}: use float, int8 or float,int8")
+    inputs_list = (None,) if quant_inputs is None else tuple(quant_inputs.split(","))
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
     kernel_list = tuple(kernel_opts[k] for k in kernels.split(","))
-    runs = len(targets) * len(core.variants(modes, kernel_list, pdl_list, dev))
+    runs = sum(len(core.variants(modes, kernel_list, pdl_list, dev, inputs_list, core.is_quantized(t.model)))
+               for t in targets)
     total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + runs)
     with ui.progress("bench", total) as advance:
         def measured(row: dict) -> None:
@@ -370,7 +375,8 @@ def bench(
             advance(1)
 
         result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
-                          profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list)
+                          profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
+                          inputs=inputs_list)
     if quality:
         qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress)
         for r in result["results"]:

@@ -12,7 +12,7 @@
 #   regions llama2-7b bf16 decode with regional compilation (LLAMACTL_COMPILE_REGIONS=1), to decide its CUDA default
 #   swiglu  the quant case again with SwiGLU in down_proj's kernel (LLAMACTL_SWIGLU=down), against quant's default
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
-#   a8      bf16, int4 and int8 with the quantized GEMVs' inputs rounded to int8 (LLAMACTL_QUANT_INPUTS=int8, DP4A), one run
+#   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
 # Times on a fresh machine (cold Triton caches): quant/swiglu/pdl over 130 s each (about 105 s warm),
 # probe about 300 s, tests about 380 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
@@ -58,9 +58,10 @@ for part in "$@"; do
     pdl) rm -rf /tmp/profp; bench llama2-7b-quant-pdl --synthetic llama2-7b --synthetic-quant none,int4,int8 \
            --dtype bfloat16 --mode compile --pdl off,on "${std[@]}" --profile /tmp/profp
          mkdir -p "$out/pdl"; cp /tmp/profp/kernels-*.txt "$out/pdl/" ;;
-    a8) rm -rf /tmp/profa; LLAMACTL_QUANT_INPUTS=int8 bench llama2-7b-quant-a8 --synthetic llama2-7b --synthetic-quant none,int4,int8 \
-          --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profa
-        mkdir -p "$out/a8"; cp /tmp/profa/kernels-*.txt "$out/a8/"; head -12 "$out"/a8/kernels-*-2.txt ;;
+    # rows: bf16, int4 float/int8 inputs, int8 float/int8 inputs; kernel tables in row order in OUT/a8/
+    a8) rm -rf /tmp/profa; bench llama2-7b-quant-a8 --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+          --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" --profile /tmp/profa
+        mkdir -p "$out/a8"; cp /tmp/profa/kernels-*.txt "$out/a8/" ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done

@@ -146,9 +146,15 @@ def test_pdl_variants_are_timed_only_where_they_change_something(monkeypatch):
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     both = (False, True)
     assert core.variants(["compile"], (True, False), both, gpu) == [
-        ("compile", True, False), ("compile", True, True), ("compile", False, False)]
-    assert core.variants(["eager"], (True,), both, cpu) == [("eager", True, False)]
-    assert core.variants(["graphs"], (True,), (None,), gpu) == [("graphs", True, None)]
+        ("compile", True, False, None), ("compile", True, True, None), ("compile", False, False, None)]
+    assert core.variants(["eager"], (True,), both, cpu) == [("eager", True, False, None)]
+    assert core.variants(["graphs"], (True,), (None,), gpu) == [("graphs", True, None, None)]
+    # --quant-inputs float,int8: both for a quantized model with kernels on a GPU, else the first
+    kinds = ("float", "int8")
+    assert core.variants(["compile"], (True, False), (None,), gpu, kinds) == [
+        ("compile", True, None, "float"), ("compile", True, None, "int8"), ("compile", False, None, "float")]
+    assert core.variants(["compile"], (True,), (None,), gpu, kinds, quantized=False) == [("compile", True, None, "float")]
+    assert core.variants(["eager"], (True,), (None,), cpu, kinds) == [("eager", True, None, "float")]
     monkeypatch.setenv("LLAMACTL_PDL", "0")
     with core._pdl(True):
         assert os.environ["LLAMACTL_PDL"] == "1"
@@ -163,11 +169,16 @@ def test_pdl_variants_are_timed_only_where_they_change_something(monkeypatch):
               "--pdl", "off,on", "--format", "json")
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["results"]) == 1  # the CPU: one row, PDL changes nothing there
+    r = bench("--synthetic", "tiny", "--synthetic-quant", "int8", "--dtype", "bfloat16", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0",
+              "--repeat", "1", "--quant-inputs", "float,int8", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["results"]) == 1  # nor do int8 inputs (GPU kernels only)
 
 
 @pytest.mark.parametrize("args,code", [
     (("--prompt-len", "abc"), 1), (("--prompt-len", "0"), 1), (("--synthetic", "gpt5"), 1),
     (("--format", "xml"), 2), (("--mode", "turbo"), 2), (("--gen-len", "1"), 2), (("--pdl", "maybe"), 2),
+    (("--quant-inputs", "int4"), 2),
 ])
 def test_bad_options(args, code):
     r = bench(*args)
