@@ -504,7 +504,7 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
 
 
-def test_a_bad_int4_input_type_is_refused(monkeypatch):
+def test_a_bad_quant_input_type_is_refused(monkeypatch):
     from llamactl.errors import InputError
     from llamactl.kernels.linear import quant_inputs
 

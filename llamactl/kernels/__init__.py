@@ -112,6 +112,7 @@ def self_check(device: torch.device) -> str | None:
         w8 = torch.randint(-127, 128, (48, 256), device=device, generator=gen, dtype=torch.int8)
         s8 = (torch.rand(48, device=device, generator=gen) * 0.01 + 1e-3).to(bf16)
         checks["gemv int8"] = rel(gemv.gemv(x, w8, s8), (w8.double() @ x.double()) * s8.double())
+        checks["gemv int8 x int8"] = rel(gemv.gemv(x, w8, s8, a8=True), (w8.double() @ x.double()) * s8.double())
         codes = torch.randint(0, 16, (48, 256), device=device, generator=gen)
         s4 = (torch.rand(48, 2, device=device, generator=gen) * 0.01 + 1e-3).half()
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)

@@ -222,7 +222,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
         _fuse(model, site)
     a8 = False
     for mod in model.modules():
-        if isinstance(mod, TritonInt4Linear) or isinstance(mod, Int8Kernel) and mod.in_features % 32 == 0:
+        if isinstance(mod, TritonInt4Linear) or (isinstance(mod, Int8Kernel) and mod.in_features % 32 == 0):
             mod.a8 = inputs == "int8"
             a8 = a8 or mod.a8
     hd = model.args.head_dim
