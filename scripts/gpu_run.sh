@@ -13,6 +13,7 @@
 #   swiglu  the quant case again with SwiGLU in down_proj's kernel (LLAMACTL_SWIGLU=down), against quant's default
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
+#   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # Times on a fresh machine (cold Triton caches): quant/swiglu/pdl over 130 s each (about 105 s warm),
 # probe about 300 s, tests about 380 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
@@ -39,6 +40,8 @@ for part in "$@"; do
     tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py tests/test_gpu.py tests/test_int4.py \
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper 2>&1 \
              | tail -30 | tee "$out/tests.txt" ;;
+    a8tests) python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "a8 or int8_inputs or self_check" 2>&1 \
+               | tail -15 | tee "$out/a8tests.txt" ;;
     probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted
     # run's table would otherwise take the first name
