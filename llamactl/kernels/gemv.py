@@ -280,7 +280,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # X_CONTIG: x's block is loaded in one contiguous piece and split into its 8 slices (fewer
     # layout conversions through shared memory than 8 strided loads; see _input_slices)
     # A8: x is rounded to int8 per 32 columns and each word's 8 products are summed in integers by
-    # two DP4A instructions (see _int4_a8_dot): 1.5-3.3 sm_90 instructions a weight, not 4.1-6.6
+    # two DP4A instructions (see _int4_a8_dot): 1.5-3.2 sm_90 instructions a weight, not 4.1-6.6
     WORDS: tl.constexpr = BLOCK_K // 8
     # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
     # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
@@ -392,9 +392,19 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     vsum = tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)  # [W/4]
     even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
     odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
-    d = _dp4a(even, tl.broadcast_to(x_even[None, :], [BLOCK_N, WORDS]), tl.zeros([BLOCK_N, WORDS], tl.int32), USE_ASM)
-    d = _dp4a(odd, tl.broadcast_to(x_odd[None, :], [BLOCK_N, WORDS]), d, USE_ASM)  # [BN, W] sum_j code v
-    dot = tl.sum(tl.reshape(d, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4] exact
+    # a quad's 4 words (one thread's 16-byte load): 8 DP4A chained, [BN, W/4] each
+    e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)
+    o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
+    xe0, xe1, xe2, xe3 = _quad_words(tl.broadcast_to(x_even[None, :], [BLOCK_N, WORDS]), BLOCK_N, WORDS)
+    xo0, xo1, xo2, xo3 = _quad_words(tl.broadcast_to(x_odd[None, :], [BLOCK_N, WORDS]), BLOCK_N, WORDS)
+    dot = _dp4a(e0, xe0, tl.zeros([BLOCK_N, WORDS // 4], tl.int32), USE_ASM)
+    dot = _dp4a(o0, xo0, dot, USE_ASM)
+    dot = _dp4a(e1, xe1, dot, USE_ASM)
+    dot = _dp4a(o1, xo1, dot, USE_ASM)
+    dot = _dp4a(e2, xe2, dot, USE_ASM)
+    dot = _dp4a(o2, xo2, dot, USE_ASM)
+    dot = _dp4a(e3, xe3, dot, USE_ASM)
+    dot = _dp4a(o3, xo3, dot, USE_ASM)  # [BN, W/4] sum over the quad of code v, exact
     return (dot.to(tl.float32) - z * vsum.to(tl.float32)[None, :]) * (qmax * (1.0 / 127.0))[None, :]
 
 
@@ -404,6 +414,25 @@ def _int8_inv(qmax):
     largest magnitude is qmax to int8; correctly rounded (div.rn), so the GPU rounds x as the
     references do (Triton's `/` is an approximate division on the GPU)."""
     return tl.where(qmax > 0, tl.math.div_rn(tl.full(qmax.shape, 127.0, tl.float32), tl.maximum(qmax, 1e-30)), 0.0)
+
+
+@triton.jit
+def _quad_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """t: [BN, W] as the 4 words of each quad, [BN, W/4] each (within a thread: no data moves)."""
+    a, b = tl.split(tl.reshape(t, [BLOCK_N, WORDS // 4, 2, 2]))  # [BN, W/4, 2]: words 0, 2 / 1, 3
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _eight_words(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """t: [BN, BK/4] words as the 8 words of each 32 columns, [BN, BK/32] each (in some fixed
+    order): its two halves of 4 (one thread's 16-byte load each) first, then _quad_words."""
+    a, b = tl.split(tl.reshape(t, [BLOCK_N, BLOCK_K // 32, 2, 4]).permute(0, 1, 3, 2))  # [BN, BK/32, 4] each
+    w0, w1, w2, w3 = _quad_words(tl.reshape(a, [BLOCK_N, BLOCK_K // 8]), BLOCK_N, BLOCK_K // 8)
+    w4, w5, w6, w7 = _quad_words(tl.reshape(b, [BLOCK_N, BLOCK_K // 8]), BLOCK_N, BLOCK_K // 8)
+    return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 @triton.jit
@@ -444,9 +473,17 @@ def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
     v0, v2 = tl.split(v_even)  # [BK/4]
     v1, v3 = tl.split(v_odd)
     xw = v0 | (v1 << 8) | (v2 << 16) | (v3 << 24)  # [BK/4] 4 int8 a word, as the weights
-    d = _dp4a(w, tl.broadcast_to(xw[None, :], [BLOCK_N, BLOCK_K // 4]), tl.zeros([BLOCK_N, BLOCK_K // 4], tl.int32),
-              USE_ASM, A_SIGNED=True)  # [BN, BK/4]
-    dot = tl.sum(tl.reshape(d, [BLOCK_N, BLOCK_K // 32, 8]), axis=2)  # [BN, BK/32] exact
+    # each 32 columns' 8 words, 8 DP4A chained, [BN, BK/32] each
+    w0, w1, w2, w3, w4, w5, w6, w7 = _eight_words(w, BLOCK_N, BLOCK_K)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eight_words(tl.broadcast_to(xw[None, :], [BLOCK_N, BLOCK_K // 4]), BLOCK_N, BLOCK_K)
+    dot = _dp4a(w0, x0, tl.zeros([BLOCK_N, BLOCK_K // 32], tl.int32), USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w1, x1, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w2, x2, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w3, x3, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w4, x4, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w5, x5, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w6, x6, dot, USE_ASM, A_SIGNED=True)
+    dot = _dp4a(w7, x7, dot, USE_ASM, A_SIGNED=True)  # [BN, BK/32] exact
     return dot.to(tl.float32) * (qmax * (1.0 / 127.0))[None, :]
 
 

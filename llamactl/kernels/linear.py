@@ -177,8 +177,8 @@ def swiglu_site() -> str:
 def quant_inputs() -> str:
     """What the int4 and int8 GEMVs multiply their weights with: "float" (x as it is, the default)
     or "int8" (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU and multiplied in
-    integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.3 for int4, 4.7-7.2 -> 1.6-6.4
-    for int8, docs/bench/README.md; on docs-llama-17m it added 0.0004 nats to the int4 models' KL,
+    integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.2 for int4, 4.7-7.2 -> 1.5-7.9
+    for int8 (the wide blocks 1.5-2.2), docs/bench/README.md; on docs-llama-17m it added 0.0004 nats to the int4 models' KL,
     docs/bench/quant-inputs-kl.txt). LLAMACTL_QUANT_INPUTS chooses; prefill (cuBLAS) is not affected."""
     kind = os.environ.get("LLAMACTL_QUANT_INPUTS", "float")
     if kind not in ("float", "int8"):
