@@ -10,10 +10,11 @@ device, so no value crosses to the host between steps. Modes:
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
+
+from llamactl.env import flag
 
 MODES = ("eager", "graphs", "compile")
 
@@ -48,10 +49,8 @@ def compile_regions(device: torch.device) -> bool:
     On CUDA it is off: on the H200 it saved 0.9 s of a 13.9 s warm start but decoded llama2-7b at
     254.9 tok/s against 258-261 with the whole step compiled, where the cache-writing attention
     op runs in place (docs/bench/run16-*). LLAMACTL_COMPILE_REGIONS=1 or 0 overrides."""
-    env = os.environ.get("LLAMACTL_COMPILE_REGIONS")
-    if env in ("0", "1"):
-        return env == "1"
-    return device.type == "cpu"
+    on = flag("LLAMACTL_COMPILE_REGIONS", None)
+    return device.type == "cpu" if on is None else on
 
 
 class Decoder:

@@ -1,10 +1,24 @@
-"""Environment variables set for the length of a block (the LLAMACTL_* switches, Inductor's cache dir)."""
+"""The LLAMACTL_* on/off switches, read strictly, and environment variables set for the length of a
+block (those switches, Inductor's cache dir)."""
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
 from typing import Iterator
+
+from llamactl.errors import InputError
+
+
+def flag(name: str, default: bool | None) -> bool | None:
+    """An on/off switch: 1 or 0, `default` when unset; anything else is refused (a typo such as
+    `on` would otherwise silently mean off)."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise InputError(f"{name}={value!r} is not 0 or 1", f"set {name}=1 (on) or {name}=0 (off), or unset it")
+    return value == "1"
 
 
 @contextmanager

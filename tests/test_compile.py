@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from llamactl.errors import InputError
 import torch
 from typer.testing import CliRunner
 
@@ -109,3 +111,6 @@ def test_regional_compilation_defaults_and_override(monkeypatch):
     assert compile_regions(torch.device("cuda"))
     monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "0")
     assert not compile_regions(torch.device("cpu"))
+    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "yes")  # a typo is refused, not read as off
+    with pytest.raises(InputError, match="LLAMACTL_COMPILE_REGIONS='yes' is not 0 or 1"):
+        compile_regions(torch.device("cpu"))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from llamactl.errors import InputError  # noqa: E402
 from llamactl.kernels import attention, gemv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,6 +201,13 @@ def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeyp
     assert not kernels.pdl(torch.device("cpu"))
     monkeypatch.setattr(kernels, "interpreted", lambda: True)
     assert not kernels.pdl(torch.device("cuda", 0))
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    monkeypatch.setenv("LLAMACTL_PDL", "on")  # a typo is refused, not read as off
+    with pytest.raises(InputError, match="LLAMACTL_PDL='on' is not 0 or 1"):
+        kernels.pdl(torch.device("cuda", 0))
+    monkeypatch.setenv("LLAMACTL_KERNELS", "off")
+    with pytest.raises(InputError, match="LLAMACTL_KERNELS"):
+        kernels.available(torch.device("cpu"))
 
 
 def test_int4_kernels_refuse_partial_groups():
@@ -414,7 +422,6 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch)
 
 
 def test_a_bad_swiglu_site_is_refused(monkeypatch):
-    from llamactl.errors import InputError
     from llamactl.kernels.linear import swiglu_site
 
     monkeypatch.setenv("LLAMACTL_SWIGLU", "up")
@@ -505,7 +512,6 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
 
 
 def test_a_bad_quant_input_type_is_refused(monkeypatch):
-    from llamactl.errors import InputError
     from llamactl.kernels.linear import quant_inputs
 
     monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", "int4")

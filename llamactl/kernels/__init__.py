@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from llamactl.env import flag
+
 # the @triton.jit functions of gemv.py and attention.py: their Triton cache entries travel with
 # `llamactl compile` artifacts (compiled binaries and autotune choices)
 KERNEL_NAMES = ("_gemv_kernel", "_gemv_int4_kernel", "_dequant_int4_kernel", "_split_kernel", "_merge_kernel")
@@ -42,7 +44,7 @@ def available(device: torch.device) -> bool:
 
     On CUDA they must first pass a self-check on the device (once per process); a failure is
     reported once and the model runs on cuBLAS, SDPA and tinygemm instead."""
-    if os.environ.get("LLAMACTL_KERNELS", "1") == "0" or triton_version() is None:
+    if not flag("LLAMACTL_KERNELS", True) or triton_version() is None:
         return False
     if device.type == "cuda":
         return _checked(torch.cuda.current_device() if device.index is None else device.index)
@@ -56,7 +58,7 @@ def pdl(device: torch.device) -> bool:
     kernels of a decode step overlap. CUDA graphs keep it. Hopper (sm_90) and later, compiled
     kernels only; on by default, LLAMACTL_PDL=0 turns it off (run 19 on the H200, same run:
     llama2-7b decode bf16 +5.3%, int4 +2.8%, int8 +1.7%)."""
-    if device.type != "cuda" or interpreted() or os.environ.get("LLAMACTL_PDL", "1") != "1":
+    if device.type != "cuda" or interpreted() or not flag("LLAMACTL_PDL", True):
         return False
     from llamactl.kernels.gdc import gdc_wait
 
