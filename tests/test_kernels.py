@@ -473,6 +473,7 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", inputs)
     from conftest import make_hf_model
 
+    from llamactl import kernels
     from llamactl.artifact import open_artifact
     from llamactl.kernels.linear import TritonInt4Linear, set_kernels
     from llamactl.load import load_model
@@ -507,6 +508,11 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
         out = run()
         torch.testing.assert_close(out[0], ref[0], atol=1e-3, rtol=1e-3)  # prefill: cuBLAS on dequantized weights
         assert 0 < rel(out[1:], ref[1:].double()) < 2e-2
+    if inputs == "int8":  # their check failed: the kernels stay, with float inputs
+        monkeypatch.setattr(kernels, "int8_inputs_available", lambda device: False)
+        info = set_kernels(model, True)
+        assert info["gemv"].startswith("triton") and "int8 inputs" not in info["gemv"]
+        assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
     set_kernels(model, False)
     assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
 
@@ -567,6 +573,19 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     assert "gemv int4" in kernels.self_check(torch.device(DEV))
+
+
+def test_int8_inputs_have_a_check_of_their_own(monkeypatch):
+    """The int8-input (DP4A) GEMVs are checked on their own (a failure turns off only them: see
+    the int4 model test), and not in the kernels' own check."""
+    from llamactl import kernels
+
+    assert kernels.self_check(torch.device(DEV), int8_inputs=True) is None
+    monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
+                                                                       dtype=torch.int32, device=codes.device))
+    problem = kernels.self_check(torch.device(DEV), int8_inputs=True)
+    assert "gemv int4 x int8" in problem and "gemv int8 x int8" not in problem
+    assert "x int8" not in kernels.self_check(torch.device(DEV))
 
 
 def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps():

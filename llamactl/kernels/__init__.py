@@ -81,21 +81,34 @@ def on_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and available(device)
 
 
+def int8_inputs_available(device: torch.device) -> bool:
+    """Whether the int4/int8 GEMVs with int8 inputs (DP4A) run on `device`, where the kernels do:
+    on CUDA they pass a check of their own first (once per process), so that a failure turns
+    off only them, with a warning, and not the float kernels."""
+    if device.type == "cuda":
+        return _checked(torch.cuda.current_device() if device.index is None else device.index, True)
+    return True
+
+
 @functools.lru_cache(maxsize=None)
-def _checked(index: int) -> bool:
-    problem = self_check(torch.device("cuda", index))
+def _checked(index: int, int8_inputs: bool = False) -> bool:
+    problem = self_check(torch.device("cuda", index), int8_inputs)
     if problem:
         from llamactl import ui
 
-        ui.warn(f"llamactl's Triton kernels failed their check on {torch.cuda.get_device_name(index)} ({problem}); "
+        name = torch.cuda.get_device_name(index)
+        ui.warn(f"llamactl's int8-input GEMVs failed their check on {name} ({problem}); using float inputs."
+                if int8_inputs else
+                f"llamactl's Triton kernels failed their check on {name} ({problem}); "
                 "using cuBLAS/SDPA/tinygemm instead. LLAMACTL_KERNELS=0 silences this.")
     return problem is None
 
 
 @torch.inference_mode()
-def self_check(device: torch.device) -> str | None:
+def self_check(device: torch.device, int8_inputs: bool = False) -> str | None:
     """Run each kernel once on small random inputs against a float64 reference: None when all
-    agree (relative error under 2e-2, bf16 output), else what failed."""
+    agree (relative error under 2e-2, bf16 output), else what failed. int8_inputs: the int4 and
+    int8 GEMVs with int8 inputs (DP4A) instead."""
     from llamactl.kernels import attention, gemv
 
     def rel(y, ref):
@@ -108,19 +121,22 @@ def self_check(device: torch.device) -> str | None:
     fixed, gemv.FIXED_BLOCKS = gemv.FIXED_BLOCKS, True
     try:
         w = torch.randn(48, 256, device=device, generator=gen).to(bf16)
-        checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
-        h = w.double() @ x.double()  # w as a fused [gate; up]: SwiGLU in the epilogue
-        checks["gemv swiglu"] = rel(gemv.gemv(x, w, glu_out=True), F.silu(h[:24]) * h[24:])
         w8 = torch.randint(-127, 128, (48, 256), device=device, generator=gen, dtype=torch.int8)
         s8 = (torch.rand(48, device=device, generator=gen) * 0.01 + 1e-3).to(bf16)
-        checks["gemv int8"] = rel(gemv.gemv(x, w8, s8), (w8.double() @ x.double()) * s8.double())
-        checks["gemv int8 x int8"] = rel(gemv.gemv(x, w8, s8, a8=True), (w8.double() @ x.double()) * s8.double())
         codes = torch.randint(0, 16, (48, 256), device=device, generator=gen)
         s4 = (torch.rand(48, 2, device=device, generator=gen) * 0.01 + 1e-3).half()
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
+        ref8 = (w8.double() @ x.double()) * s8.double()
+        if int8_inputs:
+            checks["gemv int8 x int8"] = rel(gemv.gemv(x, w8, s8, a8=True), ref8)
+            checks["gemv int4 x int8"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, a8=True), w4 @ x.double())
+            return _failed(checks)
+        checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
+        h = w.double() @ x.double()  # w as a fused [gate; up]: SwiGLU in the epilogue
+        checks["gemv swiglu"] = rel(gemv.gemv(x, w, glu_out=True), F.silu(h[:24]) * h[24:])
+        checks["gemv int8"] = rel(gemv.gemv(x, w8, s8), ref8)
         checks["gemv int4"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128), w4 @ x.double())
-        checks["gemv int4 x int8"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, a8=True), w4 @ x.double())
         adt = torch.float16 if interpreted() else bf16  # the CPU interpreter mishandles bf16 tl.dot
         q = torch.randn(1, 2, 4, 64, device=device, generator=gen).to(adt)
         k, v = (torch.randn(1, 2, 300, 64, device=device, generator=gen).to(adt) for _ in range(2))
@@ -138,6 +154,11 @@ def self_check(device: torch.device) -> str | None:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     finally:
         gemv.FIXED_BLOCKS = fixed
+    return _failed(checks)
+
+
+def _failed(checks: dict[str, float]) -> str | None:
+    """The checks whose relative error is not under 2e-2, as one line, or None."""
     bad = [f"{name} error {err:.1e}" for name, err in checks.items() if not err < 2e-2]
     return "; ".join(bad) or None
 

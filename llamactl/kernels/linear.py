@@ -217,6 +217,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     from llamactl.quantize.int8 import Int8Kernel
 
     inputs = quant_inputs() if on else "float"
+    if inputs == "int8" and not kernels.int8_inputs_available(model.device):
+        inputs = "float"  # its check failed, with a warning
     if on:
         site = swiglu_site()
         _fuse(model, site)
