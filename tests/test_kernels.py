@@ -184,6 +184,32 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
     assert rel(y4, w4 @ x4.double()) < 1e-2
     # each candidate was benchmarked once (int4: all of them divide into groups of 128)
     assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv._int4_configs())]
+    # int8 inputs: the pruned candidates only (the same stand-in benchmark counts on)
+    before = next(clocks[0])
+    w8 = torch.randint(-127, 128, (64, 256), dtype=torch.int8)
+    s8 = torch.rand(64) * 0.01 + 1e-3
+    y8 = torch.empty(64, dtype=torch.float32)
+    x32 = x.float()
+    gemv._gemv_tuned[lambda m: (triton.cdiv(64, m["BLOCK_N"]),)](
+        x32, w8, s8, x32, x32, y8, 64, 256, 1e-6, True, False, False, False, False, GLU_OUT=False, A8=True)
+    benchmarked = before - next(clocks[0]) - 1
+    assert benchmarked == len(gemv._prune_gemv(gemv._bf16_configs(), {}, A8=True)) < len(gemv._bf16_configs())
+    assert rel(y8, (w8.double() @ _int8_per_32(x32)) * s8.double()) < 1e-5
+
+
+def test_int8_input_autotuning_times_no_twin_twice():
+    """With A8, REDUCE_EACH changes nothing: each REDUCE_EACH candidate with a plain twin is
+    dropped, every plain one kept; without A8 nothing is."""
+    configs = gemv._bf16_configs()
+    assert gemv._prune_gemv(configs, {}, A8=False, GLU_OUT=False) == configs
+    kept = gemv._prune_gemv(configs, {}, A8=True, GLU_OUT=False)
+
+    def plain(c):
+        return {**c.kwargs, "REDUCE_EACH": False}, c.num_warps, c.num_stages
+
+    assert [c for c in configs if not c.kwargs["REDUCE_EACH"]] == [c for c in kept if not c.kwargs["REDUCE_EACH"]]
+    assert len(kept) < len(configs) and len({str(plain(c)) for c in kept}) == len(kept)
+    assert {str(plain(c)) for c in configs} == {str(plain(c)) for c in kept}
 
 
 def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeypatch):

@@ -218,9 +218,25 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
+
+def _prune_gemv(configs, named_args, **kwargs):
+    """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 32 columns already):
+    its candidates twin plain ones, and only the first of each twin is timed."""
+    if not kwargs.get("A8"):
+        return configs
+    seen, kept = set(), []
+    for c in configs:
+        twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
+        if twin not in seen:
+            seen.add(twin)
+            kept.append(c)
+    return kept
+
+
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
 _gemv_tuned = triton.autotune(configs=_bf16_configs(),
                               key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8"],
+                              prune_configs_by={"early_config_prune": _prune_gemv},
                               cache_results=True)(_gemv_kernel)
 
 
