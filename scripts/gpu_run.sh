@@ -14,8 +14,10 @@
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
-# Times on a fresh machine (cold Triton caches): quant/swiglu/pdl over 130 s each (about 105 s warm),
-# probe about 300 s, tests about 380 s. A part cut short leaves its measured rows in OUT/NAME.err.
+# Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
+# warm machine; warm 389 s; l3 94 s and long 54 s (warm machine); ladder over 150 s; probe about
+# 300 s; tests about 380 s; quant/swiglu about half of pdl; a8 (5 rows) and a8tests not yet run.
+# A device call is at most 600 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
 out=${1:-out}; shift
 mkdir -p "$out"
