@@ -21,6 +21,14 @@ def flag(name: str, default: bool | None) -> bool | None:
     return value == "1"
 
 
+def choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """A switch with named values: one of `allowed`, `default` when unset; anything else is refused."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise InputError(f"{name}={value!r} is not one of {', '.join(allowed)}", f"use {' or '.join(allowed)}")
+    return value
+
+
 @contextmanager
 def env_var(name: str, value: str | None) -> Iterator[None]:
     """os.environ[name] = value inside the block (None: left as it is), restored after it."""

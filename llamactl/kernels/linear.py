@@ -3,14 +3,12 @@ puts them (and the split-KV decode attention) into a model."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llamactl import kernels
-from llamactl.errors import InputError
+from llamactl.env import choice
 from llamactl.model import swiglu
 
 
@@ -168,10 +166,7 @@ def swiglu_site() -> str:
     recomputes the SiLU over the whole input). LLAMACTL_SWIGLU chooses. On the H200 "gate_up" made
     the llama2-7b MLP 47.3 -> 42.4 us in int4, 51.6 -> 49.3 in int8, 72.5 -> 71.5 in bf16
     (docs/bench/run14-probe.txt) and int4 decode 384 -> 409 tok/s (run15)."""
-    site = os.environ.get("LLAMACTL_SWIGLU", "gate_up")
-    if site not in ("down", "gate_up"):
-        raise InputError(f"LLAMACTL_SWIGLU={site!r} is not a SwiGLU site", "use down or gate_up")
-    return site
+    return choice("LLAMACTL_SWIGLU", "gate_up", ("gate_up", "down"))
 
 
 def quant_inputs() -> str:
@@ -180,10 +175,7 @@ def quant_inputs() -> str:
     integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.2 for int4, 4.7-7.2 -> 1.5-7.9
     for int8 (the wide blocks 1.5-2.2), docs/bench/README.md; on docs-llama-17m it added 0.0004 nats to the int4 models' KL,
     docs/bench/quant-inputs-kl.txt). LLAMACTL_QUANT_INPUTS chooses; prefill (cuBLAS) is not affected."""
-    kind = os.environ.get("LLAMACTL_QUANT_INPUTS", "float")
-    if kind not in ("float", "int8"):
-        raise InputError(f"LLAMACTL_QUANT_INPUTS={kind!r} is not an input type", "use float or int8")
-    return kind
+    return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8"))
 
 
 def _fuse(model, swiglu_at: str) -> None:
