@@ -47,7 +47,7 @@ def available(device: torch.device) -> bool:
     if not flag("LLAMACTL_KERNELS", True) or triton_version() is None:
         return False
     if device.type == "cuda":
-        return _checked(torch.cuda.current_device() if device.index is None else device.index)
+        return _checked(_index(device))
     return device.type == "cpu" and interpreted()
 
 
@@ -62,13 +62,18 @@ def pdl(device: torch.device) -> bool:
         return False
     from llamactl.kernels.gdc import gdc_wait
 
-    return gdc_wait is not None and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (9, 0)
+    return gdc_wait is not None and _capability(_index(device)) >= (9, 0)
 
 
 def pdl_launch(device: torch.device) -> dict:
     """The launch arguments of a kernel for `device`: with PDL, the kernel's own PDL flag (its
     griddepcontrol code) and Triton's launch_pdl (the launch attribute); else none."""
     return {"PDL": True, "launch_pdl": True} if pdl(device) else {}
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device's index (the current device's for a bare "cuda")."""
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +91,7 @@ def int8_inputs_available(device: torch.device) -> bool:
     on CUDA they pass a check of their own first (once per process), so that a failure turns
     off only them, with a warning, and not the float kernels."""
     if device.type == "cuda":
-        return _checked(torch.cuda.current_device() if device.index is None else device.index, True)
+        return _checked(_index(device), True)
     return True
 
 
