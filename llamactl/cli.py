@@ -296,6 +296,15 @@ def _report(manifest: dict, json_out: bool) -> None:
     ui.table(title, ["", "parent", "child"], rows)
 
 
+def _comma_choices(option: str, value: str | None, choices: dict, hint: str) -> tuple:
+    """A comma list of `choices`' keys as their values; (None,) when the option was not given."""
+    if value is None:
+        return (None,)
+    if not value or any(part not in choices for part in value.split(",")):
+        raise typer.BadParameter(f"{option} {value!r}: use {hint}")
+    return tuple(choices[part] for part in value.split(","))
+
+
 @app.command()
 def bench(
     models: Annotated[Optional[list[str]], typer.Argument(help="Model folders (default: the embedded model).", show_default=False)] = None,
@@ -352,20 +361,15 @@ def bench(
     bad = [m for m in modes if m not in ("eager", "graphs", "compile")]
     if bad:
         raise typer.BadParameter(f"--mode {','.join(bad)}: use eager, graphs or compile")
-    kernel_opts = {"on": True, "off": False}
-    if not kernels or any(k not in kernel_opts for k in kernels.split(",")):
-        raise typer.BadParameter(f"--kernels {kernels!r}: use on, off or on,off")
-    if pdl is not None and (not pdl or any(k not in kernel_opts for k in pdl.split(","))):
-        raise typer.BadParameter(f"--pdl {pdl!r}: use on, off or off,on")
-    pdl_list = (None,) if pdl is None else tuple(kernel_opts[k] for k in pdl.split(","))
-    if quant_inputs is not None and (not quant_inputs or any(k not in ("float", "int8") for k in quant_inputs.split(","))):
-        raise typer.BadParameter(f"--quant-inputs {quant_inputs!r}: use float, int8 or float,int8")
-    inputs_list = (None,) if quant_inputs is None else tuple(quant_inputs.split(","))
+    on_off = {"on": True, "off": False}
+    kernel_list = _comma_choices("--kernels", kernels, on_off, "on, off or on,off")
+    pdl_list = _comma_choices("--pdl", pdl, on_off, "on, off or off,on")
+    inputs_list = _comma_choices("--quant-inputs", quant_inputs, {"float": "float", "int8": "int8"},
+                                 "float, int8 or float,int8")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
-    kernel_list = tuple(kernel_opts[k] for k in kernels.split(","))
     runs = sum(len(core.variants(modes, kernel_list, pdl_list, dev, inputs_list, core.is_quantized(t.model)))
                for t in targets)
     total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + runs)
