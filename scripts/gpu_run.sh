@@ -42,7 +42,7 @@ for part in "$@"; do
     tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py tests/test_gpu.py tests/test_int4.py \
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper 2>&1 \
              | tail -30 | tee "$out/tests.txt" ;;
-    a8tests) python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "a8 or int8_inputs or self_check" 2>&1 \
+    a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" 2>&1 \
                | tail -15 | tee "$out/a8tests.txt" ;;
     probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted

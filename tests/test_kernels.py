@@ -197,21 +197,6 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
     assert rel(y8, (w8.double() @ _int8_per_32(x32)) * s8.double()) < 1e-5
 
 
-def test_int8_input_autotuning_times_no_twin_twice():
-    """With A8, REDUCE_EACH changes nothing: each REDUCE_EACH candidate with a plain twin is
-    dropped, every plain one kept; without A8 nothing is."""
-    configs = gemv._bf16_configs()
-    assert gemv._prune_gemv(configs, {}, A8=False, GLU_OUT=False) == configs
-    kept = gemv._prune_gemv(configs, {}, A8=True, GLU_OUT=False)
-
-    def plain(c):
-        return {**c.kwargs, "REDUCE_EACH": False}, c.num_warps, c.num_stages
-
-    assert [c for c in configs if not c.kwargs["REDUCE_EACH"]] == [c for c in kept if not c.kwargs["REDUCE_EACH"]]
-    assert len(kept) < len(configs) and len({str(plain(c)) for c in kept}) == len(kept)
-    assert {str(plain(c)) for c in configs} == {str(plain(c)) for c in kept}
-
-
 def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeypatch):
     from llamactl import kernels
 
@@ -297,62 +282,6 @@ def _int8_per_32(x: torch.Tensor) -> torch.Tensor:
     qmax = xb.abs().amax(1, keepdim=True)
     inv = torch.where(qmax > 0, 127.0 / qmax, torch.zeros_like(qmax))
     return (torch.round(xb * inv).double() * (qmax.double() / 127)).view(-1)
-
-
-@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (8, 640, 128)])
-def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
-    """a8: the integer products (DP4A on the GPU) of the codes and x rounded to int8 per 32 columns
-    equal the dequantized weights times the dequantized x, up to float32 sums; against unrounded x,
-    within 2e-2 (stated tolerance; int8 inputs per 32 columns add ~0.5% relative error here)."""
-    q, s, z, w = _int4_case(n, k, g, seed=n + 1)
-    x = torch.randn(k, device=DEV, dtype=torch.float32)
-    x[32:64] = 0  # a quad of zeros: scale 0
-    x[70] = 40.0  # an outlier: its quad rounds coarsely
-    y = gemv.gemv_int4(x, q, s, z, g, a8=True)
-    assert rel(y.cpu(), (w @ _int8_per_32(x)).cpu()) < 1e-5
-    assert rel(y.cpu(), (w @ x.double()).cpu()) < 2e-2
-
-
-def test_gemv_int4_a8_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
-    n, k, g = 16, 384, 128
-    q, s, z, w = _int4_case(n, k, g, seed=5)
-    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, a8=True)
-    rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
-    assert rel(y.cpu(), (w @ _int8_per_32(x * nw) * rs + r.double()).cpu()) < 1e-5
-    h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, a8=True)
-    act = (F.silu(h[:k].double()) * h[k:].double()).float()
-    assert rel(y.cpu(), (w @ _int8_per_32(act)).cpu()) < 1e-5
-
-
-@pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])
-def test_gemv_int8_a8_multiplies_int8_inputs_exactly(n, k, gemv_prefetch):
-    """a8 with int8 weights: one DP4A a word of 4 weights and 4 int8 inputs (rounded per 32
-    columns), exact against the dequantized inputs up to float32 sums; the norm and SwiGLU fold in."""
-    torch.manual_seed(n)
-    w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
-    s8 = torch.rand(n, device=DEV) * 0.01 + 1e-3
-    x = torch.randn(k, device=DEV)
-    x[:32] = 0
-    y = gemv.gemv(x, w8, s8, a8=True)
-    assert rel(y.cpu(), ((w8.double() @ _int8_per_32(x)) * s8.double()).cpu()) < 1e-5
-    assert rel(y.cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 2e-2
-    nw, r = torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv(x + 1, w8, s8, nw, 1e-5, r, False, a8=True)
-    rs = torch.rsqrt((x.double() + 1).pow(2).mean() + 1e-5)
-    assert rel(y.cpu(), ((w8.double() @ _int8_per_32((x + 1) * nw)) * rs * s8.double() + r.double()).cpu()) < 1e-5
-    h = torch.randn(2 * k, device=DEV)
-    act = (F.silu(h[:k].double()) * h[k:].double()).float()
-    assert rel(gemv.gemv(h, w8, s8, glu=True, a8=True).cpu(), ((w8.double() @ _int8_per_32(act)) * s8.double()).cpu()) < 1e-5
-
-
-def test_int8_inputs_need_int8_weights_in_32_column_blocks():
-    x = torch.randn(200, device=DEV)
-    with pytest.raises(ValueError, match="int8 inputs"):
-        gemv.gemv(x, torch.zeros(8, 200, dtype=torch.int8, device=DEV), torch.ones(8, device=DEV), a8=True)
-    with pytest.raises(ValueError, match="int8 inputs"):
-        gemv.gemv(x[:192], torch.zeros(8, 192, device=DEV), a8=True)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -543,14 +472,6 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
 
 
-def test_a_bad_quant_input_type_is_refused(monkeypatch):
-    from llamactl.kernels.linear import quant_inputs
-
-    monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", "int4")
-    with pytest.raises(InputError, match="LLAMACTL_QUANT_INPUTS"):
-        quant_inputs()
-
-
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
     """save_cache takes llamactl's kernel entries (not Inductor's) and Triton's launchers, load_cache
     adds them atomically."""
@@ -599,19 +520,6 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     assert "gemv int4" in kernels.self_check(torch.device(DEV))
-
-
-def test_int8_inputs_have_a_check_of_their_own(monkeypatch):
-    """The int8-input (DP4A) GEMVs are checked on their own (a failure turns off only them: see
-    the int4 model test), and not in the kernels' own check."""
-    from llamactl import kernels
-
-    assert kernels.self_check(torch.device(DEV), int8_inputs=True) is None
-    monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
-                                                                       dtype=torch.int32, device=codes.device))
-    problem = kernels.self_check(torch.device(DEV), int8_inputs=True)
-    assert "gemv int4 x int8" in problem and "gemv int8 x int8" not in problem
-    assert "x int8" not in kernels.self_check(torch.device(DEV))
 
 
 def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps():
@@ -674,7 +582,6 @@ def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu, mon
 
     with torch.inference_mode():
         assert decode(torch.compile(step, fullgraph=True, dynamic=False)) == decode(step)
-
 
 
 def test_kernels_compile_for_hopper():
