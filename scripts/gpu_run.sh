@@ -13,7 +13,7 @@
 #   swiglu  the quant case again with SwiGLU in down_proj's kernel (LLAMACTL_SWIGLU=down), against quant's default
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
-#   a8int8  a8's bf16 and int8 rows only, no profile (3 rows)
+#   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
 # warm machine; warm 389 s; l3 94 s and long 54 s (warm machine); ladder over 150 s; probe about
@@ -68,6 +68,8 @@ for part in "$@"; do
     a8) rm -rf /tmp/profa; bench llama2-7b-quant-a8 --synthetic llama2-7b --synthetic-quant none,int4,int8 \
           --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" --profile /tmp/profa
         mkdir -p "$out/a8"; cp /tmp/profa/kernels-*.txt "$out/a8/" ;;
+    a8int4) bench llama2-7b-int4-a8 --synthetic llama2-7b --synthetic-quant none,int4 \
+              --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;
     # a8's int8 rows alone, without the profile: bf16, int8 float/int8 inputs
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;
