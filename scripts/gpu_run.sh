@@ -15,9 +15,12 @@
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
 #   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
+# pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
 # warm machine; warm 389 s; l3 94 s and long 54 s (warm machine); ladder over 150 s; probe about
-# 300 s; tests about 380 s; quant/swiglu about half of pdl; a8 (5 rows) and a8tests not yet run.
+# 300 s; tests about 380 s; quant/swiglu about half of pdl; a8 (5 rows) over 400 s on a fresh
+# machine (run 23, cut off); on a warm one a8int8 142 s, a8int4 46 s, a8tests 71 s (over 150 s fresh), ladder 190 s,
+# tests over 480 s (runs 24-26).
 # A device call is at most 600 s. A part cut short leaves its measured rows in OUT/NAME.err.
 set -uo pipefail
 out=${1:-out}; shift
@@ -41,10 +44,9 @@ for part in "$@"; do
   case $part in
     # (the sm_90 compile test needs no GPU: CI runs it)
     tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py tests/test_gpu.py tests/test_int4.py \
-             --deselect tests/test_kernels.py::test_kernels_compile_for_hopper 2>&1 \
-             | tail -30 | tee "$out/tests.txt" ;;
-    a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" 2>&1 \
-               | tail -15 | tee "$out/a8tests.txt" ;;
+             --deselect tests/test_kernels.py::test_kernels_compile_for_hopper > "$out/tests.txt" 2>&1; tail -30 "$out/tests.txt" ;;
+    a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
+               > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
     probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted
     # run's table would otherwise take the first name
