@@ -67,6 +67,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from generate' -l dtype -r -d 'a
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l chat -d 'Apply the tokenizers chat template when it has one.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l ignore-eos -d 'Do not stop at the end-of-sequence token.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l compile -d 'torch.compile the decode step (uses the folders compile cache from `llamactl compile`).'
+complete -c llamactl -n '__fish_seen_subcommand_from generate' -l quant-inputs -r -d 'What the int4/int8 GEMVs multiply with (GPU kernels): float, or int8 (rounded per 32 columns, DP4A: faster, a little less exact) (default: LLAMACTL_QUANT_INPUTS, else float).'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l json -d 'Print one JSON object on stdout instead of tables.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l allow-pickle -d 'Allow .bin/.pth weights (loaded with weights_only=True).'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l help -s h -d 'Show help.'

@@ -91,7 +91,7 @@ class Decoder:
             # tunes Inductor's own matrix-vector kernels, which run only without llamactl's: with them,
             # Inductor generates a few small kernels (~30 us of a 3.6 ms llama2-7b step, run 19) and
             # the tuning cost 2.7-4.5 s of each warm start (run 18)
-            inductor_config.coordinate_descent_tuning = self.kernels["gemv"] == "cublas"
+            inductor_config.coordinate_descent_tuning = not self.kernels["gemv"].startswith("triton")
             inductor_mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False, mode=inductor_mode)
         self.graph: torch.cuda.CUDAGraph | None = None

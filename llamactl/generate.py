@@ -200,5 +200,5 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
-        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device)},
+        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device), "gemv": dec.kernels["gemv"]},
     )

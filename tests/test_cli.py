@@ -153,3 +153,15 @@ def test_streamed_text_equals_the_decoded_tokens():
     result = events[-1]
     assert isinstance(result, Result) and streamed == result.text == tok.decode(result.token_ids, skip_special_tokens=True)
     assert "\n" in streamed  # the segment reset at newlines was exercised
+
+
+def test_generate_names_its_gemv_and_says_when_int8_inputs_change_nothing():
+    """--quant-inputs int8 acts only on int4/int8 models on llamactl's GPU kernels; elsewhere it warns."""
+    r = invoke("generate", "-p", "The kernel", "-n", "4", "--seed", "0", "--quant-inputs", "int8", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["extra"]["gemv"] == "torch"
+    assert "--quant-inputs int8 changed nothing" in r.stderr
+    plain = invoke("generate", "-p", "The kernel", "-n", "4", "--seed", "0", "--quant-inputs", "float")
+    assert plain.exit_code == 0 and "changed nothing" not in plain.stderr and "gemv torch" in plain.stderr
+    bad = invoke("generate", "-p", "x", "--quant-inputs", "fp8")
+    assert bad.exit_code == 2 and "use float or int8" in bad.output

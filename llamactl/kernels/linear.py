@@ -224,7 +224,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     for layer in model.model.layers:
         layer.self_attn.decode_kernel = attn
     if not on:
-        return {"gemv": "cublas", "decode_attention": "sdpa"}
+        return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
             + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else ""))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}

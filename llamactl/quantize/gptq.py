@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from llamactl import __version__
-
 
 def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
     """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
