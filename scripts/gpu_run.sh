@@ -14,6 +14,7 @@
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
 #   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
+#   pin     the quant case with every shape tuned (LLAMACTL_PIN_CONFIGS=0), then with kernels.pinned's H200 picks
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
@@ -47,7 +48,8 @@ for part in "$@"; do
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper > "$out/tests.txt" 2>&1; tail -30 "$out/tests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
-    probe) TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
+    # the probe times every candidate: no pinned configs
+    probe) LLAMACTL_PIN_CONFIGS=0 TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted
     # run's table would otherwise take the first name
     bf16) rm -rf /tmp/prof; bench llama2-7b-bf16 --synthetic llama2-7b --mode compile --kernels on,off "${std[@]}" --profile /tmp/prof
@@ -72,6 +74,9 @@ for part in "$@"; do
         mkdir -p "$out/a8"; cp /tmp/profa/kernels-*.txt "$out/a8/" ;;
     a8int4) bench llama2-7b-int4-a8 --synthetic llama2-7b --synthetic-quant none,int4 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;
+    # the quant case tuned afresh (LLAMACTL_PIN_CONFIGS=0), then with the H200's pinned configs: two processes back to back
+    pin) for p in 0 1; do LLAMACTL_PIN_CONFIGS=$p bench llama2-7b-quant-pin$p --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+           --dtype bfloat16 --mode compile "${std[@]}"; done ;;
     # a8's int8 rows alone, without the profile: bf16, int8 float/int8 inputs
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;

@@ -88,8 +88,10 @@ def test_int8_input_autotuning_times_no_twin_twice():
     """With A8, REDUCE_EACH changes nothing: each REDUCE_EACH candidate with a plain twin is
     dropped, every plain one kept; without A8 nothing is."""
     configs = gemv._bf16_configs()
-    assert gemv._prune_gemv(configs, {}, A8=False, GLU_OUT=False) == configs
-    kept = gemv._prune_gemv(configs, {}, A8=True, GLU_OUT=False)
+    named = {"x_ptr": torch.empty(1), "N": 64, "K": 256, "HAS_SCALE": True, "NORM": False, "GLU": False,
+             "RESIDUAL": False}  # on the CPU: no pinned configs
+    assert gemv._prune_gemv(configs, named, A8=False, GLU_OUT=False) == configs
+    kept = gemv._prune_gemv(configs, named, A8=True, GLU_OUT=False)
 
     def plain(c):
         return {**c.kwargs, "REDUCE_EACH": False}, c.num_warps, c.num_stages

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels import interpreted, pdl_launch
+from llamactl.kernels import pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 
@@ -222,16 +223,15 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 def _prune_gemv(configs, named_args, **kwargs):
     """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 32 columns already):
-    its candidates twin plain ones, and only the first of each twin is timed."""
-    if not kwargs.get("A8"):
-        return configs
-    seen, kept = set(), []
+    its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
+    this GPU (kernels.pinned) runs its pin untimed."""
+    kept, seen = [], set()
     for c in configs:
         twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
-        if twin not in seen:
+        if not kwargs.get("A8") or twin not in seen:
             seen.add(twin)
             kept.append(c)
-    return kept
+    return pinned.choose("gemv", kept, {**named_args, **kwargs})
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
@@ -260,10 +260,12 @@ def _int4_configs():
             for bn, bk, w in configs]
 
 
-def _prune_int4(configs, named_args, **_):
+def _prune_int4(configs, named_args, **kwargs):
+    """Blocks of whole groups; a shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
     g = named_args["G"]
     kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0]
-    return kept or [triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
+    return pinned.choose("int4", kept, {**named_args, **kwargs}) or [
+        triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
 
 
 @triton.jit

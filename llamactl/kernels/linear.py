@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamactl import kernels
+from llamactl.kernels import pinned
 from llamactl.env import choice
 from llamactl.model import swiglu
 
@@ -226,7 +227,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else ""))
+            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "")
+            + (", pinned configs" if pinned.table(model.device) else ""))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 

@@ -1,0 +1,95 @@
+"""Autotune picks pinned per GPU and GEMV shape (LLAMACTL_PIN_CONFIGS=0: tune every shape).
+
+Triton's autotuner times each candidate alone (a 5-25 us kernel, L2 flushed) and its pick for a
+shape changes from run to run. Inside the decode step's CUDA graph, with PDL overlapping each
+kernel with the one before, the picks differ by more than their lone timings say: with identical
+kernels (the same sm_90 SASS), llama2-7b int4 decoded at 452.3 tok/s with run 19's picks and at
+385.1-385.6 with run 23's, and int8 at 317.1 (run 18) and 369.9 (run 19) (docs/bench). A shape
+listed here for the GPU in use runs the pick of the fastest measured run without tuning; every
+other shape is tuned as before, and a pin that is no longer among the candidates is ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from llamactl.env import flag
+
+# (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, A8, x dtype) -> the config: `third` is G for the
+# int4 kernel and HAS_SCALE (int8 weights) for the 16-bit/int8 one. Each group names its run.
+# (NORM, GLU, RESIDUAL, GLU_OUT): qkv and lm_head read a norm; o and down add the residual;
+# gate_up reads a norm and gives SwiGLU's output
+_NORM, _RES, _GU = (True, False, False, False), (False, False, True, False), (True, False, False, True)
+_ON = (True, False, "bfloat16")  # PDL on, float inputs, bf16 activations
+_A8 = (True, True, "bfloat16")  # PDL on, int8 inputs
+
+
+def _cfg(bn: int, bk: int, warps: int, stages: int = 1, prefetch: bool = False, **variant) -> dict:
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": prefetch, **variant, "num_warps": warps, "num_stages": stages}
+
+
+_H200 = {
+    "gemv": {
+        # bf16, llama2-7b: run 23 (280.6 tok/s; 280.7-280.9 in runs 24-25 with these picks from the cache)
+        (32000, 4096, False, *_NORM, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),  # lm_head (final norm folded)
+        (12288, 4096, False, *_NORM, *_ON): _cfg(2, 1024, 4, REDUCE_EACH=False),
+        (4096, 4096, False, *_RES, *_ON): _cfg(8, 2048, 8, REDUCE_EACH=False),
+        (22016, 4096, False, *_GU, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        (4096, 11008, False, *_RES, *_ON): _cfg(8, 1024, 4, prefetch=True, REDUCE_EACH=False),
+        # bf16, llama3-8b: run 20 (258.1 tok/s, 92.4% of the ceiling); its o_proj is llama2-7b's shape
+        (128256, 4096, False, *_NORM, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        (6144, 4096, False, *_NORM, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        (28672, 4096, False, *_GU, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        (4096, 14336, False, *_RES, *_ON): _cfg(4, 2048, 8, REDUCE_EACH=False),
+        # int8 weights, float inputs, llama2-7b: run 24 (380.6 tok/s)
+        (12288, 4096, True, *_NORM, *_ON): _cfg(16, 256, 4, REDUCE_EACH=False),
+        (4096, 4096, True, *_RES, *_ON): _cfg(8, 1024, 8, REDUCE_EACH=False),
+        (22016, 4096, True, *_GU, *_ON): _cfg(8, 512, 4, REDUCE_EACH=False),
+        (4096, 11008, True, *_RES, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        # int8 weights, int8 inputs, llama2-7b: run 24 (427.7 tok/s)
+        (12288, 4096, True, *_NORM, *_A8): _cfg(16, 2048, 8, REDUCE_EACH=False),
+        (4096, 4096, True, *_RES, *_A8): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        (22016, 4096, True, *_GU, *_A8): _cfg(16, 1024, 4, REDUCE_EACH=True),
+        (4096, 11008, True, *_RES, *_A8): _cfg(8, 2048, 8, REDUCE_EACH=False),
+    },
+    "int4": {
+        # int4 g128, float inputs, llama2-7b: run 19 (452.3 tok/s; run 23's picks gave 385.1).
+        # int8 inputs are not pinned: run 23's log of their picks was cut off.
+        (12288, 4096, 128, *_NORM, *_ON): _cfg(16, 1024, 2, X_CONTIG=False),
+        (4096, 4096, 128, *_RES, *_ON): _cfg(16, 2048, 8, X_CONTIG=True),
+        (22016, 4096, 128, *_GU, *_ON): _cfg(16, 1024, 4, X_CONTIG=True),
+        (4096, 11008, 128, *_RES, *_ON): _cfg(8, 2048, 4, X_CONTIG=True),
+    },
+}
+TABLE = {"NVIDIA H200": _H200}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table(device: torch.device) -> dict:
+    """The pins for `device`'s GPU model ({} off CUDA, for other GPUs, or with LLAMACTL_PIN_CONFIGS=0)."""
+    if device.type != "cuda" or not flag("LLAMACTL_PIN_CONFIGS", True):
+        return {}
+    return TABLE.get(_device_name(torch.cuda.current_device() if device.index is None else device.index), {})
+
+
+def _matches(config, want: dict) -> bool:
+    have = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def choose(kernel: str, configs: list, args: dict) -> list:
+    """configs, or the one pinned for this launch (kernel: "gemv" or "int4"; args: the launch's
+    arguments by name, as an autotuner's prune hook gets them)."""
+    x = args["x_ptr"]
+    third = args["G"] if kernel == "int4" else args["HAS_SCALE"]
+    key = (args["N"], args["K"], third, args["NORM"], args["GLU"], args["RESIDUAL"], args.get("GLU_OUT", False),
+           args.get("PDL", False), args.get("A8", False), str(x.dtype).removeprefix("torch."))
+    want = table(x.device).get(kernel, {}).get(key)
+    pinned = [c for c in configs if want is not None and _matches(c, want)]
+    return pinned[:1] or configs

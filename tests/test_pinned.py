@@ -1,0 +1,74 @@
+"""kernels.pinned: the autotune picks pinned per GPU and shape (the lookup; no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llamactl.kernels import gemv, pinned  # noqa: E402
+
+KERNELS = {"gemv": (gemv._prune_gemv, gemv._bf16_configs), "int4": (gemv._prune_int4, gemv._int4_configs)}
+
+
+def launch_args(kernel: str, key: tuple, device: str = "cuda:0") -> dict:
+    """The launch's arguments by name, as the autotuner's prune hook gets them, for a table key."""
+    n, k, third, norm, glu, residual, glu_out, pdl, a8, dtype = key
+    args = {"x_ptr": _Input(getattr(torch, dtype), torch.device(device)), "N": n, "K": k, "NORM": norm, "GLU": glu, "RESIDUAL": residual,
+            "GLU_OUT": glu_out, "PDL": pdl, "A8": a8}
+    return args | ({"G": third} if kernel == "int4" else {"HAS_SCALE": third})
+
+
+class _Input:
+    """A stand-in for the input tensor: its dtype, on a device this machine may not have."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+
+
+@pytest.fixture
+def on_h200(monkeypatch):
+    monkeypatch.setattr(pinned, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.delenv("LLAMACTL_PIN_CONFIGS", raising=False)
+
+
+def prune(kernel: str, args: dict) -> list:
+    """The kernel's prune hook on all its candidates, called as the autotuner calls it: the
+    positional arguments by name, the flags the launcher passes by keyword."""
+    hook, configs = KERNELS[kernel]
+    kw = {k: args[k] for k in ("GLU_OUT", "PDL", "A8")}
+    return hook(configs(), {k: v for k, v in args.items() if k not in kw}, **kw)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "int4"])
+def test_every_pin_is_a_candidate_the_prune_hook_returns_alone(kernel, on_h200):
+    """A pin that the candidate lists (or the A8 twin pruning) no longer hold would be ignored:
+    catch it here, where the lists change."""
+    for key, want in pinned.TABLE["NVIDIA H200"][kernel].items():
+        chosen = prune(kernel, launch_args(kernel, key))
+        assert len(chosen) == 1, (key, want)
+        c = chosen[0]
+        assert {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} == want, key
+
+
+def test_unlisted_shapes_gpus_and_the_switch_tune_as_before(on_h200, monkeypatch):
+    key = next(iter(pinned.TABLE["NVIDIA H200"]["int4"]))
+    every = len(prune("int4", launch_args("int4", (1024,) + key[1:])))  # a shape not in the table
+    assert every > 1
+    args = launch_args("int4", key)
+    assert len(prune("int4", args)) == 1
+    assert len(prune("int4", args | {"A8": True})) == every  # int8 inputs: not pinned for int4
+    monkeypatch.setenv("LLAMACTL_PIN_CONFIGS", "0")
+    assert len(prune("int4", args)) == every
+    monkeypatch.delenv("LLAMACTL_PIN_CONFIGS")
+    assert len(prune("int4", launch_args("int4", key, device="cpu"))) == every
+    monkeypatch.setattr(pinned, "_device_name", lambda index: "NVIDIA A100-SXM4-80GB")
+    assert len(prune("int4", args)) == every
+
+
+def test_fp16_activations_and_other_flags_are_not_pinned(on_h200):
+    key = next(iter(pinned.TABLE["NVIDIA H200"]["gemv"]))
+    every = len(gemv._bf16_configs())
+    assert len(prune("gemv", launch_args("gemv", key[:-1] + ("float16",)))) == every
+    assert len(prune("gemv", launch_args("gemv", key) | {"PDL": False})) == every
