@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels import interpreted, pdl_launch
-from llamactl.kernels import pinned
+from llamactl.kernels import interpreted, pdl_launch, pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 

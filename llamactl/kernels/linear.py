@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamactl import kernels
-from llamactl.kernels import pinned
 from llamactl.env import choice
+from llamactl.kernels import pinned
 from llamactl.model import swiglu
 
 
