@@ -109,15 +109,20 @@ def hf_stages(target: Target, device: torch.device, dtype: torch.dtype) -> list[
 
 
 def quality_for(targets: list[Target], reference: str | None, eval_file: str | None, eval_tokens: int,
-                device: torch.device, progress) -> dict[str, dict]:
-    """label -> quality dict (ppl, and KL/top-1 against the reference when there is one)."""
+                device: torch.device, progress, int8_inputs: bool = False) -> dict[tuple[str, str], dict]:
+    """(label, "float") -> quality dict (ppl, and KL/top-1 against the reference when there is
+    one). int8_inputs: also (label, "int8") for a quantized model on a GPU, scored through the
+    decode step's int8-input GEMVs one position at a time (prefill does not round its inputs)."""
     from llamactl.artifact import lineage, open_artifact
-    from llamactl.quality import measure
+    from llamactl.bench import is_quantized
+    from llamactl.env import env_var
+    from llamactl.kernels.linear import set_kernels
+    from llamactl.quality import decode_logits, measure, prefill_logits
 
     out = {}
     for t in targets:
         if t.artifact is None:
-            out[t.label] = {"skipped": "synthetic weights: quality is meaningless"}
+            out[t.label, "float"] = out[t.label, "int8"] = {"skipped": "synthetic weights: quality is meaningless"}
             continue
         ref_path = reference
         if ref_path is None:  # the root of the manifest chain
@@ -125,10 +130,20 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
             ref_path = roots[-1] if roots else None
         ref_art = open_artifact(ref_path) if ref_path else t.artifact
         own = ref_art is t.artifact
-        q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
-                    parent_model=t.model if own else None, child_model=t.model).to_dict()
-        q["reference"] = None if own else str(ref_art.path)
-        if own:  # no reference: only perplexity is meaningful
-            q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
-        out[t.label] = q
+        kinds = ["float"]
+        if int8_inputs and device.type == "cuda" and is_quantized(t.model):
+            kinds.append("int8")
+        for kind in kinds:
+            with env_var("LLAMACTL_QUANT_INPUTS", kind):
+                if kind == "int8" and "int8 inputs" not in set_kernels(t.model, True)["gemv"]:
+                    out[t.label, kind] = {"skipped": "the int8-input GEMVs did not run here (their check failed)"}
+                    continue
+                q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
+                            parent_model=t.model if own else None, child_model=t.model,
+                            child_logits=decode_logits if kind == "int8" else prefill_logits).to_dict()
+            q["reference"] = None if own else str(ref_art.path)
+            q["scored"] = "decode steps, int8 inputs" if kind == "int8" else "prefill"
+            if own:  # no reference: only perplexity is meaningful
+                q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
+            out[t.label, kind] = q
     return out

@@ -391,9 +391,9 @@ def bench(
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
                           inputs=inputs_list)
     if quality:
-        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress)
+        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress, "int8" in inputs_list)
         for r in result["results"]:
-            r["quality"] = qs.get(r["model"])
+            r["quality"] = qs.get((r["model"], "int8" if r["stage"].endswith("+ int8 inputs") else "float"))
     report.add_speedups(result["results"])
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:

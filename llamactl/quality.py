@@ -53,22 +53,33 @@ def eval_windows(tokenizer, path: Path | None, window: int, max_tokens: int) -> 
     return torch.tensor(ids[: n * window]).view(n, window)
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids: [1, T] -> logits [1, T, V], the window in one forward (prefill)."""
     model.setup_caches(ids.shape[0], ids.shape[1])
     return model(ids.to(model.device), torch.arange(ids.shape[1], device=model.device)).float()
 
 
+def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids: [1, T] -> logits [1, T, V], one position at a time as decoding computes them: batch-1
+    steps, which run llamactl's GEMV kernels where set_kernels put them (prefill does not)."""
+    model.setup_caches(ids.shape[0], ids.shape[1])
+    ids = ids.to(model.device)
+    steps = [model(ids[:, i : i + 1], torch.tensor([i], device=model.device))[:, -1] for i in range(ids.shape[1])]
+    return torch.stack(steps, dim=1).float()  # [1, T, V]
+
+
 @torch.inference_mode()
 def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
-            progress: Callable[[int], None] | None = None) -> Quality:
-    """Score child against parent on windows [n, T]; both are llamactl runtime models."""
+            progress: Callable[[int], None] | None = None, child_logits=prefill_logits) -> Quality:
+    """Score child against parent on windows [n, T]; both are llamactl runtime models.
+    child_logits: how the child's logits are computed (prefill, or decode_logits)."""
     nll_p = nll_c = 0.0
     kls: list[torch.Tensor] = []
     agree = count = 0
     for i in range(windows.shape[0]):
         ids = windows[i : i + 1]
-        lp = F.log_softmax(_logits(parent, ids)[0, :-1], dim=-1)  # [T-1, V]
-        lc = F.log_softmax(_logits(child, ids)[0, :-1].to(lp.device), dim=-1)
+        lp = F.log_softmax(prefill_logits(parent, ids)[0, :-1], dim=-1)  # [T-1, V]
+        lc = F.log_softmax(child_logits(child, ids)[0, :-1].to(lp.device), dim=-1)
         target = ids[0, 1:].to(lp.device)
         nll_p += -lp.gather(1, target[:, None]).sum().item()
         nll_c += -lc.gather(1, target[:, None]).sum().item()
@@ -87,7 +98,7 @@ def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
 
 
 def measure(parent_art, child_art, device: torch.device, eval_file: str | None, eval_tokens: int,
-            progress=no_progress, parent_model=None, child_model=None) -> Quality:
+            progress=no_progress, parent_model=None, child_model=None, child_logits=prefill_logits) -> Quality:
     """Score child against parent on the eval text with llamactl's runtime (float32 on the CPU,
     bf16 on a GPU). Models already loaded may be passed in; the tokenizer is the parent's."""
     from llamactl.load import load_model, load_tokenizer
@@ -98,4 +109,5 @@ def measure(parent_art, child_art, device: torch.device, eval_file: str | None, 
     parent_model = parent_model or load_model(parent_art, device, dtype)
     child_model = child_model or load_model(child_art, device, dtype)
     with progress("eval", windows.shape[0]) as advance:
-        return compare(parent_model, child_model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance)
+        return compare(parent_model, child_model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance,
+                       child_logits)

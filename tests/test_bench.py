@@ -122,8 +122,24 @@ def test_quality_against_the_manifest_root(trained_model, tmp_path):
               "--repeat", "1", "--format", "json")
     assert r.exit_code == 0, r.output
     qual = json.loads(r.stdout)["results"][0]["quality"]
-    assert qual["reference"] == str(trained_model.resolve())
+    assert qual["reference"] == str(trained_model.resolve()) and qual["scored"] == "prefill"
     assert qual["kl_mean"] > 0 and qual["ppl"] > qual["ppl_parent"] * 0.98
+
+
+def test_decode_scoring_matches_prefill_scoring(trained_model):
+    """quality.decode_logits (one position at a time, as decoding runs; bench scores int8-input
+    rows with it on a GPU) gives the logits of one prefill over the window."""
+    import torch
+
+    from llamactl.artifact import open_artifact
+    from llamactl.load import load_model
+    from llamactl.quality import decode_logits, prefill_logits
+
+    model = load_model(open_artifact(trained_model), torch.device("cpu"), torch.float32)
+    ids = torch.arange(100, 164).view(1, -1)
+    a, b = decode_logits(model, ids), prefill_logits(model, ids)
+    assert a.shape == b.shape == (1, 64, model.args.vocab_size)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_profile_writes_a_trace(tmp_path):

@@ -133,3 +133,27 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
         res[inputs] = json.loads(r.stdout)
     assert "int8 inputs" in res["int8"]["extra"]["gemv"] and "int8 inputs" not in res["float"]["extra"]["gemv"]
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
+
+
+def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path):
+    """bench --quality --quant-inputs float,int8: the float row is scored by prefill, the int8-input
+    row through the decode step's int8-input GEMVs; rounding the inputs costs a little KL, not much."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from llamactl.cli import app
+
+    out = tmp_path / "rtn4"
+    run = CliRunner().invoke
+    assert run(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out), "--device", "cpu",
+                     "--eval-tokens", "0"]).exit_code == 0
+    r = run(app, ["bench", str(out), "--device", "cuda", "--dtype", "bfloat16", "--quality", "--eval-tokens", "2048",
+                  "--quant-inputs", "float,int8", "--prompt-len", "16", "--gen-len", "8", "--warmup", "0", "--repeat", "1",
+                  "--format", "json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["results"]
+    assert [x["stage"].endswith("+ int8 inputs") for x in rows] == [False, True]
+    qf, q8 = rows[0]["quality"], rows[1]["quality"]
+    assert (qf["scored"], q8["scored"]) == ("prefill", "decode steps, int8 inputs") and q8["tokens"] == qf["tokens"]
+    assert 0 < qf["kl_mean"] and q8["kl_mean"] < qf["kl_mean"] * 1.5 + 0.01
