@@ -36,6 +36,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from compile' -l mode -r -d 'def
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l buckets -r -d 'KV-cache lengths to compile for; a generation uses the smallest that fits.'
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l device -r -d 'auto, cpu, cuda or cuda:N.'
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l dtype -r -d 'auto, float32, bfloat16 or float16; auto = the checkpoints on a GPU, float32 on the CPU for small models.'
+complete -c llamactl -n '__fish_seen_subcommand_from compile' -l quant-inputs -r -d 'What the int4/int8 GEMVs multiply with (GPU kernels): float, or int8 (rounded per 32 columns, DP4A: faster, a little less exact) (default: LLAMACTL_QUANT_INPUTS, else float).'
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l force -d 'Replace an existing output folder.'
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l json -d 'Print one JSON object on stdout instead of tables.'
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l help -s h -d 'Show help.'

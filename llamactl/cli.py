@@ -94,7 +94,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile`).")] = False,
-    quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, or int8 (rounded per 32 columns, DP4A: faster, a little less exact) (default: LLAMACTL_QUANT_INPUTS, else float).")] = None,
+    quant_inputs: QuantInputsOpt = None,
     json_out: JsonOpt = False,
     allow_pickle: PickleOpt = False,
 ):
@@ -103,8 +103,7 @@ def generate(
     from llamactl.env import env_var
     from llamactl.load import load
 
-    if quant_inputs not in (None, "float", "int8"):
-        raise typer.BadParameter(f"--quant-inputs {quant_inputs!r}: use float or int8")
+    _check_quant_inputs(quant_inputs)
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
@@ -116,7 +115,7 @@ def generate(
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    mode, buckets = None, None
+    mode, buckets, entry = None, None, None
     if compile_:
         from llamactl.compile import load_compile_cache
 
@@ -129,6 +128,9 @@ def generate(
                 result = ev
             elif not json_out:
                 ui.emit_text(ev.text)
+    if entry and entry.get("gemv") not in (None, result.extra["gemv"]):
+        ui.warn(f"the compile cache was made for gemv {entry['gemv']}; this run used {result.extra['gemv']}, "
+                "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
     if quant_inputs == "int8" and "int8 inputs" not in result.extra["gemv"]:
         ui.warn("--quant-inputs int8 changed nothing: it applies to int4/int8 models on llamactl's GPU kernels "
                 f"(this run: {result.extra['gemv']} on {result.device})")
@@ -173,6 +175,7 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
 
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
+QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, or int8 (rounded per 32 columns, DP4A: faster, a little less exact) (default: LLAMACTL_QUANT_INPUTS, else float).")]
 EvalOpt = Annotated[Optional[str], typer.Option("--eval", help="Plain-text file for the quality report (default: packaged docs-eval.txt).")]
 EvalTokensOpt = Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens scored in the quality report; 0 skips it.")]
 
@@ -264,6 +267,7 @@ def compile_cmd(
     buckets: Annotated[str, typer.Option(help="KV-cache lengths to compile for; a generation uses the smallest that fits.")] = "128,512,2048",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    quant_inputs: QuantInputsOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ):
@@ -272,17 +276,19 @@ def compile_cmd(
     from llamactl.compile import compile_model
     from llamactl.load import resolve_model_path
 
+    _check_quant_inputs(quant_inputs)
     src = resolve_model_path(model)
     out = output or f"{str(src).rstrip('/')}-compiled"
     manifest = compile_model(src, out, parse_int_list(buckets, "--buckets"), mode, device=device, dtype=dtype,
-                             force=force, progress=ui.progress, log=ui.log)
+                             force=force, progress=ui.progress, log=ui.log, quant_inputs=quant_inputs)
     entry = manifest["metrics"]["compile_cache"][0]
     if json_out:
         ui.emit_json({"output": manifest["output"], **entry})
         return
     ui.table(f"compile -> {manifest['output']}", ["bucket", "compile + warm-up s"],
              [[t["bucket"], f"{t['seconds']:.1f}"] for t in entry["per_bucket"]]
-             + [["cache", f"{ui.human_bytes(entry['bytes'])}, key: {entry['key']['device_name']}, torch {entry['key']['torch']}"]])
+             + [["cache", f"{ui.human_bytes(entry['bytes'])}, key: {entry['key']['device_name']}, torch {entry['key']['torch']}"],
+                ["gemv", entry["gemv"]]])
 
 
 def _report(manifest: dict, json_out: bool) -> None:
@@ -303,6 +309,11 @@ def _report(manifest: dict, json_out: bool) -> None:
     rows.append(("time", "", f"{m.get('quantize_seconds', 0):.1f} s"))
     title = f"{manifest['stage']} -> {manifest['output']}" + (f" ({q['tokens']} eval tokens)" if q else "")
     ui.table(title, ["", "parent", "child"], rows)
+
+
+def _check_quant_inputs(value: str | None) -> None:
+    if value not in (None, "float", "int8"):
+        raise typer.BadParameter(f"--quant-inputs {value!r}: use float or int8")
 
 
 def _comma_choices(option: str, value: str | None, choices: dict, hint: str) -> tuple:

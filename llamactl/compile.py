@@ -133,8 +133,9 @@ def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]
     return n
 
 
-def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]:
-    """Compile and run the decode step once per bucket; returns seconds per bucket."""
+def warm(model, buckets: list[int], mode: str, progress) -> tuple[list[dict[str, Any]], str]:
+    """Compile and run the decode step once per bucket; returns seconds per bucket and the GEMV
+    that ran (Decoder.kernels["gemv"]: which kernels, PDL, int8 inputs)."""
     from llamactl.decode import Decoder, sync
 
     timings = []
@@ -149,13 +150,14 @@ def warm(model, buckets: list[int], mode: str, progress) -> list[dict[str, Any]]
             sync(model.device)
             timings.append({"bucket": b, "seconds": round(time.perf_counter() - t0, 2)})
             advance(1)
-    return timings
+    return timings, dec.kernels["gemv"]
 
 
 def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], mode: str = "default", *,
                   device: str = "auto", dtype: str = "auto", force: bool = False, progress=None,
-                  log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Write `out`: the model (hard-linked where possible) plus compile cache artifacts."""
+                  log: Callable[[str], None] = lambda m: None, quant_inputs: str | None = None) -> dict[str, Any]:
+    """Write `out`: the model (hard-linked where possible) plus compile cache artifacts.
+    quant_inputs: the int4/int8 GEMVs' inputs to compile for ("float"/"int8"; None: LLAMACTL_QUANT_INPUTS)."""
     from llamactl.load import load_model, resolve_device, resolve_dtype
 
     if mode not in MODES:
@@ -174,7 +176,8 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         # on the CPU, compile into an empty Inductor cache dir, so all its builds can be carried
         inductor_dir = stack.enter_context(_fresh_inductor_dir()) if dev.type == "cpu" else None
         t0 = time.perf_counter()
-        timings = warm(model, sorted(set(buckets)), mode, progress)
+        with env_var("LLAMACTL_QUANT_INPUTS", quant_inputs):
+            timings, gemv = warm(model, sorted(set(buckets)), mode, progress)
         cold = time.perf_counter() - t0
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -204,7 +207,7 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
                  "triton_cache_sha256": _checksums(tmp / CACHE_DIR / triton_dir) if saved_kernels else {},
                  "cpu_builds": builds_dir if builds else None, "cpu_build_sha256": builds,
-                 "cold_compile_seconds": round(cold, 2), "per_bucket": timings}
+                 "cold_compile_seconds": round(cold, 2), "per_bucket": timings, "gemv": gemv}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}
         return write_manifest(tmp, "compile", art, params, {"compile_cache": [entry]}) | {"output": str(out)}

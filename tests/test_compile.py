@@ -26,6 +26,7 @@ def compiled(tmp_path_factory, trained_model):
 def test_compile_writes_a_keyed_cache(compiled, trained_model):
     out, entry = compiled
     assert entry["key"]["device_name"] == "cpu" and entry["key"]["mode"] == "default" and entry["buckets"] == [64]
+    assert entry["gemv"] == "torch"  # what the compiled step ran (on a GPU: "triton ..., PDL, int8 inputs", ...)
     assert (out / "compile-cache" / entry["file"]).stat().st_size == entry["bytes"] > 0
     man = json.loads((out / "llamactl.json").read_text())
     assert man["stage"] == "compile" and man["metrics"]["compile_cache"][0]["file"] == entry["file"]
@@ -91,6 +92,25 @@ def test_mismatched_cache_warns_and_recompiles(compiled):
         assert "compiling from scratch" in r.stderr
     finally:
         man_path.write_text(original)
+
+
+def test_a_cache_compiled_for_other_kernels_says_so(compiled, tmp_path):
+    """A cache made for other GEMVs (e.g. `compile --quant-inputs int8` on a GPU) still loads, and
+    generate says its kernels were compiled now."""
+    out, _ = compiled
+    man_path = out / "llamactl.json"
+    original = man_path.read_text()
+    man = json.loads(original)
+    man["metrics"]["compile_cache"][0]["gemv"] = "triton 3.6.0, PDL, int8 inputs"
+    man_path.write_text(json.dumps(man))
+    try:
+        r = runner.invoke(app, ["generate", str(out), "-p", "x", "-n", "4", "--temperature", "0", "--compile"])
+        assert r.exit_code == 0, r.output
+        assert "made for gemv triton 3.6.0, PDL, int8 inputs; this run used torch" in " ".join(r.stderr.split())
+    finally:
+        man_path.write_text(original)
+    bad = runner.invoke(app, ["compile", str(out), "-o", str(tmp_path / "o"), "--quant-inputs", "int4"])
+    assert bad.exit_code == 2 and "use float or int8" in bad.output and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("args", [("--buckets", "4"), ("--buckets", "999999"), ("--mode", "ludicrous")])
