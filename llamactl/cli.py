@@ -402,9 +402,13 @@ def bench(
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
                           inputs=inputs_list)
     if quality:
-        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress, "int8" in inputs_list)
+        def kind(row: dict) -> str:
+            return "int8" if row["stage"].endswith("+ int8 inputs") else "float"
+
+        int8_rows = any(kind(r) == "int8" for r in result["results"])
+        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress, int8_rows)
         for r in result["results"]:
-            r["quality"] = qs.get((r["model"], "int8" if r["stage"].endswith("+ int8 inputs") else "float"))
+            r["quality"] = qs.get((r["model"], kind(r)))
     report.add_speedups(result["results"])
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
