@@ -147,3 +147,15 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
                 q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
             out[t.label, kind] = q
     return out
+
+
+def add_quality(rows: list[dict], targets: list[Target], reference: str | None, eval_file: str | None,
+                eval_tokens: int, device: torch.device, progress) -> None:
+    """Set each result row's "quality" (quality_for), the int8-input rows' scored through the decode step."""
+
+    def kind(row: dict) -> str:
+        return "int8" if row["stage"].endswith("+ int8 inputs") else "float"
+
+    qs = quality_for(targets, reference, eval_file, eval_tokens, device, progress, any(kind(r) == "int8" for r in rows))
+    for r in rows:
+        r["quality"] = qs.get((r["model"], kind(r)))

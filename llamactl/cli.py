@@ -402,13 +402,7 @@ def bench(
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
                           inputs=inputs_list)
     if quality:
-        def kind(row: dict) -> str:
-            return "int8" if row["stage"].endswith("+ int8 inputs") else "float"
-
-        int8_rows = any(kind(r) == "int8" for r in result["results"])
-        qs = bt.quality_for(targets, reference, eval_file, eval_tokens, dev, ui.progress, int8_rows)
-        for r in result["results"]:
-            r["quality"] = qs.get((r["model"], kind(r)))
+        bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress)
     report.add_speedups(result["results"])
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
