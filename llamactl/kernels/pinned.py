@@ -7,6 +7,7 @@ kernels (the same sm_90 SASS), llama2-7b int4 decoded at 452.3 tok/s with run 19
 385.1-385.6 with run 23's, and int8 at 317.1 (run 18) and 369.9 (run 19) (docs/bench). A shape
 listed here for the GPU in use runs the pick of the fastest measured run without tuning; every
 other shape is tuned as before, and a pin that is no longer among the candidates is ignored.
+`python scripts/pins_from_autotune.py RUN-autotune.txt` prints a run's picks as rows of this table.
 """
 
 from __future__ import annotations
