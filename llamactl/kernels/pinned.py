@@ -17,6 +17,7 @@ import functools
 import torch
 
 from llamactl.env import flag
+from llamactl.kernels import _index
 
 # (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, A8, x dtype) -> the config: `third` is G for the
 # int4 kernel and HAS_SCALE (int8 weights) for the 16-bit/int8 one. Each group names its run.
@@ -76,7 +77,7 @@ def table(device: torch.device) -> dict:
     """The pins for `device`'s GPU model ({} off CUDA, for other GPUs, or with LLAMACTL_PIN_CONFIGS=0)."""
     if device.type != "cuda" or not flag("LLAMACTL_PIN_CONFIGS", True):
         return {}
-    return TABLE.get(_device_name(torch.cuda.current_device() if device.index is None else device.index), {})
+    return TABLE.get(_device_name(_index(device)), {})
 
 
 def _matches(config, want: dict) -> bool:
