@@ -128,21 +128,29 @@ def generate(
                 result = ev
             elif not json_out:
                 ui.emit_text(ev.text)
-    if entry and entry.get("gemv") not in (None, result.extra["gemv"]):
-        ui.warn(f"the compile cache was made for gemv {entry['gemv']}; this run used {result.extra['gemv']}, "
-                "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
-    if quant_inputs == "int8" and "int8 inputs" not in result.extra["gemv"]:
-        ui.warn("--quant-inputs int8 changed nothing: it applies to int4/int8 models on llamactl's GPU kernels "
-                f"(this run: {result.extra['gemv']} on {result.device})")
+    if not json_out:
+        ui.emit_text("\n")  # before any warning, which goes to stderr
+    _warn_about_gemv(result, entry, quant_inputs)
     if json_out:
         ui.emit_json({"model": str(art.path), **vars(result)})
         return
-    ui.emit_text("\n")
     ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
            f"ttft {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tok_s:.1f} tok/s | "
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
            f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
            f"{result.extra.get('attention_backend')}[/dim]")
+
+
+def _warn_about_gemv(result, compiled: dict | None, quant_inputs: str | None) -> None:
+    """Say when the GEMVs that ran are not those asked for: a compile cache made for others, or int8
+    inputs where they do not apply."""
+    gemv = result.extra["gemv"]
+    if compiled and compiled.get("gemv") not in (None, gemv):
+        ui.warn(f"the compile cache was made for gemv {compiled['gemv']}; this run used {gemv}, "
+                "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
+    if quant_inputs == "int8" and "int8 inputs" not in gemv:
+        ui.warn("--quant-inputs int8 changed nothing: it applies to int4/int8 models on llamactl's GPU kernels "
+                f"(this run: {gemv} on {result.device})")
 
 
 @app.command()
