@@ -15,6 +15,7 @@
 #   pdl     the quant case with programmatic dependent launch off and on in one run (bench --pdl off,on: 6 rows)
 #   a8      bf16, and int4 and int8 each with float and int8 GEMV inputs (bench --quant-inputs float,int8: 5 rows), one run
 #   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
+#   a8prof  the int8 model with int8 inputs alone, with its decode step's kernel table
 #   pin     the quant case with every shape tuned (LLAMACTL_PIN_CONFIGS=0), then with kernels.pinned's H200 picks
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
@@ -84,6 +85,10 @@ for part in "$@"; do
     # a8's int8 rows alone, without the profile: bf16, int8 float/int8 inputs
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;
+    # the int8 model's step with int8 inputs, profiled: what keeps int8 under 1.6x (kernel table in OUT/)
+    a8prof) rm -rf /tmp/profi; bench llama2-7b-int8-a8-prof --synthetic llama2-7b --synthetic-quant int8 \
+              --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}" --profile /tmp/profi
+            cp /tmp/profi/kernels-*.txt "$out/"; head -30 /tmp/profi/kernels-*.txt ;;
   esac
   echo "[$part: $((SECONDS - t0)) s]"
 done
