@@ -316,11 +316,10 @@ def _pdl(choice: bool | None):
 
 
 def is_quantized(model) -> bool:
-    """Whether the model has int4 or int8 layers (whose GEMV inputs --quant-inputs chooses)."""
-    from llamactl.kernels.linear import TritonInt4Linear
-    from llamactl.quantize.int8 import Int8Kernel
+    """Whether the model has int4 or int8 layers whose GEMV inputs --quant-inputs chooses."""
+    from llamactl.kernels.linear import int8_input_layers
 
-    return any(isinstance(m, (TritonInt4Linear, Int8Kernel)) for m in model.modules())
+    return bool(int8_input_layers(model))
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],

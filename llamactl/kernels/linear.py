@@ -179,6 +179,15 @@ def quant_inputs() -> str:
     return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8"))
 
 
+def int8_input_layers(model) -> list[nn.Module]:
+    """The layers whose batch-1 GEMV can take int8 inputs (quant_inputs): the int4 ones, and the
+    int8 ones with whole 32-column blocks."""
+    from llamactl.quantize.int8 import Int8Kernel
+
+    return [m for m in model.modules()
+            if isinstance(m, TritonInt4Linear) or (isinstance(m, Int8Kernel) and m.in_features % 32 == 0)]
+
+
 def _fuse(model, swiglu_at: str) -> None:
     """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or
     gate_up_proj (swiglu_at, see swiglu_site)."""
@@ -207,19 +216,14 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
-    from llamactl.quantize.int8 import Int8Kernel
-
-    inputs = quant_inputs() if on else "float"
-    if inputs == "int8" and not kernels.int8_inputs_available(model.device):
-        inputs = "float"  # its check failed, with a warning
+    layers = int8_input_layers(model)
+    # the int8-input GEMVs' own check runs only for a model that has such layers (a failure warns)
+    a8 = on and quant_inputs() == "int8" and bool(layers) and kernels.int8_inputs_available(model.device)
+    for mod in layers:
+        mod.a8 = a8
     if on:
         site = swiglu_site()
         _fuse(model, site)
-    a8 = False
-    for mod in model.modules():
-        if isinstance(mod, TritonInt4Linear) or (isinstance(mod, Int8Kernel) and mod.in_features % 32 == 0):
-            mod.a8 = inputs == "int8"
-            a8 = a8 or mod.a8
     hd = model.args.head_dim
     attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
     for layer in model.model.layers:
