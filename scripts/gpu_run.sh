@@ -17,6 +17,7 @@
 #   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
 #   a8prof  the int8 model with int8 inputs alone, with its decode step's kernel table
 #   pin     the quant case with every shape tuned (LLAMACTL_PIN_CONFIGS=0), then with kernels.pinned's H200 picks
+#   splittests the split-K GEMV's tests on the GPU (tests/test_split_k.py, and each split config of the autotuner)
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
@@ -51,6 +52,8 @@ for part in "$@"; do
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper > "$out/tests.txt" 2>&1; tail -30 "$out/tests.txt" ;;
     gputests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_gpu.py tests/test_int4.py tests/test_pinned.py \
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
+    splittests) python -m pytest -q -p no:cacheprovider tests/test_split_k.py tests/test_kernels.py -k "split" \
+                  > "$out/splittests.txt" 2>&1; tail -15 "$out/splittests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
     # the probe times every candidate: no pinned configs
