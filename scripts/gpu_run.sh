@@ -18,6 +18,7 @@
 #   a8prof  the int8 model with int8 inputs alone, with its decode step's kernel table
 #   pin     the quant case with every shape tuned (LLAMACTL_PIN_CONFIGS=0), then with kernels.pinned's H200 picks
 #   splittests the split-K GEMV's tests on the GPU (tests/test_split_k.py, and each split config of the autotuner)
+#   splitpin int8 with int8 inputs, o/down pinned to two split-K configs (LLAMACTL_PINS_FILE=scripts/pins/...)
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
@@ -85,6 +86,9 @@ for part in "$@"; do
     # the quant case tuned afresh (LLAMACTL_PIN_CONFIGS=0), then with the H200's pinned configs: two processes back to back
     pin) for p in 0 1; do LLAMACTL_PIN_CONFIGS=$p bench llama2-7b-quant-pin$p --synthetic llama2-7b --synthetic-quant none,int4,int8 \
            --dtype bfloat16 --mode compile "${std[@]}"; done ;;
+    # int8 with int8 inputs, o_proj and down_proj forced to split-K configs (scripts/pins/), bf16 in each run
+    splitpin) for v in split16 split32; do LLAMACTL_PINS_FILE=scripts/pins/int8-a8-$v.json bench llama2-7b-int8-a8-$v \
+                --synthetic llama2-7b --synthetic-quant none,int8 --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}"; done ;;
     # a8's int8 rows alone, without the profile: bf16, int8 float/int8 inputs
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;

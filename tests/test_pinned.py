@@ -73,3 +73,27 @@ def test_fp16_activations_and_other_flags_are_not_pinned(on_h200):
     assert every > 1
     assert len(prune("gemv", launch_args("gemv", key[:-1] + ("float16",)))) == every
     assert len(prune("gemv", launch_args("gemv", key) | {"PDL": False})) == every
+
+
+@pytest.mark.parametrize("variant", ["split16", "split32"])
+def test_a_pins_file_overrides_the_table_for_its_shapes(variant, on_h200, monkeypatch):
+    """LLAMACTL_PINS_FILE: its rows pin their shapes (here split-K configs for int8 o/down with int8
+    inputs, scripts/pins/), other shapes keep the table's pins."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pins" / f"int8-a8-{variant}.json"
+    monkeypatch.setenv("LLAMACTL_PINS_FILE", str(path))
+    for kernel, key, want in __import__("json").loads(path.read_text()):
+        (c,) = prune(kernel, launch_args(kernel, tuple(key)))
+        assert c.kwargs["SPLIT_K"] == want["SPLIT_K"] > 1 and c.num_warps == want["num_warps"]
+    key = next(iter(pinned.TABLE["NVIDIA H200"]["int4"]))
+    assert len(prune("int4", launch_args("int4", key))) == 1
+
+
+def test_a_bad_pins_file_is_one_clear_error(on_h200, monkeypatch, tmp_path):
+    from llamactl.errors import InputError
+
+    (tmp_path / "pins.json").write_text("{not json")
+    monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "pins.json"))
+    with pytest.raises(InputError, match="LLAMACTL_PINS_FILE"):
+        pinned.table(torch.device("cuda:0"))

@@ -13,10 +13,14 @@ other shape is tuned as before, and a pin that is no longer among the candidates
 from __future__ import annotations
 
 import functools
+import json
+import os
+from pathlib import Path
 
 import torch
 
 from llamactl.env import flag
+from llamactl.errors import InputError
 from llamactl.kernels import _index
 
 # (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, A8, x dtype) -> the config: `third` is G for the
@@ -71,10 +75,28 @@ def _device_name(index: int) -> str:
 
 
 def table(device: torch.device) -> dict:
-    """The pins for `device`'s GPU model ({} off CUDA, for other GPUs, or with LLAMACTL_PIN_CONFIGS=0)."""
+    """The pins for `device`'s GPU model ({} off CUDA, for other GPUs, or with LLAMACTL_PIN_CONFIGS=0),
+    with those of the file LLAMACTL_PINS_FILE over them (see _file_pins)."""
     if device.type != "cuda" or not flag("LLAMACTL_PIN_CONFIGS", True):
         return {}
-    return TABLE.get(_device_name(_index(device)), {})
+    pins = TABLE.get(_device_name(_index(device)), {})
+    extra = os.environ.get("LLAMACTL_PINS_FILE")
+    if not extra:
+        return pins
+    return {kernel: {**pins.get(kernel, {}), **_file_pins(extra).get(kernel, {})} for kernel in ("gemv", "int4")}
+
+
+@functools.lru_cache(maxsize=None)
+def _file_pins(path: str) -> dict:
+    """Pins for the GPU in use from a JSON file: [[kernel, key, config], ...], key as in the table
+    above (the x dtype without "torch."), config as _cfg's result; to time configs the autotuner
+    does not pick, or to pin another GPU's picks (scripts/pins_from_autotune.py prints a run's)."""
+    try:
+        rows = json.loads(Path(path).read_text())
+        return {kernel: {tuple(k): cfg for kn, k, cfg in rows if kn == kernel} for kernel in ("gemv", "int4")}
+    except (OSError, ValueError, TypeError) as e:
+        raise InputError(f"LLAMACTL_PINS_FILE={path}: not a readable list of [kernel, key, config] rows ({e}); "
+                         "fix or unset it") from e
 
 
 def _matches(config, want: dict) -> bool:
