@@ -51,7 +51,7 @@ for part in "$@"; do
     # run 26's `tests` (both halves together) ran past 480 s on a machine warmed by benches: one half a call
     tests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_kernels.py \
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper > "$out/tests.txt" 2>&1; tail -30 "$out/tests.txt" ;;
-    gputests) python -m pytest -q -p no:cacheprovider --durations=12 tests/test_gpu.py tests/test_int4.py tests/test_pinned.py \
+    gputests) python -m pytest -v -p no:cacheprovider --durations=12 tests/test_gpu.py tests/test_int4.py tests/test_pinned.py \
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
     splittests) python -m pytest -q -p no:cacheprovider tests/test_split_k.py tests/test_kernels.py -k "split" \
                   > "$out/splittests.txt" 2>&1; tail -15 "$out/splittests.txt" ;;
