@@ -22,7 +22,7 @@ from llamactl.kernels import attention, gemv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
-        "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "eps": "fp32"}
+        "N": "i32", "K": "i32", "eps": "fp32"}
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
         "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
@@ -64,12 +64,6 @@ def cases():
                    f" pdl={pdl}", gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"),
                    dict(HAS_SCALE=True, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
                         PREFETCH=prefetch, REDUCE_EACH=reduce_each, PDL=pdl, A8=True))
-    for (w_type, a8), (glu, res), pdl in itertools.product([("*bf16", False), ("*i8", False), ("*i8", True)],
-                                                          [(False, True), (True, True), (False, False)], [False, True]):
-        yield (f"gemv {w_type[1:]} a8={a8} split_k=4 glu={glu} residual={res} pdl={pdl}", gemv._gemv_kernel,
-               dict(GEMV, w_ptr=w_type),
-               dict(HAS_SCALE=w_type == "*i8", NORM=False, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32,
-                    BLOCK_K=512, PREFETCH=False, REDUCE_EACH=True, PDL=pdl, A8=a8, SPLIT_K=4))
     for w_type in ("*bf16", "*i8"):  # SwiGLU of a fused [gate; up] output, the norm before it
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,

@@ -17,8 +17,6 @@
 #   a8int8  a8's bf16 and int8 rows only, no profile (3 rows); a8int4 the same for int4
 #   a8prof  the int8 model with int8 inputs alone, with its decode step's kernel table
 #   pin     the quant case with every shape tuned (LLAMACTL_PIN_CONFIGS=0), then with kernels.pinned's H200 picks
-#   splittests the split-K GEMV's tests on the GPU (tests/test_split_k.py, and each split config of the autotuner)
-#   splitpin int8 with int8 inputs, o/down pinned to two split-K configs (LLAMACTL_PINS_FILE=scripts/pins/...)
 #   a8tests the GPU tests of the int8-input (DP4A) GEMVs and the self-check only (every other test: tests)
 # pytest writes straight to OUT (a part cut short keeps the dots and failures so far; run 26 lost them behind `| tail`).
 # Times measured (runs 17-22; a fresh machine's Triton caches are cold): pdl 440 s fresh, 372 s on a
@@ -53,8 +51,6 @@ for part in "$@"; do
              --deselect tests/test_kernels.py::test_kernels_compile_for_hopper > "$out/tests.txt" 2>&1; tail -30 "$out/tests.txt" ;;
     gputests) python -m pytest -v -p no:cacheprovider --durations=12 tests/test_gpu.py tests/test_int4.py tests/test_pinned.py \
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
-    splittests) python -m pytest -q -p no:cacheprovider tests/test_split_k.py tests/test_kernels.py -k "split" \
-                  > "$out/splittests.txt" 2>&1; tail -15 "$out/splittests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
     # the probe times every candidate: no pinned configs
@@ -86,9 +82,6 @@ for part in "$@"; do
     # the quant case tuned afresh (LLAMACTL_PIN_CONFIGS=0), then with the H200's pinned configs: two processes back to back
     pin) for p in 0 1; do LLAMACTL_PIN_CONFIGS=$p bench llama2-7b-quant-pin$p --synthetic llama2-7b --synthetic-quant none,int4,int8 \
            --dtype bfloat16 --mode compile "${std[@]}"; done ;;
-    # int8 with int8 inputs, o_proj and down_proj forced to split-K configs (scripts/pins/), bf16 in each run
-    splitpin) for v in split16 split32; do LLAMACTL_PINS_FILE=scripts/pins/int8-a8-$v.json bench llama2-7b-int8-a8-$v \
-                --synthetic llama2-7b --synthetic-quant none,int8 --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}"; done ;;
     # a8's int8 rows alone, without the profile: bf16, int8 float/int8 inputs
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;

@@ -36,18 +36,9 @@ def _bf16_configs():
     # a multiprocessor hide more latency, for ~1 more instruction a weight (sm_90 SASS; 32 rows of
     # 2048 would take 255 registers with the folded norm)
     reduce_each = [(16, 2048, 8, 1), (16, 1024, 4, 1), (8, 2048, 8, 1)]
-    tiles = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "REDUCE_EACH": red}, num_warps=w, num_stages=st)
-             for configs, pf, red in [(plain, False, False), (prefetch, True, False), (reduce_each, False, True)]
-             for bn, bk, w, st in configs]
-    # SPLIT_K: wide row blocks for the narrow layers (o_proj, down_proj: 4096 rows), whose whole-K
-    # programs are either few or a few rows each; with int8 inputs each program rounds its x, so
-    # 4-row blocks (run 24's picks) round x once per 4 rows. Layers without a folded norm or GLU_OUT
-    split = [(32, 512, 4, 4), (32, 1024, 8, 4), (16, 1024, 4, 4), (64, 512, 8, 4), (32, 512, 4, 8), (16, 512, 4, 2)]
-    return tiles + [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": False, "REDUCE_EACH": True, "SPLIT_K": sk},
-                                  num_warps=w, num_stages=1) for bn, bk, w, sk in split]
-
-
-SPLIT_MAX = 8  # the most K splits of any candidate: the partial sums' workspace holds this many rows
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "REDUCE_EACH": red}, num_warps=w, num_stages=st)
+            for configs, pf, red in [(plain, False, False), (prefetch, True, False), (reduce_each, False, True)]
+            for bn, bk, w, st in configs]
 
 
 @triton.jit
@@ -163,11 +154,11 @@ def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GL
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE: tl.constexpr,
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                  GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False,
-                 A8: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
+                 A8: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -179,23 +170,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, 
     # PDL: the first block of weights is loaded before waiting for the previous kernel and its
     # iteration is peeled off, so the loop itself is the same as without PDL;
     # A8 (int8 weights, K % 32 == 0): the weights are read as int32 words of 4 and x is rounded to
-    # int8 per 32 columns, one DP4A a word (see _int8_a8_dot);
-    # SPLIT_K > 1 (no NORM, no GLU_OUT): program (i, j) takes rows block i over the j-th of SPLIT_K
-    # ranges of K and the last of a row block's programs to finish adds their sums (_add_splits;
-    # ws: [SPLIT_K, N] float32 partial sums, cnt: [N / BLOCK_N] int32 counters, zero between launches)
-    tl.static_assert(SPLIT_K == 1 or not (NORM or GLU_OUT))
+    # int8 per 32 columns, one DP4A a word (see _int8_a8_dot)
     WK: tl.constexpr = BLOCK_K // 4 if A8 else BLOCK_K  # weight elements of a row a block
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
-    k_lo, k_hi = _split_range(K, SPLIT_K, BLOCK_K)  # this program's columns: [k_lo, k_hi)
     if A8:
         w_cols = tl.arange(0, WK)  # [WK]
-        w_lo, w_hi = k_lo // 4, k_hi // 4  # words of a row
         w_len = tl.multiple_of(K // 4, 8)  # words a row
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * w_len  # [BN, 1]
     else:
         w_cols = cols
-        w_lo, w_hi = k_lo, k_hi
+        w_len = K
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     if A8:
@@ -203,17 +188,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, 
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k_start = k_lo
+    k_start = 0
     if PREFETCH:
-        w_next = _block(w_rows, w_lo + w_cols, row_ok, w_hi)  # [BN, WK]
+        w_next = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
     elif PDL:
-        w_first = _block(w_rows, w_lo + w_cols, row_ok, w_hi)  # [BN, WK]
+        w_first = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
-        acc, acc_rows, ss = _gemv_step(w_first, x_ptr, k_lo + cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU,
-                                       REDUCE_EACH, USE_ASM, A8, BLOCK_N, BLOCK_K)
-        k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_hi, BLOCK_K):
+        acc, acc_rows, ss = _gemv_step(w_first, x_ptr, cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH,
+                                       USE_ASM, A8, BLOCK_N, BLOCK_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + cols
         if A8:
             wk = k0 // 4 + w_cols  # [WK] the block's words
@@ -221,73 +206,31 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, N, 
             wk = k
         if PREFETCH:
             w = w_next
-            w_next = _block(w_rows, wk + WK, row_ok, w_hi)
+            w_next = _block(w_rows, wk + WK, row_ok, w_len)
         else:
-            w = _block(w_rows, wk, row_ok, w_hi)  # [BN, WK]
+            w = _block(w_rows, wk, row_ok, w_len)  # [BN, WK]
         acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM, A8,
                                        BLOCK_N, BLOCK_K)
     y = acc_rows if REDUCE_EACH and not A8 else tl.sum(acc, axis=1)  # [BN] (A8 sums into acc only)
-    if SPLIT_K == 1:
-        if NORM:
-            y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-        _finish_rows(y, rows, out, row_ok, s_ptr, r_ptr, y_ptr, N, HAS_SCALE, RESIDUAL, GLU_OUT, BLOCK_N)
-    else:
-        tl.store(ws_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
-        # every thread's partial sums are stored before one thread counts this program in (acq_rel)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the row block's last program: the sums in a fixed order
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(SPLIT_K):
-                y += tl.load(ws_ptr + j * N + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-            tl.store(cnt_ptr + tl.program_id(0), 0)  # zero again for the next launch
-            _finish_rows(y, rows, out, row_ok, s_ptr, r_ptr, y_ptr, N, HAS_SCALE, RESIDUAL, GLU_OUT, BLOCK_N)
-
-
-@triton.jit
-def _split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(first, end) of the columns of program_id(1)'s split of K: [0, K) unsplit; else SPLIT_K
-    ranges of whole BLOCK_K blocks (so no block crosses into the next), the last one shorter and
-    any past K empty."""
-    if SPLIT_K == 1:
-        return 0, K
-    per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    lo = tl.program_id(1) * per
-    return lo, tl.minimum(lo + per, K)
-
-
-@triton.jit
-def _finish_rows(y, rows, out, row_ok, s_ptr, r_ptr, y_ptr, N, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
-                 GLU_OUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The finished sums y: [BN] of rows, times their int8 scales (HAS_SCALE), stored."""
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
+
 def _prune_gemv(configs, named_args, **kwargs):
     """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 32 columns already):
-    its candidates twin plain ones, and only the first of each twin is timed. Split K only where
-    no norm is folded in and no SwiGLU finishes the output. A shape pinned for this GPU
-    (kernels.pinned) runs its pin untimed."""
-    args = {**named_args, **kwargs}
-    splittable = _splittable(args["NORM"], args.get("GLU_OUT", False))
+    its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
+    this GPU (kernels.pinned) runs its pin untimed."""
     kept, seen = [], set()
     for c in configs:
-        split = c.kwargs.get("SPLIT_K", 1)
-        twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], split, c.num_warps, c.num_stages)
-        if split > 1 and not splittable:
-            continue
+        twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
         if not kwargs.get("A8") or twin not in seen:
             seen.add(twin)
             kept.append(c)
-    return pinned.choose("gemv", kept, args)
-
-
-def _splittable(norm: bool, glu_out: bool) -> bool:
-    """Whether a GEMV can split K: a folded norm needs all of x's squares in each program, and
-    GLU_OUT's gate and up rows in one program (see _gemv_kernel)."""
-    return not (norm or glu_out)
+    return pinned.choose("gemv", kept, {**named_args, **kwargs})
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
@@ -510,7 +453,7 @@ def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool
     flags: more of the kernel's constexpr switches."""
 
     def grid(meta):
-        return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]), meta.get("SPLIT_K", 1))
+        return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
 
     launch = {"GLU_OUT": glu_out, **flags} | pdl_launch(device)
     if interpreted() or FIXED_BLOCKS:
@@ -531,30 +474,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     if a8 and (w.dtype != torch.int8 or k % 32):
         raise ValueError(f"int8 inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
-    fixed = GEMV_FIXED
-    if _splittable(norm_weight is not None, glu_out):  # room for split K's partial sums and counters
-        ws, counters = torch.empty(SPLIT_MAX * n, dtype=torch.float32, device=x.device), _counters(n, x.device)
-    else:
-        ws, counters, fixed = y, y, GEMV_FIXED | {"SPLIT_K": 1}
     _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
-             x if residual is None else residual, y, ws, counters, n, k, eps, scales is not None,
-             norm_weight is not None, glu, residual is not None, not interpreted()), fixed, y.numel(), glu_out,
-            x.device, A8=a8)
+             x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, A8=a8)
     return y
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(rows: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one per row block of a split-K launch (at least `rows`, enough for
-    blocks of 1 row), kept per device: each launch leaves them zero again, so one set serves every
-    layer, launch after launch (and inside CUDA graphs; the warm-up before capture makes them)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < rows:
-        have = _COUNTERS[device] = torch.zeros(max(rows, 16384), dtype=torch.int32, device=device)
-    return have
 
 
 @gemv.register_fake

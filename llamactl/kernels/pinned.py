@@ -49,13 +49,16 @@ _H200 = {
         (6144, 4096, False, *_NORM, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
         (28672, 4096, False, *_GU, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
         (4096, 14336, False, *_RES, *_ON): _cfg(4, 2048, 8, REDUCE_EACH=False),
-        # int8 weights, float inputs, llama2-7b: run 24 (380.6 tok/s). o_proj and down_proj are
-        # tuned again: split-K candidates came after run 24
+        # int8 weights, float inputs, llama2-7b: run 24 (380.6 tok/s)
         (12288, 4096, True, *_NORM, *_ON): _cfg(16, 256, 4, REDUCE_EACH=False),
+        (4096, 4096, True, *_RES, *_ON): _cfg(8, 1024, 8, REDUCE_EACH=False),
         (22016, 4096, True, *_GU, *_ON): _cfg(8, 512, 4, REDUCE_EACH=False),
-        # int8 weights, int8 inputs, llama2-7b: run 24 (427.7 tok/s); o_proj and down_proj as above
+        (4096, 11008, True, *_RES, *_ON): _cfg(4, 1024, 4, REDUCE_EACH=False),
+        # int8 weights, int8 inputs, llama2-7b: run 24 (427.7 tok/s)
         (12288, 4096, True, *_NORM, *_A8): _cfg(16, 2048, 8, REDUCE_EACH=False),
+        (4096, 4096, True, *_RES, *_A8): _cfg(4, 1024, 4, REDUCE_EACH=False),
         (22016, 4096, True, *_GU, *_A8): _cfg(16, 1024, 4, REDUCE_EACH=True),
+        (4096, 11008, True, *_RES, *_A8): _cfg(8, 2048, 8, REDUCE_EACH=False),
     },
     "int4": {
         # int4 g128, float inputs, llama2-7b: run 19 (452.3 tok/s; run 23's picks gave 385.1).
