@@ -12,6 +12,16 @@ from llamactl.load import load_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+@pytest.fixture
+def untuned(monkeypatch):
+    """The GEMVs at their fixed block sizes, as in the self-check: for tests of what runs, not how
+    fast. On a fresh GPU machine the autotuner compiles every candidate of each new shape, and the
+    int8-input generate test had not finished in 2 minutes (runs 27-30, cut off there)."""
+    from llamactl.kernels import gemv
+
+    monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
+
+
 def greedy(model, mode: str, n: int = 32, kernels: bool = True) -> list[int]:
     ids = torch.arange(10, 60, device="cuda").view(1, -1)
     dec = Decoder(model, 1, ids.shape[1] + n, mode, kernels=kernels)
@@ -113,7 +123,7 @@ def test_pipelined_streaming_gives_the_decoders_tokens(trained_model, mode):
     assert events[-1].token_ids == greedy(model, mode)
 
 
-def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
+def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path, untuned):
     """generate --quant-inputs int8 runs the int4 GEMVs with rounded inputs and reports it; its
     greedy text starts as the float-input one does (docs-llama-17m: KL +0.0004 nats, quant-inputs-kl.txt)."""
     import json
@@ -124,7 +134,8 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
 
     out = tmp_path / "rtn4"
     run = CliRunner().invoke
-    assert run(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out), "--device", "cpu"]).exit_code == 0
+    assert run(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out), "--device", "cpu",
+                     "--eval-tokens", "0"]).exit_code == 0
     res = {}
     for inputs in ("float", "int8"):
         r = run(app, ["generate", str(out), "-p", "The kernel", "-n", "24", "--temperature", "0", "--device", "cuda",
@@ -135,7 +146,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
 
 
-def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path):
+def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path, untuned):
     """bench --quality --quant-inputs float,int8: the float row is scored by prefill, the int8-input
     row through the decode step's int8-input GEMVs; rounding the inputs costs a little KL, not much."""
     import json
