@@ -95,7 +95,13 @@ def test_a_pins_file_overrides_the_table_for_its_shapes(on_h200, monkeypatch, tm
 def test_a_bad_pins_file_is_one_clear_error(on_h200, monkeypatch, tmp_path):
     from llamactl.errors import InputError
 
-    (tmp_path / "pins.json").write_text("{not json")
     monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "pins.json"))
-    with pytest.raises(InputError, match="LLAMACTL_PINS_FILE"):
+    for bad in ("{not json", '[["gemv", [4096, 4096], {}]]', '[["gemm", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], {}]]', "[1]"):
+        (tmp_path / "pins.json").write_text(bad)
+        pinned._file_pins.cache_clear()
+        with pytest.raises(InputError, match="LLAMACTL_PINS_FILE"):
+            pinned.table(torch.device("cuda:0"))
+    (tmp_path / "missing.json").unlink(missing_ok=True)
+    monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "missing.json"))
+    with pytest.raises(InputError, match="missing.json"):
         pinned.table(torch.device("cuda:0"))

@@ -94,12 +94,16 @@ def _file_pins(path: str) -> dict:
     """Pins for the GPU in use from a JSON file: [[kernel, key, config], ...], key as in the table
     above (the x dtype without "torch."), config as _cfg's result; to time configs the autotuner
     does not pick, or to pin another GPU's picks (scripts/pins_from_autotune.py prints a run's)."""
+    pins: dict = {"gemv": {}, "int4": {}}
     try:
-        rows = json.loads(Path(path).read_text())
-        return {kernel: {tuple(k): cfg for kn, k, cfg in rows if kn == kernel} for kernel in ("gemv", "int4")}
+        for kernel, key, config in json.loads(Path(path).read_text()):
+            if kernel not in pins or len(key) != 10 or not isinstance(config, dict):
+                raise ValueError(f"row {[kernel, key, config]}: kernel gemv or int4, a key of 10 values, a config")
+            pins[kernel][tuple(key)] = config
     except (OSError, ValueError, TypeError) as e:
         raise InputError(f"LLAMACTL_PINS_FILE={path}: not a readable list of [kernel, key, config] rows ({e}); "
                          "fix or unset it") from e
+    return pins
 
 
 def _matches(config, want: dict) -> bool:
