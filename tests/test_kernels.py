@@ -3,8 +3,6 @@ against float64 references. Without CUDA they run through Triton's interpreter (
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -472,47 +470,6 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
         assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
     set_kernels(model, False)
     assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
-
-
-def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
-    """save_cache takes llamactl's kernel entries (not Inductor's) and Triton's launchers, load_cache
-    adds them atomically."""
-    from llamactl import kernels
-
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    for entry, name in [("aaa", "_gemv_kernel.cubin"), ("bbb", "_split_kernel.autotune.json"), ("ccc", "triton_red_fused_0.cubin"),
-                        ("eee", "__triton_launcher.cpython-311-x86_64-linux-gnu.so")]:
-        (cache / entry).mkdir(parents=True)
-        (cache / entry / name).write_text(entry)
-    for entry, arch in [("aaa", 90), ("ddd", 80)]:  # the kernels' metadata names the GPU they were built for
-        (cache / entry).mkdir(exist_ok=True)
-        (cache / entry / "_gemv_kernel.json").write_text(json.dumps({"target": {"backend": "cuda", "arch": arch}}))
-    saved = tmp_path / "saved"
-    assert kernels.save_cache(saved, 90) == 3
-    assert sorted(p.name for p in saved.iterdir()) == ["aaa", "bbb", "eee"]  # not Inductor's kernels, not sm_80's
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
-    assert kernels.load_cache(saved) == 3 and kernels.load_cache(saved) == 0  # the second adds nothing
-    assert (tmp_path / "fresh" / "aaa" / "_gemv_kernel.cubin").read_text() == "aaa"
-
-
-def test_damaged_triton_entries_of_an_artifact_are_left_out(tmp_path, monkeypatch):
-    """compile records a checksum per saved file; an entry with a changed or missing file is not
-    put into Triton's cache (Triton would load the damaged binary), the others are."""
-    from llamactl import compile as comp, kernels
-
-    saved = tmp_path / "saved"
-    for entry in ("aaa", "bbb", "ccc"):
-        (saved / entry).mkdir(parents=True)
-        (saved / entry / "_gemv_kernel.cubin").write_text(entry)
-    sums = comp._checksums(saved)
-    assert sorted(sums) == ["aaa/_gemv_kernel.cubin", "bbb/_gemv_kernel.cubin", "ccc/_gemv_kernel.cubin"]
-    (saved / "bbb" / "_gemv_kernel.cubin").write_text("damaged")
-    (saved / "ccc" / "_gemv_kernel.cubin").unlink()
-    bad = comp._damaged_entries(saved, sums)
-    assert bad == {"bbb", "ccc"}
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
-    assert kernels.load_cache(saved, bad) == 1 and sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["aaa"]
 
 
 def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch):
