@@ -12,11 +12,13 @@ from llamactl.load import load_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def untuned(monkeypatch):
-    """The GEMVs at their fixed block sizes, as in the self-check: for tests of what runs, not how
-    fast. On a fresh GPU machine the autotuner compiles every candidate of each new shape, and the
-    int8-input generate test had not finished in 2 minutes (runs 27-30, cut off there)."""
+    """The GEMVs at their fixed block sizes, as in the self-check: these tests check what runs, not
+    how fast. On a fresh GPU machine the autotuner compiles every candidate of each new shape: 12
+    of these tests took over 150 s, and the int8-input generate test after them had not finished
+    in 2 more minutes (runs 27-30). Each candidate's product is checked on its own
+    (test_kernels.test_every_*_autotune_config_*) and the benches run the tuned launches."""
     from llamactl.kernels import gemv
 
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
@@ -123,7 +125,7 @@ def test_pipelined_streaming_gives_the_decoders_tokens(trained_model, mode):
     assert events[-1].token_ids == greedy(model, mode)
 
 
-def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path, untuned):
+def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
     """generate --quant-inputs int8 runs the int4 GEMVs with rounded inputs and reports it; its
     greedy text starts as the float-input one does (docs-llama-17m: KL +0.0004 nats, quant-inputs-kl.txt)."""
     import json
@@ -146,7 +148,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path, unt
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
 
 
-def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path, untuned):
+def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path):
     """bench --quality --quant-inputs float,int8: the float row is scored by prefill, the int8-input
     row through the decode step's int8-input GEMVs; rounding the inputs costs a little KL, not much."""
     import json
