@@ -4,6 +4,7 @@
 #   tests   the kernel tests on the GPU (tests/test_kernels.py)
 #   gputests the other GPU tests: decode modes, int4/int8 checkpoints, generate and bench with int8 inputs
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
+#   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
 #   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
 #   l3      llama3-8b bf16, 128- and 2048-token prompts
@@ -53,6 +54,8 @@ for part in "$@"; do
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
+    # the decode step's GEMVs per weight kind as the model runs them (pinned picks), summed over a step
+    stepprobe) python scripts/kernel_probe.py --step "$out/step.json" 2>&1 | tee "$out/step.txt" ;;
     # the probe times every candidate: no pinned configs
     probe) LLAMACTL_PIN_CONFIGS=0 TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted

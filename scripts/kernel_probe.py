@@ -9,7 +9,11 @@ by the number of copies; GB/s counts the weight (or K/V) bytes read.
 gate_up and lm_head; SwiGLU before and the residual after down; the residual after o), so the
 cost of the folds shows per shape. The attention sweep times launch plans of the split kernel
 (min chunk, positions a tile, warps) against the default.
-Usage: python scripts/kernel_probe.py [OUT.json]
+--step: only llama2-7b's decode-step GEMVs as the model runs them (its folds, the pinned picks)
+for bf16, int8 and int4 weights with float and int8 inputs, their sum over a step, and the
+attention kernel at the standard case's contexts: where a step's time goes, kernel by kernel,
+without a profiler (under PDL a profile's kernel times include each one's wait for the one before).
+Usage: python scripts/kernel_probe.py [OUT.json]  |  python scripts/kernel_probe.py --step [OUT.json]
 """
 
 from __future__ import annotations
@@ -190,7 +194,67 @@ def sweep_attention(hkv, rep, s_max, ctx, out):
                       f"{r['us']:6.1f} us" for r in best), flush=True)
 
 
+STEP = ("qkv", "o", "gate_up", "down")  # a llama2-7b layer's GEMVs, then lm_head once a step
+KINDS = ("bf16", "int8", "int8 x int8", "int4", "int4 x int8")  # weights, and "x int8": int8 inputs (A8)
+
+
+def step_weights(kind: str, n: int, k: int):
+    """(bytes, a function (x, folds) -> y) for one random weight of `kind`, on `dev`."""
+    if kind == "bf16":
+        w = torch.randn(n, k, device=dev, dtype=bf16) * 0.02
+        return n * k * 2, lambda x, kw: gemv.gemv(x, w, **kw)
+    a8 = kind.endswith("x int8")
+    if kind.startswith("int8"):
+        w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
+        s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
+        return n * k + 2 * n, lambda x, kw: gemv.gemv(x, w8, s8, **kw, a8=a8)
+    g = 128
+    q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
+    s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
+    z8 = torch.randint(0, 16, (n, k // g), device=dev).to(torch.uint8)
+    return n * k // 2 + 3 * n * (k // g), lambda x, kw: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8)
+
+
+def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -> None:
+    """The decode step's GEMVs as the model runs them (llama2-7b: the folds of the default SwiGLU
+    site, kernels.pinned's picks on an H200) per weight kind, timed alone (graph replays over
+    weight copies), and their sum over a step: layers x (qkv, o, gate_up, down) + lm_head (16-bit
+    in every kind). Against a bench's ms/token, the rest is the step's other work (attention,
+    RoPE, launch gaps). timer: graph_time, or a stand-in off the GPU."""
+    timer = timer or graph_time
+    for kind in KINDS:
+        row, step_us, step_bytes = {"kind": kind}, 0.0, 0
+        for name in STEP + ("lm_head",):
+            n, k = shapes[name]
+            wkind = "bf16" if name == "lm_head" else kind
+            nbytes, first = step_weights(wkind, n, k)
+            copies = [first] + [step_weights(wkind, n, k)[1] for _ in range(max(1, int(1.2e9 // nbytes)) - 1)]
+            x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
+            t = timer([lambda f=f: f(x, kw) for f in copies])
+            times = layers if name != "lm_head" else 1
+            step_us += t * 1e6 * times
+            step_bytes += nbytes * times
+            row[name] = {"us": t * 1e6, "gbs": nbytes / 1e9 / t}
+            del copies
+        row.update(step_gemv_us=step_us, step_gb=step_bytes / 1e9)
+        out.append(row)
+        print(f"{kind:12s} " + " | ".join(f"{name} {row[name]['us']:6.1f} us {row[name]['gbs']:5.0f} GB/s"
+                                           for name in STEP + ("lm_head",))
+              + f" | step's GEMVs {step_us / 1000:.3f} ms for {step_bytes / 1e9:.2f} GB", flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main():
+    if sys.argv[1:2] == ["--step"]:
+        steps, att = [], []
+        probe_step(steps)
+        for ctx in (128, 256, 384):  # the standard case's contexts (128-token prompt, 256 new tokens)
+            probe_attention(32, 1, 384, ctx, att)
+        if len(sys.argv) > 2:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "step": steps,
+                       "attention": att}, open(sys.argv[2], "w"), indent=1)
+        return
     lin, att = [], []
     for name, (n, k) in SHAPES.items():
         probe_linear(name, n, k, lin)
