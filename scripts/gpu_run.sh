@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine runs: tests, the kernel probe, and the standard bench cases of ../shared/bench/PROTOCOL.md.
 # Usage (on the device machine, repo root): bash scripts/gpu_run.sh OUTDIR PART...
+# (one device call: bash scripts/gpu_parts.sh OUTDIR PART:SECONDS... gives each part a deadline and packs OUTDIR)
 #   tests   the kernel tests on the GPU (tests/test_kernels.py)
 #   gputests the other GPU tests: decode modes, int4/int8 checkpoints, generate and bench with int8 inputs
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
