@@ -90,6 +90,9 @@ def test_a_pins_file_overrides_the_table_for_its_shapes(on_h200, monkeypatch, tm
         assert {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} == want
     key = next(iter(pinned.TABLE["NVIDIA H200"]["int4"]))
     assert len(prune("int4", launch_args("int4", key))) == 1
+    assert pinned.label(torch.device("cuda:0")) == ", pinned configs (and pins.json)"  # reports name the file
+    monkeypatch.delenv("LLAMACTL_PINS_FILE")
+    assert pinned.label(torch.device("cuda:0")) == ", pinned configs" and pinned.label(torch.device("cpu")) == ""
 
 
 def test_a_bad_pins_file_is_one_clear_error(on_h200, monkeypatch, tmp_path):

@@ -232,7 +232,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
         return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
             + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "")
-            + (", pinned configs" if pinned.table(model.device) else ""))
+            + pinned.label(model.device))
     return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
 
 

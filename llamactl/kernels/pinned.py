@@ -89,6 +89,15 @@ def table(device: torch.device) -> dict:
     return {kernel: {**pins.get(kernel, {}), **_file_pins(extra).get(kernel, {})} for kernel in ("gemv", "int4")}
 
 
+def label(device: torch.device) -> str:
+    """What a report says of the pins in use on `device`: ", pinned configs" (plus the pins file
+    when LLAMACTL_PINS_FILE adds some), or nothing."""
+    if not any(table(device).values()):
+        return ""
+    extra = os.environ.get("LLAMACTL_PINS_FILE")
+    return ", pinned configs" + (f" (and {Path(extra).name})" if extra else "")
+
+
 @functools.lru_cache(maxsize=None)
 def _file_pins(path: str) -> dict:
     """Pins for the GPU in use from a JSON file: [[kernel, key, config], ...], key as in the table
