@@ -25,7 +25,7 @@ GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16",
         "N": "i32", "K": "i32", "eps": "fp32"}
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
         "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
-ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16",
         "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "S": "i32", "scale": "fp32"}
 
 
@@ -80,9 +80,11 @@ def cases():
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
-    for rope, (r, d), pdl in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True]):
-        yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl}", attention._split_kernel, ATTN,
-               dict(R=r, SPLITS=8, CHUNK=64, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32", PDL=pdl))
+    for rope, (r, d), pdl, splits in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True],
+                                                       [8, 1]):  # one split: the output stored in the kernel
+        yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,
+               dict(R=r, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
+                    PRECISION="tf32", PDL=pdl))
     for pdl in (False, True):
         yield (f"attention merge pdl={pdl}", attention._merge_kernel,
                {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))

@@ -5,6 +5,7 @@
 #   tests   the kernel tests on the GPU (tests/test_kernels.py)
 #   gputests the other GPU tests: decode modes, int4/int8 checkpoints, generate and bench with int8 inputs
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
+#   attn1   bf16 and int8 with int8 inputs, decode attention in one kernel a layer (LLAMACTL_ATTN_MIN_CHUNK=512) and not
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
 #   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
@@ -57,6 +58,9 @@ for part in "$@"; do
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
     # the decode step's GEMVs per weight kind as the model runs them (pinned picks), summed over a step
     stepprobe) python scripts/kernel_probe.py --step "$out/step.json" 2>&1 | tee "$out/step.txt" ;;
+    # attention in one kernel a layer (one split over the 384-position cache) against the default plan, two processes
+    attn1) for c in 64 512; do LLAMACTL_ATTN_MIN_CHUNK=$c bench llama2-7b-int8-a8-chunk$c --synthetic llama2-7b \
+             --synthetic-quant none,int8 --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}"; done ;;
     # the probe times every candidate: no pinned configs
     probe) LLAMACTL_PIN_CONFIGS=0 TRITON_PRINT_AUTOTUNING=1 python scripts/kernel_probe.py "$out/probe.json" 2>&1 | tee "$out/probe.txt" ;;
     # a part's profile folder starts empty: bench numbers its tables, so an earlier, interrupted

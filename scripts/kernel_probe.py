@@ -251,6 +251,7 @@ def main():
         probe_step(steps)
         for ctx in (128, 256, 384):  # the standard case's contexts (128-token prompt, 256 new tokens)
             probe_attention(32, 1, 384, ctx, att)
+        sweep_attention(32, 1, 384, 256, att)  # min chunk 512: one split, one kernel (no merge)
         if len(sys.argv) > 2:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "step": steps,
                        "attention": att}, open(sys.argv[2], "w"), indent=1)

@@ -319,9 +319,10 @@ def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, m
         assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
 
 
-@pytest.mark.parametrize("min_chunk,block_s,warps", [(32, 32, 2), (128, 64, 4), (512, 32, 4)])
+@pytest.mark.parametrize("min_chunk,block_s,warps", [(32, 32, 2), (128, 64, 4), (512, 32, 4), (1024, 64, 4)])
 def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps):
-    """The plans kernel_probe.py sweeps give the same attention as the default one."""
+    """The plans kernel_probe.py sweeps give the same attention as the default one (1024: one
+    split over the 700-position cache, the output stored by the split kernel, no merge)."""
     torch.manual_seed(min_chunk)
     q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
     k = torch.randn(1, 2, 700, 64, device=DEV, dtype=ATTN_DTYPE)
@@ -559,3 +560,23 @@ def test_kernels_compile_for_hopper():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "all compiled" in res.stdout
+
+
+def test_attention_min_chunk_switch_sets_the_plan_and_the_label(monkeypatch):
+    """LLAMACTL_ATTN_MIN_CHUNK: one split where the chunk covers the cache (the same attention,
+    one kernel), named in reports; a value that is no power of two is refused."""
+    torch.manual_seed(6)
+    q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(1, 2, 300, 64, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    pos = torch.tensor([250], device=DEV)
+    ref = attention.decode_attention(q, k, v, pos)
+    monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "512")
+    assert attention.plan(300, attention.configured_min_chunk())[0] == 1
+    assert rel(attention.decode_attention(q, k, v, pos).cpu(), ref.double().cpu()) < 5e-3
+    assert attention.label() == "triton split-kv, min chunk 512"
+    monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "500")
+    with pytest.raises(InputError, match="LLAMACTL_ATTN_MIN_CHUNK"):
+        attention.label()
+    monkeypatch.delenv("LLAMACTL_ATTN_MIN_CHUNK")
+    assert attention.label() == "triton split-kv"

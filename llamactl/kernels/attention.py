@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from llamactl.env import choice
 from llamactl.kernels import pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
@@ -34,11 +35,12 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
                   PDL: tl.constexpr = False):
-    # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R]
+    # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
+    # one split (SPLITS == 1): the program holds the whole softmax and stores o: [BH, R, D] itself (no merge kernel)
     # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
     # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
@@ -84,6 +86,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, kn_ptr, vn_ptr,
         v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if SPLITS == 1:  # position 0 is in this chunk: l > 0
+        tl.store(o_ptr + (bh * R + r[:, None]) * D + d[None, :], (acc / l[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=(r < R)[:, None])
+        return
     out = (bh * SPLITS + split) * BLOCK_R
     tl.store(acc_ptr + (out + r[:, None]) * D + d[None, :], acc)
     tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + r, m)
@@ -111,6 +117,22 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr,
     tl.store(o_ptr + (bh * R + r) * D + d, o.to(o_ptr.dtype.element_ty))
 
 
+CHUNK_CHOICES = ("16", "32", "64", "128", "256", "512", "1024", "2048", "4096", "8192", "16384")
+
+
+def configured_min_chunk() -> int:
+    """The plan's smallest chunk: MIN_CHUNK, or LLAMACTL_ATTN_MIN_CHUNK (a power of two). A chunk at
+    least as long as the cache means one split: one kernel a layer, no merge (to time against
+    the default in a bench; not measured on a GPU yet)."""
+    return int(choice("LLAMACTL_ATTN_MIN_CHUNK", str(MIN_CHUNK), CHUNK_CHOICES))
+
+
+def label() -> str:
+    """The decode attention in reports, with the smallest chunk where it is not the default."""
+    chunk = configured_min_chunk()
+    return "triton split-kv" + (f", min chunk {chunk}" if chunk != MIN_CHUNK else "")
+
+
 def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
     """(splits, chunk) for a cache of max_seq positions: chunks of at least min_chunk positions
     (a multiple of it), at most MAX_SPLITS of them, a power of two."""
@@ -121,27 +143,29 @@ def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-            rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
+            rope: tuple[torch.Tensor, ...] | None, min_chunk: int | None = None, block_s: int = 64,
             warps: int = 4) -> torch.Tensor:
-    """Launch the split and merge kernels; rope: (k_new, v_new, cos, sin) to fold RoPE and the cache
-    write in, or None. q and the rope tensors must be contiguous; the caches are used in place.
-    min_chunk, block_s (positions a tile) and warps: the launch plan (scripts/kernel_probe.py sweeps them)."""
+    """Launch the split and merge kernels (the split kernel alone where the plan has one split);
+    rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q and the rope
+    tensors must be contiguous; the caches are used in place. min_chunk (default: min_chunk()),
+    block_s (positions a tile) and warps: the launch plan (scripts/kernel_probe.py sweeps them)."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
-    splits, chunk = plan(s, min_chunk)
+    splits, chunk = plan(s, min_chunk or configured_min_chunk())
     block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
     launch = pdl_launch(q.device)
-    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
+    out = torch.empty_like(q)
+    _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                                 num_warps=warps, **launch)
-    out = torch.empty_like(q)
-    _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
+    if splits > 1:
+        _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
 
 

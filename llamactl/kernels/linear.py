@@ -233,7 +233,9 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
             + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "")
             + pinned.label(model.device))
-    return {"gemv": gemv, "decode_attention": "triton split-kv" if attn else "sdpa"}
+    from llamactl.kernels.attention import label as attention_label  # Triton: only with the kernels on
+
+    return {"gemv": gemv, "decode_attention": attention_label() if attn else "sdpa"}
 
 
 def unfold_cache_writes(model) -> None:

@@ -110,8 +110,8 @@ def _file_pins(path: str) -> dict:
                 raise ValueError(f"row {[kernel, key, config]}: kernel gemv or int4, a key of 10 values, a config")
             pins[kernel][tuple(key)] = config
     except (OSError, ValueError, TypeError) as e:
-        raise InputError(f"LLAMACTL_PINS_FILE={path}: not a readable list of [kernel, key, config] rows ({e}); "
-                         "fix or unset it") from e
+        raise InputError(f"LLAMACTL_PINS_FILE={path}: not a readable list of [kernel, key, config] rows ({e})",
+                         "fix the file or unset LLAMACTL_PINS_FILE") from e
     return pins
 
 
