@@ -482,8 +482,14 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
     assert "gemv int4" in kernels.self_check(torch.device(DEV))
 
 
-def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps():
+@pytest.mark.parametrize("min_chunk", [None, "512"], ids=["splits", "one-split"])
+def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps(min_chunk, monkeypatch):
+    """The decode step's attention (RoPE and the cache write folded in), with the default plan and
+    with one split over the cache (the split kernel stores the output; no merge)."""
     from llamactl.model import apply_rope
+
+    if min_chunk:
+        monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", min_chunk)
 
     torch.manual_seed(5)
     b, kv, rep, d, max_seq = 2, 2, 4, 64, 300
