@@ -247,14 +247,14 @@ def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -
 
 def main():
     if sys.argv[1:2] == ["--step"]:
-        steps, att = [], []
+        steps, att, plans = [], [], []
         probe_step(steps)
         for ctx in (128, 256, 384):  # the standard case's contexts (128-token prompt, 256 new tokens)
             probe_attention(32, 1, 384, ctx, att)
-        sweep_attention(32, 1, 384, 256, att)  # min chunk 512: one split, one kernel (no merge)
+        sweep_attention(32, 1, 384, 256, plans)  # min chunk 512: one split, one kernel (no merge)
         if len(sys.argv) > 2:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "step": steps,
-                       "attention": att}, open(sys.argv[2], "w"), indent=1)
+                       "attention": att, "attention_plans": plans}, open(sys.argv[2], "w"), indent=1)
         return
     lin, att = [], []
     for name, (n, k) in SHAPES.items():

@@ -117,7 +117,7 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr,
     tl.store(o_ptr + (bh * R + r) * D + d, o.to(o_ptr.dtype.element_ty))
 
 
-CHUNK_CHOICES = ("16", "32", "64", "128", "256", "512", "1024", "2048", "4096", "8192", "16384")
+CHUNK_CHOICES = tuple(str(2**i) for i in range(4, 15))  # LLAMACTL_ATTN_MIN_CHUNK: 16 .. 16384
 
 
 def configured_min_chunk() -> int:
@@ -147,7 +147,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
             warps: int = 4) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q and the rope
-    tensors must be contiguous; the caches are used in place. min_chunk (default: min_chunk()),
+    tensors must be contiguous; the caches are used in place. min_chunk (default: configured_min_chunk()),
     block_s (positions a tile) and warps: the launch plan (scripts/kernel_probe.py sweeps them)."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]

@@ -219,7 +219,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     _store_output(y, out, row_ok, r_ptr, y_ptr, N, RESIDUAL, GLU_OUT, BLOCK_N)
 
 
-
 def _prune_gemv(configs, named_args, **kwargs):
     """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 32 columns already):
     its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
