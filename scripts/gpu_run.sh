@@ -6,6 +6,8 @@
 #   gputests the other GPU tests: decode modes, int4/int8 checkpoints, generate and bench with int8 inputs
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
 #   attn1   bf16 and int8 with int8 inputs, decode attention in one kernel a layer (LLAMACTL_ATTN_MIN_CHUNK=512) and not
+#   a8sweep kernel_probe.py --a8-sweep: every int8 x int8 GEMV candidate per step shape, the fastest as a pins file
+#   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
 #   quant   llama2-7b bf16, int4 g128 and int8 in one run (compile + graphs)
@@ -56,6 +58,11 @@ for part in "$@"; do
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
+    # every int8 x int8 candidate per step shape (in-graph timing), the fastest written as a pins file for a8pinned
+    a8sweep) python scripts/kernel_probe.py --a8-sweep "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
+    # bf16 and int8 with int8 inputs, the int8 shapes pinned to a8sweep's picks (run a8sweep first, same call)
+    a8pinned) LLAMACTL_PINS_FILE=$out/a8pins.json bench llama2-7b-int8-a8-swept --synthetic llama2-7b \
+                --synthetic-quant none,int8 --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}" ;;
     # the decode step's GEMVs per weight kind as the model runs them (pinned picks), summed over a step
     stepprobe) python scripts/kernel_probe.py --step "$out/step.json" 2>&1 | tee "$out/step.txt" ;;
     # attention in one kernel a layer (one split over the 384-position cache) against the default plan, two processes

@@ -13,7 +13,10 @@ cost of the folds shows per shape. The attention sweep times launch plans of the
 for bf16, int8 and int4 weights with float and int8 inputs, their sum over a step, and the
 attention kernel at the standard case's contexts: where a step's time goes, kernel by kernel,
 without a profiler (under PDL a profile's kernel times include each one's wait for the one before).
+--a8-sweep: every GEMV candidate for int8 weights with int8 inputs at llama2-7b's step shapes, and
+the fastest per shape written as a pins file (LLAMACTL_PINS_FILE) to bench them with.
 Usage: python scripts/kernel_probe.py [OUT.json]  |  python scripts/kernel_probe.py --step [OUT.json]
+       python scripts/kernel_probe.py --a8-sweep [PINS.json]   (the timings beside it, PINS-sweep.json)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from llamactl import kernels
 from llamactl.kernels import attention, gemv
 from llamactl.quantize import int4 as tg
 
@@ -207,7 +211,7 @@ def step_weights(kind: str, n: int, k: int):
     if kind.startswith("int8"):
         w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
         s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
-        return n * k + 2 * n, lambda x, kw: gemv.gemv(x, w8, s8, **kw, a8=a8)
+        return n * k + 2 * n, lambda x, kw, a8=a8: gemv.gemv(x, w8, s8, **kw, a8=a8)
     g = 128
     q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
     s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
@@ -245,7 +249,52 @@ def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -
             torch.cuda.empty_cache()
 
 
+def sweep_a8(out: list, pins: list, shapes: dict = SHAPES, timer=None) -> None:
+    """int8 weights with int8 inputs: every GEMV candidate (REDUCE_EACH twins once) at each of
+    llama2-7b's step shapes, with its folds, timed as probe_step times them; the fastest per shape
+    go to `pins` as LLAMACTL_PINS_FILE rows. timer: graph_time, or a stand-in off the GPU."""
+    timer = timer or graph_time
+    candidates = gemv._prune_gemv(gemv._bf16_configs(), {"x_ptr": torch.empty(1), "N": 0, "K": 0, "HAS_SCALE": True,
+                                                          "NORM": False, "GLU": False, "RESIDUAL": False}, A8=True)
+    fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED
+    try:
+        for name in STEP:
+            n, k = shapes[name]
+            nbytes, first = step_weights("int8 x int8", n, k)
+            copies = [first] + [step_weights("int8 x int8", n, k)[1] for _ in range(max(1, int(1.2e9 // nbytes)) - 1)]
+            x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
+            ref = first(x, kw, a8=False)  # float inputs: int8 rounding of x adds ~0.5%, a wrong layout far more
+            rows = []
+            for c in candidates:
+                config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                gemv.FIXED_BLOCKS, gemv.GEMV_FIXED = True, config
+                err = rel(first(x, kw), ref)
+                t = timer([lambda f=f: f(x, kw) for f in copies])
+                rows.append({"config": config, "us": t * 1e6, "gbs": nbytes / 1e9 / t, "rel_err": err})
+            rows.sort(key=lambda r: r["us"])
+            out.append({"shape": name, "n": n, "k": k, "configs": rows})
+            key = [n, k, True, "norm_weight" in kw, kw.get("glu", False), "residual" in kw, kw.get("glu_out", False),
+                   kernels.pdl(dev), True, "bfloat16"]
+            pins.append(["gemv", key, rows[0]["config"]])
+            print(f"int8 x int8 {name} (largest error against float inputs {max(r['rel_err'] for r in rows):.1e}): "
+                  + ", ".join(
+                f"{r['config']['BLOCK_N']}x{r['config']['BLOCK_K']}/{r['config']['num_warps']}"
+                f"{' prefetch' * r['config']['PREFETCH']} {r['us']:.1f} us {r['gbs']:.0f} GB/s" for r in rows[:6]),
+                flush=True)
+            del copies
+    finally:
+        gemv.FIXED_BLOCKS, gemv.GEMV_FIXED = fixed
+
+
 def main():
+    if sys.argv[1:2] == ["--a8-sweep"]:
+        rows, pins = [], []
+        sweep_a8(rows, pins)
+        if len(sys.argv) > 2:
+            json.dump(pins, open(sys.argv[2], "w"))
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "a8_sweep": rows},
+                      open(sys.argv[2].removesuffix(".json") + "-sweep.json", "w"), indent=1)
+        return
     if sys.argv[1:2] == ["--step"]:
         steps, att, plans = [], [], []
         probe_step(steps)

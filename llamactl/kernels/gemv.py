@@ -37,8 +37,21 @@ def _bf16_configs():
     # 2048 would take 255 registers with the folded norm)
     reduce_each = [(16, 2048, 8, 1), (16, 1024, 4, 1), (8, 2048, 8, 1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "REDUCE_EACH": red}, num_warps=w, num_stages=st)
-            for configs, pf, red in [(plain, False, False), (prefetch, True, False), (reduce_each, False, True)]
+            for configs, pf, red in [(plain + A8_ONLY, False, False), (prefetch, True, False), (reduce_each, False, True)]
             for bn, bk, w, st in configs]
+
+
+# int8 inputs only: their weights stay 32-bit words of 4 (a quarter of the float path's registers),
+# so a program can take 32-64 rows and share x's rounding among more weights (0.90-0.97 sm_90
+# instructions a weight in the loop, against 1.31 for 16 rows of 1024); as floats they would spill
+A8_ONLY = [(32, 1024, 4, 1), (32, 2048, 8, 1), (64, 1024, 8, 1)]
+
+
+def a8_only(config) -> bool:
+    """Whether `config` is a candidate for int8 inputs only (A8_ONLY)."""
+    kw = config.kwargs
+    return (not kw["PREFETCH"] and not kw["REDUCE_EACH"]
+            and (kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages) in A8_ONLY)
 
 
 @triton.jit
@@ -135,7 +148,7 @@ def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GL
                BLOCK_K: tl.constexpr):
     """One block of _gemv_kernel: weights w: [BN, BK] times x'[k] (k: [BK]) into acc: [BN, BK]
     (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss).
-    A8: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/32] (see _int8_a8_dot)."""
+    A8: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/16] (see _int8_a8_dot)."""
     x, x_raw = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [BK]
     if NORM:
         ss += x_raw * x_raw
@@ -184,7 +197,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
     if A8:
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -220,13 +233,16 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 
 def _prune_gemv(configs, named_args, **kwargs):
-    """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 32 columns already):
-    its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
-    this GPU (kernels.pinned) runs its pin untimed."""
+    """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 16 columns already):
+    its candidates twin plain ones, and only the first of each twin is timed; without them the
+    A8_ONLY candidates are dropped. A shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
     kept, seen = [], set()
     for c in configs:
         twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
-        if not kwargs.get("A8") or twin not in seen:
+        if not kwargs.get("A8"):
+            if not a8_only(c):
+                kept.append(c)
+        elif twin not in seen:
             seen.add(twin)
             kept.append(c)
     return pinned.choose("gemv", kept, {**named_args, **kwargs})

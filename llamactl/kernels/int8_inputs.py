@@ -60,16 +60,6 @@ def _quad_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _eight_words(t, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """t: [BN, BK/4] words as the 8 words of each 32 columns, [BN, BK/32] each (in some fixed
-    order): its two halves of 4 (one thread's 16-byte load each) first, then _quad_words."""
-    a, b = tl.split(tl.reshape(t, [BLOCK_N, BLOCK_K // 32, 2, 4]).permute(0, 1, 3, 2))  # [BN, BK/32, 4] each
-    w0, w1, w2, w3 = _quad_words(tl.reshape(a, [BLOCK_N, BLOCK_K // 8]), BLOCK_N, BLOCK_K // 8)
-    w4, w5, w6, w7 = _quad_words(tl.reshape(b, [BLOCK_N, BLOCK_K // 8]), BLOCK_N, BLOCK_K // 8)
-    return w0, w1, w2, w3, w4, w5, w6, w7
-
-
-@triton.jit
 def _round(t):
     """t (float32, |t| < 2^22) rounded to the nearest integer (ties to even) as int32: adding
     1.5 * 2^23 leaves the integer in the low mantissa bits."""
@@ -96,9 +86,11 @@ def _dp4a(a, b, c, USE_ASM: tl.constexpr, A_SIGNED: tl.constexpr = False):
 
 @triton.jit
 def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum over each 32 columns of w x as [BN, BK/32] floats, with x rounded to int8 per 32 columns
+    """sum over each 16 columns of w x as [BN, BK/16] floats, with x rounded to int8 per 32 columns
     (as in _int4_a8_dot). w: [BN, BK/4] int32, each 4 consecutive int8 weights (little-endian);
-    x: [BK] float32. One DP4A a word."""
+    x: [BK] float32. One DP4A a word, chained over a thread's 4 words (one 16-byte load: 16
+    columns, half a block), so the weights never leave the registers they were loaded into (a
+    32-column chain moved every block of weights through shared memory: 14 barriers an iteration)."""
     xb = tl.reshape(x, [BLOCK_K // 32, 32])
     qmax = tl.max(tl.abs(xb), axis=1)  # [BK/32]
     inv = _int8_inv(qmax)  # [BK/32]
@@ -107,15 +99,11 @@ def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
     v0, v2 = tl.split(v_even)  # [BK/4]
     v1, v3 = tl.split(v_odd)
     xw = v0 | (v1 << 8) | (v2 << 16) | (v3 << 24)  # [BK/4] 4 int8 a word, as the weights
-    # each 32 columns' 8 words, 8 DP4A chained, [BN, BK/32] each
-    w0, w1, w2, w3, w4, w5, w6, w7 = _eight_words(w, BLOCK_N, BLOCK_K)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _eight_words(tl.broadcast_to(xw[None, :], [BLOCK_N, BLOCK_K // 4]), BLOCK_N, BLOCK_K)
-    dot = _dp4a(w0, x0, tl.zeros([BLOCK_N, BLOCK_K // 32], tl.int32), USE_ASM, A_SIGNED=True)
+    w0, w1, w2, w3 = _quad_words(w, BLOCK_N, BLOCK_K // 4)  # [BN, BK/16] each
+    x0, x1, x2, x3 = _quad_words(tl.broadcast_to(xw[None, :], [BLOCK_N, BLOCK_K // 4]), BLOCK_N, BLOCK_K // 4)
+    dot = _dp4a(w0, x0, tl.zeros([BLOCK_N, BLOCK_K // 16], tl.int32), USE_ASM, A_SIGNED=True)
     dot = _dp4a(w1, x1, dot, USE_ASM, A_SIGNED=True)
     dot = _dp4a(w2, x2, dot, USE_ASM, A_SIGNED=True)
-    dot = _dp4a(w3, x3, dot, USE_ASM, A_SIGNED=True)
-    dot = _dp4a(w4, x4, dot, USE_ASM, A_SIGNED=True)
-    dot = _dp4a(w5, x5, dot, USE_ASM, A_SIGNED=True)
-    dot = _dp4a(w6, x6, dot, USE_ASM, A_SIGNED=True)
-    dot = _dp4a(w7, x7, dot, USE_ASM, A_SIGNED=True)  # [BN, BK/32] exact
-    return dot.to(tl.float32) * (qmax * (1.0 / 127.0))[None, :]
+    dot = _dp4a(w3, x3, dot, USE_ASM, A_SIGNED=True)  # [BN, BK/16] exact
+    scale = tl.reshape(tl.broadcast_to((qmax * (1.0 / 127.0))[:, None], [BLOCK_K // 32, 2]), [BLOCK_K // 16])
+    return dot.to(tl.float32) * scale[None, :]
