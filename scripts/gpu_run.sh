@@ -6,6 +6,7 @@
 #   gputests the other GPU tests: decode modes, int4/int8 checkpoints, generate and bench with int8 inputs
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
 #   attn1   bf16 and int8 with int8 inputs, decode attention in one kernel a layer (LLAMACTL_ATTN_MIN_CHUNK=512) and not
+#   everygemv test_kernels.py's every-GEMV-candidate test alone (each config's product, int8 inputs included)
 #   a8sweep kernel_probe.py --a8-sweep: every int8 x int8 GEMV candidate per step shape, the fastest as a pins file
 #   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
@@ -58,6 +59,9 @@ for part in "$@"; do
                 > "$out/gputests.txt" 2>&1; tail -30 "$out/gputests.txt" ;;
     a8tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py -k "a8 or int8_inputs or self_check" \
                > "$out/a8tests.txt" 2>&1; tail -15 "$out/a8tests.txt" ;;
+    # each 16-bit/int8 GEMV candidate's product at odd sizes (masks), int8 inputs included: test_kernels' config test alone
+    everygemv) python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k every_gemv_autotune_config \
+               > "$out/everygemv.txt" 2>&1; tail -5 "$out/everygemv.txt" ;;
     # every int8 x int8 candidate per step shape (in-graph timing), the fastest written as a pins file for a8pinned
     a8sweep) python scripts/kernel_probe.py --a8-sweep "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
     # bf16 and int8 with int8 inputs, the int8 shapes pinned to a8sweep's picks (run a8sweep first, same call)
