@@ -58,7 +58,8 @@ def test_unlisted_shapes_gpus_and_the_switch_tune_as_before(on_h200, monkeypatch
     assert every > 1
     args = launch_args("int4", key)
     assert len(prune("int4", args)) == 1
-    assert len(prune("int4", args | {"A8": True})) == every  # int8 inputs: not pinned for int4
+    assert len(prune("int4", args | {"A8": True})) == 1  # int8 inputs: pinned for int4 too (run 35)
+    assert len(prune("int4", args | {"PDL": False})) == every  # a flag of no pinned row
     monkeypatch.setenv("LLAMACTL_PIN_CONFIGS", "0")
     assert len(prune("int4", args)) == every
     monkeypatch.delenv("LLAMACTL_PIN_CONFIGS")
