@@ -116,21 +116,19 @@ def _fixed(config) -> dict:
 @pytest.mark.parametrize("config", gemv._bf16_configs(), ids=str)
 def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     """The autotuner keeps the fastest config, not a correct one: each candidate must be right.
-    Odd sizes (rows and K not multiples of the blocks) exercise the masks; int8 and bf16 weights
-    (the A8_ONLY candidates: int8 weights with int8 inputs only)."""
+    Odd sizes (rows and K not multiples of the blocks) exercise the masks; int8 and bf16 weights."""
     torch.manual_seed(5)
     n, k = 40, 1100
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
     monkeypatch.setattr(gemv, "GEMV_FIXED", _fixed(config))
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    assert rel(gemv.gemv_bf16(x, w).cpu(), w.double().cpu() @ x.double().cpu()) < 1e-2
+    w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
     s8 = (torch.rand(n, device=DEV) * 0.01 + 1e-3).to(torch.bfloat16)
-    if not gemv.a8_only(config):  # float inputs
-        x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        assert rel(gemv.gemv_bf16(x, w).cpu(), w.double().cpu() @ x.double().cpu()) < 1e-2
-        w8 = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
-        assert rel(gemv.gemv_int8(x, w8, s8).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-2
-        xr = x.to(ROUND_DTYPE)  # as a fused [gate; up]: SwiGLU in the epilogue, three roundings
-        assert rel(gemv.gemv(xr, w, glu_out=True).cpu(), _swiglu_rounded(w.double() @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
+    assert rel(gemv.gemv_int8(x, w8, s8).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-2
+    xr = x.to(ROUND_DTYPE)  # as a fused [gate; up]: SwiGLU in the epilogue, three roundings
+    assert rel(gemv.gemv(xr, w, glu_out=True).cpu(), _swiglu_rounded(w.double() @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
     x32 = torch.randn(1056, device=DEV)  # int8 inputs (DP4A): whole 32-column blocks, not whole config blocks
     w8 = torch.randint(-127, 128, (n, 1056), device=DEV, dtype=torch.int8)
     y8 = gemv.gemv(x32, w8, s8.float(), a8=True)
@@ -186,10 +184,8 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
         x4, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
     assert gemv._gemv_int4_tuned.best_config.kwargs == gemv._int4_configs()[-1].kwargs
     assert rel(y4, w4 @ x4.double()) < 1e-2
-    # each candidate was benchmarked once (16-bit: all but the A8_ONLY ones; int4: all of them divide
-    # into groups of 128)
-    float_inputs = [c for c in gemv._bf16_configs() if not gemv.a8_only(c)]
-    assert [1000 - next(c) for c in clocks] == [len(float_inputs), len(gemv._int4_configs())]
+    # each candidate was benchmarked once (int4: all of them divide into groups of 128)
+    assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv._int4_configs())]
     # int8 inputs: the pruned candidates only (the same stand-in benchmark counts on)
     before = next(clocks[0])
     w8 = torch.randint(-127, 128, (64, 256), dtype=torch.int8)

@@ -37,21 +37,8 @@ def _bf16_configs():
     # 2048 would take 255 registers with the folded norm)
     reduce_each = [(16, 2048, 8, 1), (16, 1024, 4, 1), (8, 2048, 8, 1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "REDUCE_EACH": red}, num_warps=w, num_stages=st)
-            for configs, pf, red in [(plain + A8_ONLY, False, False), (prefetch, True, False), (reduce_each, False, True)]
+            for configs, pf, red in [(plain, False, False), (prefetch, True, False), (reduce_each, False, True)]
             for bn, bk, w, st in configs]
-
-
-# int8 inputs only: their weights stay 32-bit words of 4 (a quarter of the float path's registers),
-# so a program can take 32-64 rows and share x's rounding among more weights (0.90-0.97 sm_90
-# instructions a weight in the loop, against 1.31 for 16 rows of 1024); as floats they would spill
-A8_ONLY = [(32, 1024, 4, 1), (32, 2048, 8, 1), (64, 1024, 8, 1)]
-
-
-def a8_only(config) -> bool:
-    """Whether `config` is a candidate for int8 inputs only (A8_ONLY)."""
-    kw = config.kwargs
-    return (not kw["PREFETCH"] and not kw["REDUCE_EACH"]
-            and (kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages) in A8_ONLY)
 
 
 @triton.jit
@@ -234,15 +221,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 def _prune_gemv(configs, named_args, **kwargs):
     """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 16 columns already):
-    its candidates twin plain ones, and only the first of each twin is timed; without them the
-    A8_ONLY candidates are dropped. A shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
+    its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
+    this GPU (kernels.pinned) runs its pin untimed."""
     kept, seen = [], set()
     for c in configs:
         twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
-        if not kwargs.get("A8"):
-            if not a8_only(c):
-                kept.append(c)
-        elif twin not in seen:
+        if not kwargs.get("A8") or twin not in seen:
             seen.add(twin)
             kept.append(c)
     return pinned.choose("gemv", kept, {**named_args, **kwargs})
