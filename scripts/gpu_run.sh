@@ -43,7 +43,9 @@ cat "$out/gpu.txt"
 std=(--prompt-len 128 --gen-len 256 --warmup 2 --repeat 5)
 # TRITON_PRINT_AUTOTUNING: the config each kernel's autotuner chose per shape goes to $out/autotune.txt
 # (one file for all parts: the device returns at most 8 files)
-bench() { name=$1; shift; echo "== $name: llamactl bench $*" | tee -a "$out/commands.txt" >> "$out/autotune.txt"
+# commands.txt names the LLAMACTL_ switches a part sets for its bench (run 31's file had to be mended by hand)
+bench() { name=$1; shift; local sw; sw=$(env | grep -E '^LLAMACTL_' | grep -v '^LLAMACTL_COMMIT=' | sort | tr '\n' ' ')
+          echo "== $name: ${sw}llamactl bench $*" | tee -a "$out/commands.txt" >> "$out/autotune.txt"
           TRITON_PRINT_AUTOTUNING=1 python -m llamactl bench "$@" --format json -o "$out/$name.json" 2> "$out/$name.err" \
           | grep -iE "autotuning for|with key|best config" >> "$out/autotune.txt"; [ -s "$out/$name.json" ] \
           && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" > "$out/$name.md" \
