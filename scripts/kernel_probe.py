@@ -219,6 +219,13 @@ def step_weights(kind: str, n: int, k: int):
     return n * k // 2 + 3 * n * (k // g), lambda x, kw: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8)
 
 
+def step_copies(kind: str, n: int, k: int) -> tuple[int, list]:
+    """(bytes of one weight, step_weights' functions over enough copies of it (>= 1.2 GB) that L2
+    cannot serve them)."""
+    nbytes, first = step_weights(kind, n, k)
+    return nbytes, [first] + [step_weights(kind, n, k)[1] for _ in range(max(1, int(1.2e9 // nbytes)) - 1)]
+
+
 def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -> None:
     """The decode step's GEMVs as the model runs them (llama2-7b: the folds of the default SwiGLU
     site, kernels.pinned's picks on an H200) per weight kind, timed alone (graph replays over
@@ -231,8 +238,7 @@ def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -
         for name in STEP + ("lm_head",):
             n, k = shapes[name]
             wkind = "bf16" if name == "lm_head" else kind
-            nbytes, first = step_weights(wkind, n, k)
-            copies = [first] + [step_weights(wkind, n, k)[1] for _ in range(max(1, int(1.2e9 // nbytes)) - 1)]
+            nbytes, copies = step_copies(wkind, n, k)
             x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
             t = timer([lambda f=f: f(x, kw) for f in copies])
             times = layers if name != "lm_head" else 1
@@ -260,8 +266,8 @@ def sweep_a8(out: list, pins: list, shapes: dict = SHAPES, timer=None) -> None:
     try:
         for name in STEP:
             n, k = shapes[name]
-            nbytes, first = step_weights("int8 x int8", n, k)
-            copies = [first] + [step_weights("int8 x int8", n, k)[1] for _ in range(max(1, int(1.2e9 // nbytes)) - 1)]
+            nbytes, copies = step_copies("int8 x int8", n, k)
+            first = copies[0]
             x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
             ref = first(x, kw, a8=False)  # float inputs: int8 rounding of x adds ~0.5%, a wrong layout far more
             rows = []

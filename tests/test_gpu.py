@@ -125,7 +125,20 @@ def test_pipelined_streaming_gives_the_decoders_tokens(trained_model, mode):
     assert events[-1].token_ids == greedy(model, mode)
 
 
-def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
+@pytest.fixture
+def rtn4(trained_model, tmp_path):
+    """docs-llama-17m quantized to int4 (RTN) through the CLI, on the CPU."""
+    from typer.testing import CliRunner
+
+    from llamactl.cli import app
+
+    out = tmp_path / "rtn4"
+    assert CliRunner().invoke(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out),
+                                    "--device", "cpu", "--eval-tokens", "0"]).exit_code == 0
+    return out
+
+
+def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
     """generate --quant-inputs int8 runs the int4 GEMVs with rounded inputs and reports it; its
     greedy text starts as the float-input one does (docs-llama-17m: KL +0.0004 nats, quant-inputs-kl.txt)."""
     import json
@@ -134,10 +147,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
 
     from llamactl.cli import app
 
-    out = tmp_path / "rtn4"
-    run = CliRunner().invoke
-    assert run(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out), "--device", "cpu",
-                     "--eval-tokens", "0"]).exit_code == 0
+    out, run = rtn4, CliRunner().invoke
     res = {}
     for inputs in ("float", "int8"):
         r = run(app, ["generate", str(out), "-p", "The kernel", "-n", "24", "--temperature", "0", "--device", "cuda",
@@ -148,7 +158,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(trained_model, tmp_path):
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
 
 
-def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp_path):
+def test_bench_scores_int8_input_rows_through_the_decode_step(rtn4):
     """bench --quality --quant-inputs float,int8: the float row is scored by prefill, the int8-input
     row through the decode step's int8-input GEMVs; rounding the inputs costs a little KL, not much."""
     import json
@@ -157,13 +167,9 @@ def test_bench_scores_int8_input_rows_through_the_decode_step(trained_model, tmp
 
     from llamactl.cli import app
 
-    out = tmp_path / "rtn4"
-    run = CliRunner().invoke
-    assert run(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out), "--device", "cpu",
-                     "--eval-tokens", "0"]).exit_code == 0
-    r = run(app, ["bench", str(out), "--device", "cuda", "--dtype", "bfloat16", "--quality", "--eval-tokens", "2048",
-                  "--quant-inputs", "float,int8", "--prompt-len", "16", "--gen-len", "8", "--warmup", "0", "--repeat", "1",
-                  "--format", "json"])
+    r = CliRunner().invoke(app, ["bench", str(rtn4), "--device", "cuda", "--dtype", "bfloat16", "--quality",
+                                 "--eval-tokens", "2048", "--quant-inputs", "float,int8", "--prompt-len", "16",
+                                 "--gen-len", "8", "--warmup", "0", "--repeat", "1", "--format", "json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
     assert [x["stage"].endswith("+ int8 inputs") for x in rows] == [False, True]
