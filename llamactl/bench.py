@@ -374,6 +374,7 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                     stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
                     stage += " + PDL" if ", PDL" in raw["gemv"] else ""
                     stage += " + int8 inputs" if "int8 inputs" in raw["gemv"] else ""
+                    stage += " + int4 in fp16" if "int4 in fp16" in raw["gemv"] else ""
                     add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

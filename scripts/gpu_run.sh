@@ -7,7 +7,12 @@
 #   probe   scripts/kernel_probe.py: llamactl's Triton kernels against cuBLAS/tinygemm/SDPA per shape
 #   attn1   bf16 and int8 with int8 inputs, decode attention in one kernel a layer (LLAMACTL_ATTN_MIN_CHUNK=512) and not
 #   everygemv test_kernels.py's every-GEMV-candidate test alone (each config's product, int8 inputs included)
-#   a8sweep kernel_probe.py --a8-sweep: every int8 x int8 GEMV candidate per step shape, the fastest as a pins file
+#   a8sweep kernel_probe.py --sweep "int8 x int8": every int8 x int8 GEMV candidate per step shape, the fastest as a pins file
+#   sweep16 kernel_probe.py --sweep "int4 fp16": every int4 fp16 candidate per step shape, the fastest as a pins file
+#   sweep8  the same for int8 weights with float inputs (int8 and int4 float pins: sweep8, sweep4)
+#   h16     bf16 and int4 with float inputs and in fp16 (3 rows), the pins of the sweeps run before it in the call
+#   int8w   bf16 and int8 with float inputs (2 rows), the same pins
+#   h16tests the GPU tests of the int4 fp16 GEMV, the int8 GEMV (PRMT) and the self-checks only
 #   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
@@ -65,7 +70,18 @@ for part in "$@"; do
     everygemv) python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k every_gemv_autotune_config \
                > "$out/everygemv.txt" 2>&1; tail -5 "$out/everygemv.txt" ;;
     # every int8 x int8 candidate per step shape (in-graph timing), the fastest written as a pins file for a8pinned
-    a8sweep) python scripts/kernel_probe.py --a8-sweep "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
+    a8sweep) python scripts/kernel_probe.py --sweep "int8 x int8" "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
+    sweep16|sweep8|sweep4) kind=$(case $part in sweep16) echo "int4 fp16";; sweep8) echo int8;; *) echo int4;; esac)
+           python scripts/kernel_probe.py --sweep "$kind" "$out/$part-pins.json" 2>&1 | tee "$out/$part.txt"
+           python -c "import json, sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), [])))" \
+             "$out"/sweep*-pins.json > "$out/pins.json" ;;
+    h16) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-h16 --synthetic llama2-7b --synthetic-quant none,int4 \
+           --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
+    int8w) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8w --synthetic llama2-7b --synthetic-quant none,int8 \
+           --dtype bfloat16 --mode compile "${std[@]}" ;;
+    h16tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py \
+                -k "packed_fp16 or every_int4 or gemv_16bit or folds or self_check or own" > "$out/h16tests.txt" 2>&1
+              tail -15 "$out/h16tests.txt" ;;
     # bf16 and int8 with int8 inputs, the int8 shapes pinned to a8sweep's picks (run a8sweep first, same call)
     a8pinned) LLAMACTL_PINS_FILE=$out/a8pins.json bench llama2-7b-int8-a8-swept --synthetic llama2-7b \
                 --synthetic-quant none,int8 --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}" ;;

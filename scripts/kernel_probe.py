@@ -13,10 +13,11 @@ cost of the folds shows per shape. The attention sweep times launch plans of the
 for bf16, int8 and int4 weights with float and int8 inputs, their sum over a step, and the
 attention kernel at the standard case's contexts: where a step's time goes, kernel by kernel,
 without a profiler (under PDL a profile's kernel times include each one's wait for the one before).
---a8-sweep: every GEMV candidate for int8 weights with int8 inputs at llama2-7b's step shapes, and
-the fastest per shape written as a pins file (LLAMACTL_PINS_FILE) to bench them with.
+--sweep KINDS: every GEMV candidate for each kind ("int8 x int8", "int4 fp16", ...: see KINDS) at
+llama2-7b's step shapes, and the fastest per shape written as a pins file (LLAMACTL_PINS_FILE) to
+bench them with.
 Usage: python scripts/kernel_probe.py [OUT.json]  |  python scripts/kernel_probe.py --step [OUT.json]
-       python scripts/kernel_probe.py --a8-sweep [PINS.json]   (the timings beside it, PINS-sweep.json)
+       python scripts/kernel_probe.py --sweep "int8,int4 fp16" [PINS.json]   (timings beside it: PINS-sweep.json)
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def sweep_attention(hkv, rep, s_max, ctx, out):
 
 
 STEP = ("qkv", "o", "gate_up", "down")  # a llama2-7b layer's GEMVs, then lm_head once a step
-KINDS = ("bf16", "int8", "int8 x int8", "int4", "int4 x int8")  # weights, and "x int8": int8 inputs (A8)
+# weights, and "x int8": int8 inputs (A8); "int4 fp16": int4 in packed fp16 (H16)
+KINDS = ("bf16", "int8", "int8 x int8", "int4", "int4 x int8", "int4 fp16")
 
 
 def step_weights(kind: str, n: int, k: int):
@@ -216,7 +218,9 @@ def step_weights(kind: str, n: int, k: int):
     q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
     s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
     z8 = torch.randint(0, 16, (n, k // g), device=dev).to(torch.uint8)
-    return n * k // 2 + 3 * n * (k // g), lambda x, kw: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8)
+    h16 = kind.endswith("fp16")
+    return n * k // 2 + 3 * n * (k // g), lambda x, kw, a8=a8, h16=h16: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8,
+                                                                                      h16=h16)
 
 
 def step_copies(kind: str, n: int, k: int) -> tuple[int, list]:
@@ -255,51 +259,64 @@ def probe_step(out: list, shapes: dict = SHAPES, layers: int = 32, timer=None) -
             torch.cuda.empty_cache()
 
 
-def sweep_a8(out: list, pins: list, shapes: dict = SHAPES, timer=None) -> None:
-    """int8 weights with int8 inputs: every GEMV candidate (REDUCE_EACH twins once) at each of
-    llama2-7b's step shapes, with its folds, timed as probe_step times them; the fastest per shape
-    go to `pins` as LLAMACTL_PINS_FILE rows. timer: graph_time, or a stand-in off the GPU."""
+def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -> None:
+    """Every GEMV candidate for `kind` (one of KINDS but bf16; with int8 inputs the REDUCE_EACH
+    twins once) at each of llama2-7b's step shapes, with its folds, timed as probe_step times
+    them, each checked against float inputs; the fastest per shape go to `pins` as
+    LLAMACTL_PINS_FILE rows. timer: graph_time, or a stand-in off the GPU."""
     timer = timer or graph_time
-    candidates = gemv._prune_gemv(gemv._bf16_configs(), {"x_ptr": torch.empty(1), "N": 0, "K": 0, "HAS_SCALE": True,
-                                                          "NORM": False, "GLU": False, "RESIDUAL": False}, A8=True)
-    fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED
+    a8, h16, int4 = kind.endswith("x int8"), kind.endswith("fp16"), kind.startswith("int4")
+    cpu = {"x_ptr": torch.empty(1), "N": 0, "K": 0, "NORM": False, "GLU": False, "RESIDUAL": False}  # no pins
+    if int4:
+        candidates = gemv._prune_int4(gemv._int4_configs(), {**cpu, "G": 128}, A8=a8, H16=h16)
+    else:
+        candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, A8=a8)
+    fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED
     try:
         for name in STEP:
             n, k = shapes[name]
-            nbytes, copies = step_copies("int8 x int8", n, k)
+            nbytes, copies = step_copies(kind, n, k)
             first = copies[0]
             x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
-            ref = first(x, kw, a8=False)  # float inputs: int8 rounding of x adds ~0.5%, a wrong layout far more
             rows = []
             for c in candidates:
                 config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-                gemv.FIXED_BLOCKS, gemv.GEMV_FIXED = True, config
+                gemv.FIXED_BLOCKS = True
+                gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
+                ref = first(x, kw, a8=False, h16=False) if int4 else first(x, kw, a8=False)
+                if int4:
+                    gemv.INT4_FIXED = config
+                else:
+                    gemv.GEMV_FIXED = config
+                # float inputs: int8 rounding of x adds ~0.5%, fp16 arithmetic ~0.05%, a wrong layout far more
                 err = rel(first(x, kw), ref)
                 t = timer([lambda f=f: f(x, kw) for f in copies])
                 rows.append({"config": config, "us": t * 1e6, "gbs": nbytes / 1e9 / t, "rel_err": err})
             rows.sort(key=lambda r: r["us"])
-            out.append({"shape": name, "n": n, "k": k, "configs": rows})
-            key = [n, k, True, "norm_weight" in kw, kw.get("glu", False), "residual" in kw, kw.get("glu_out", False),
-                   kernels.pdl(dev), True, "bfloat16"]
-            pins.append(["gemv", key, rows[0]["config"]])
-            print(f"int8 x int8 {name} (largest error against float inputs {max(r['rel_err'] for r in rows):.1e}): "
+            out.append({"kind": kind, "shape": name, "n": n, "k": k, "configs": rows})
+            key = [n, k, 128 if int4 else True, "norm_weight" in kw, kw.get("glu", False), "residual" in kw,
+                   kw.get("glu_out", False), kernels.pdl(dev), a8 or ("fp16" if h16 else False), "bfloat16"]
+            pins.append(["int4" if int4 else "gemv", key, rows[0]["config"]])
+            print(f"{kind} {name} (largest error against float inputs {max(r['rel_err'] for r in rows):.1e}): "
                   + ", ".join(
                 f"{r['config']['BLOCK_N']}x{r['config']['BLOCK_K']}/{r['config']['num_warps']}"
-                f"{' prefetch' * r['config']['PREFETCH']} {r['us']:.1f} us {r['gbs']:.0f} GB/s" for r in rows[:6]),
+                f"{' prefetch' * r['config']['PREFETCH']}{' xc' * r['config'].get('X_CONTIG', False)} "
+                f"{r['us']:.1f} us {r['gbs']:.0f} GB/s" for r in rows[:6]),
                 flush=True)
             del copies
     finally:
-        gemv.FIXED_BLOCKS, gemv.GEMV_FIXED = fixed
+        gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed
 
 
 def main():
-    if sys.argv[1:2] == ["--a8-sweep"]:
+    if sys.argv[1:2] == ["--sweep"]:  # --sweep KIND[,KIND...] [PINS.json]
         rows, pins = [], []
-        sweep_a8(rows, pins)
-        if len(sys.argv) > 2:
-            json.dump(pins, open(sys.argv[2], "w"))
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "a8_sweep": rows},
-                      open(sys.argv[2].removesuffix(".json") + "-sweep.json", "w"), indent=1)
+        for kind in sys.argv[2].split(","):
+            sweep(kind, rows, pins)
+        if len(sys.argv) > 3:
+            json.dump(pins, open(sys.argv[3], "w"))
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sweep": rows},
+                      open(sys.argv[3].removesuffix(".json") + "-sweep.json", "w"), indent=1)
         return
     if sys.argv[1:2] == ["--step"]:
         steps, att, plans = [], [], []

@@ -147,6 +147,8 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
     y8 = gemv.gemv_int4(x.float(), q, s, z, g, a8=True)  # int8 inputs: the same config with DP4A
     assert rel(y8.cpu(), (w @ _int8_per_32(x).to(DEV)).cpu()) < 1e-5
+    y16 = gemv.gemv_int4(x.float(), q, s, z, g, h16=True)  # packed fp16: the same config
+    assert rel(y16.cpu(), (w @ x.double()).cpu()) < 2e-3
 
 
 def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
@@ -278,6 +280,28 @@ def test_gemv_int4_applies_swiglu_to_a_fused_gate_up(int4_prefetch):
     h = w @ x.double()
     y = gemv.gemv_int4(x, q, s, z, g, glu_out=True)
     assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[: n // 2]) * h[n // 2 :]).cpu()) < 1e-5
+
+
+@pytest.mark.parametrize("k", [384, 1152])
+def test_gemv_int4_in_packed_fp16_is_close_to_float_even_with_a_massive_input(k, int4_prefetch):
+    """h16: x scaled by a power of two per 32 columns to fp16, products summed in fp16 per quad:
+    below bf16's output rounding (~1e-3) of the float64 product, with the folds, and with one
+    input of 3000 (fp16 products of it unscaled would overflow: 15 x 3000 x 32 > 65504)."""
+    n, g = 24, 128
+    q, s, z, w = _int4_case(n, k, g, seed=k)
+    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
+    assert rel(gemv.gemv_int4(x, q, s, z, g, h16=True).cpu(), (w @ x.double()).cpu()) < 1e-3
+    x[5] = 3000.0
+    assert rel(gemv.gemv_int4(x, q, s, z, g, h16=True).cpu(), (w @ x.double()).cpu()) < 1e-3
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, h16=True)
+    ref = w @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
+    assert rel(y.cpu(), ref.cpu()) < 1e-3
+    h = torch.randn(2 * k, device=DEV)
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True, h16=True)
+    assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-3
+    assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, h16=True).any()  # a block of zeros: 0, not NaN
+    with pytest.raises(ValueError, match="exclude"):
+        gemv.gemv_int4(x, q, s, z, g, a8=True, h16=True)
 
 
 def _int8_per_32(x: torch.Tensor) -> torch.Tensor:
@@ -470,7 +494,7 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
         torch.testing.assert_close(out[0], ref[0], atol=1e-3, rtol=1e-3)  # prefill: cuBLAS on dequantized weights
         assert 0 < rel(out[1:], ref[1:].double()) < 2e-2
     if inputs == "int8":  # their check failed: the kernels stay, with float inputs
-        monkeypatch.setattr(kernels, "int8_inputs_available", lambda device: False)
+        monkeypatch.setattr(kernels, "inputs_available", lambda device, inputs: False)
         info = set_kernels(model, True)
         assert info["gemv"].startswith("triton") and "int8 inputs" not in info["gemv"]
         assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))

@@ -71,17 +71,19 @@ def test_int8_inputs_need_int8_weights_in_32_column_blocks():
         gemv.gemv(x[:192], torch.zeros(8, 192, device=DEV), a8=True)
 
 
-def test_int8_inputs_have_a_check_of_their_own(monkeypatch):
-    """The int8-input (DP4A) GEMVs are checked on their own (a failure turns off only them: see
+def test_int8_and_fp16_inputs_have_a_check_of_their_own(monkeypatch):
+    """The int8-input (DP4A) and fp16 GEMVs are checked on their own (a failure turns off only them: see
     the int4 model test), and not in the kernels' own check."""
     from llamactl import kernels
 
-    assert kernels.self_check(torch.device(DEV), int8_inputs=True) is None
+    assert kernels.self_check(torch.device(DEV), "int8") is None
+    assert kernels.self_check(torch.device(DEV), "fp16") is None
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
-    problem = kernels.self_check(torch.device(DEV), int8_inputs=True)
+    problem = kernels.self_check(torch.device(DEV), "int8")
     assert "gemv int4 x int8" in problem and "gemv int8 x int8" not in problem
-    assert "x int8" not in kernels.self_check(torch.device(DEV))
+    assert "gemv int4 fp16" in kernels.self_check(torch.device(DEV), "fp16")
+    assert "x int8" not in kernels.self_check(torch.device(DEV)) and "fp16" not in kernels.self_check(torch.device(DEV))
 
 
 def test_int8_input_autotuning_times_no_twin_twice():

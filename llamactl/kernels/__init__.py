@@ -86,34 +86,34 @@ def on_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and available(device)
 
 
-def int8_inputs_available(device: torch.device) -> bool:
-    """Whether the int4/int8 GEMVs with int8 inputs (DP4A) run on `device`, where the kernels do:
-    on CUDA they pass a check of their own first (once per process), so that a failure turns
-    off only them, with a warning, and not the float kernels."""
+def inputs_available(device: torch.device, inputs: str) -> bool:
+    """Whether the low-bit GEMVs with `inputs` "int8" (DP4A) or "fp16" (int4 in packed fp16) run
+    on `device`, where the kernels do: on CUDA they pass a check of their own first (once per
+    process), so that a failure turns off only them, with a warning, and not the float kernels."""
     if device.type == "cuda":
-        return _checked(_index(device), True)
+        return _checked(_index(device), inputs)
     return True
 
 
 @functools.lru_cache(maxsize=None)
-def _checked(index: int, int8_inputs: bool = False) -> bool:
-    problem = self_check(torch.device("cuda", index), int8_inputs)
+def _checked(index: int, inputs: str = "float") -> bool:
+    problem = self_check(torch.device("cuda", index), inputs)
     if problem:
         from llamactl import ui
 
         name = torch.cuda.get_device_name(index)
-        ui.warn(f"llamactl's int8-input GEMVs failed their check on {name} ({problem}); using float inputs."
-                if int8_inputs else
+        ui.warn(f"llamactl's {inputs}-input GEMVs failed their check on {name} ({problem}); using float inputs."
+                if inputs != "float" else
                 f"llamactl's Triton kernels failed their check on {name} ({problem}); "
                 "using cuBLAS/SDPA/tinygemm instead. LLAMACTL_KERNELS=0 silences this.")
     return problem is None
 
 
 @torch.inference_mode()
-def self_check(device: torch.device, int8_inputs: bool = False) -> str | None:
+def self_check(device: torch.device, inputs: str = "float") -> str | None:
     """Run each kernel once on small random inputs against a float64 reference: None when all
-    agree (relative error under 2e-2, bf16 output), else what failed. int8_inputs: the int4 and
-    int8 GEMVs with int8 inputs (DP4A) instead."""
+    agree (relative error under 2e-2, bf16 output), else what failed. inputs "int8": the int4 and
+    int8 GEMVs with int8 inputs (DP4A) instead; "fp16": the int4 GEMV in packed fp16."""
     from llamactl.kernels import attention, gemv
 
     def rel(y, ref):
@@ -133,7 +133,10 @@ def self_check(device: torch.device, int8_inputs: bool = False) -> str | None:
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
         ref8 = (w8.double() @ x.double()) * s8.double()
-        if int8_inputs:
+        if inputs == "fp16":
+            checks["gemv int4 fp16"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, h16=True), w4 @ x.double())
+            return _failed(checks)
+        if inputs == "int8":
             checks["gemv int8 x int8"] = rel(gemv.gemv(x, w8, s8, a8=True), ref8)
             checks["gemv int4 x int8"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, a8=True), w4 @ x.double())
             return _failed(checks)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from llamactl.kernels import interpreted, pdl_launch, pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+from llamactl.kernels.half_math import _int4_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 
 
@@ -117,15 +118,22 @@ def _store_output(y, rows, row_ok, r_ptr, y_ptr, N, RESIDUAL: tl.constexpr, GLU_
 @triton.jit
 def _int8_float(w, USE_ASM: tl.constexpr):
     """int8 -> float32 without I2F (a quarter-rate instruction): the byte, offset to 0..255 by
-    flipping its sign bit, is OR-ed into the mantissa of 2^23 (one LOP3, table 0xBE = a ^ b | c),
-    read as a float, and 2^23 + 128 subtracted (exact)."""
-    u = w.to(tl.uint8, bitcast=True).to(tl.int32)  # 0..255
+    flipping its sign bit, is placed in the mantissa of 2^23, read as a float, and 2^23 + 128
+    subtracted (exact). On the GPU one XOR flips the 4 bytes of a 32-bit register at once and one
+    PRMT a byte builds its float (bytes: the weight's, 0, 0, 0x4B): 1.25 instructions a weight
+    before the subtraction, where extracting the byte and OR-ing in the exponent took 2."""
     if USE_ASM:
-        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xBE;", "=r,r,r,r",
-                                         [u, tl.full(u.shape, 0x80, tl.int32), tl.full(u.shape, 0x4B000000, tl.int32)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        bits = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, 0x4B000000, 0x7440;
+            prmt.b32 $1, t, 0x4B000000, 0x7441;
+            prmt.b32 $2, t, 0x4B000000, 0x7442;
+            prmt.b32 $3, t, 0x4B000000, 0x7443;
+            }""", "=r,=r,=r,=r,r", [w], dtype=tl.int32, is_pure=True, pack=4)
     else:
-        bits = (u ^ 0x80) | 0x4B000000
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
     return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
@@ -259,9 +267,11 @@ def _int4_configs():
 
 
 def _prune_int4(configs, named_args, **kwargs):
-    """Blocks of whole groups; a shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
+    """Blocks of whole groups (in fp16, H16, which loads x in one piece, the X_CONTIG candidates
+    twin plain ones and are left out); a shape pinned for this GPU (kernels.pinned) runs its pin
+    untimed."""
     g = named_args["G"]
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0 and not (kwargs.get("H16") and c.kwargs["X_CONTIG"])]
     return pinned.choose("int4", kept, {**named_args, **kwargs}) or [
         triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
 
@@ -281,7 +291,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                       GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False, X_CONTIG: tl.constexpr = False,
-                      A8: tl.constexpr = False):
+                      A8: tl.constexpr = False, H16: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
@@ -298,6 +308,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # layout conversions through shared memory than 8 strided loads; see _input_slices)
     # A8: x is rounded to int8 per 32 columns and each word's 8 products are summed in integers by
     # two DP4A instructions (see _int4_a8_dot): 1.5-3.2 sm_90 instructions a weight, not 4.1-6.6
+    # H16: x scaled by a power of two per 32 columns and multiplied in packed fp16, two weights an
+    # instruction (see kernels.half_math); X_CONTIG is implied
     WORDS: tl.constexpr = BLOCK_K // 8
     # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
     # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
@@ -317,7 +329,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         p_first = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
@@ -327,7 +339,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         else:
             p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
         acc, ss = _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -337,7 +349,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
 @triton.jit
 def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G: tl.constexpr,
                NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
-               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False):
+               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False, H16: tl.constexpr = False):
     """One block of _gemv_int4_kernel: the words p: [BN, W] at columns k0 .. k0 + 8 W, with their
     groups' scales and zeros and x's slices, into acc: [BN, W/4]; ss: [W] sums x^2 for NORM.
     Returns (acc, ss)."""
@@ -347,6 +359,13 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
     g_ok = row_ok[:, None] & (group < K // G)[None, :]
     s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
     z = tl.load(z_ptr + g_rows + group[None, :], mask=g_ok, other=0).to(tl.float32)
+    if H16:
+        k = k0 + tl.arange(0, 8 * WORDS)
+        xk, rk = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [8W]
+        if NORM:
+            ss += tl.sum(tl.reshape(rk * rk, [WORDS, 8]), axis=1)
+        dot, xsum = _int4_h16_dot(p, xk, USE_ASM, BLOCK_N, WORDS)  # [BN, W/4], [W/4]
+        return acc + s * (dot - (z - 8.0) * xsum[None, :]), ss
     if X_CONTIG:
         x0, x1, x2, x3, x4, x5, x6, x7, sq = _input_slices(x_ptr, k0, K, nw_ptr, NORM, GLU, WORDS)
     else:
@@ -413,7 +432,7 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
-                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8"],
+                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8", "H16"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -498,23 +517,26 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-              glu: bool = False, glu_out: bool = False, a8: bool = False) -> torch.Tensor:
+              glu: bool = False, glu_out: bool = False, a8: bool = False, h16: bool = False) -> torch.Tensor:
     """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
     this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; a8: x
-    rounded to int8 per 32 columns (after the folded RMSNorm/SwiGLU) and multiplied in integers."""
+    rounded to int8 per 32 columns (after the folded RMSNorm/SwiGLU) and multiplied in integers;
+    h16: x scaled per 32 columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
+    if a8 and h16:
+        raise ValueError("int4 GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, A8=a8)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, A8=a8, H16=h16)
     return y
 
 
 @gemv_int4.register_fake
 def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
-      a8=False):
+      a8=False, h16=False):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 

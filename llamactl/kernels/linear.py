@@ -92,6 +92,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see quant_inputs)
+        self.h16 = False  # batch-1 GEMV in packed fp16 (see quant_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -118,14 +119,15 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
-                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.a8)
+                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.a8,
+                          self.h16)
             return y.view(*x.shape[:-1], self._output_width())
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
         if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
             y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
-                                       a8=self.a8) for row in x2])
+                                       a8=self.a8, h16=self.h16) for row in x2])
         else:
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
@@ -171,12 +173,16 @@ def swiglu_site() -> str:
 
 
 def quant_inputs() -> str:
-    """What the int4 and int8 GEMVs multiply their weights with: "float" (x as it is, the default)
-    or "int8" (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU and multiplied in
-    integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.2 for int4, 4.7-7.2 -> 1.5-7.9
-    for int8 (the wide blocks 1.5-2.2), docs/bench/README.md; on docs-llama-17m it added 0.0004 nats to the int4 models' KL,
-    docs/bench/quant-inputs-kl.txt). LLAMACTL_QUANT_INPUTS chooses; prefill (cuBLAS) is not affected."""
-    return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8"))
+    """What the int4 and int8 GEMVs multiply their weights with: "float" (x as it is, in float32;
+    the default), "int8" (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU and
+    multiplied in integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.2 for int4,
+    4.7-7.2 -> 1.5-7.9 for int8 (the wide blocks 1.5-2.2), docs/bench/README.md; on docs-llama-17m
+    it added 0.0004 nats to the int4 models' KL, docs/bench/quant-inputs-kl.txt) or "fp16" (int4
+    only: x scaled by a power of two per 32 columns, exact for bf16 inputs, and multiplied in
+    packed fp16, two weights an instruction: 4.4-5.0 -> 2.5-3.6 instructions a weight, relative
+    error ~5e-4, below bf16's output rounding; see kernels.half_math). LLAMACTL_QUANT_INPUTS
+    chooses; prefill (cuBLAS) is not affected."""
+    return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8", "fp16"))
 
 
 def int8_input_layers(model) -> list[nn.Module]:
@@ -217,10 +223,14 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
     layers = int8_input_layers(model)
-    # the int8-input GEMVs' own check runs only for a model that has such layers (a failure warns)
-    a8 = on and quant_inputs() == "int8" and bool(layers) and kernels.int8_inputs_available(model.device)
+    int4 = [m for m in layers if isinstance(m, TritonInt4Linear)]
+    # the int8-input/fp16 GEMVs' own check runs only for a model that has such layers (a failure warns)
+    a8 = on and quant_inputs() == "int8" and bool(layers) and kernels.inputs_available(model.device, "int8")
+    h16 = on and quant_inputs() == "fp16" and bool(int4) and kernels.inputs_available(model.device, "fp16")
     for mod in layers:
         mod.a8 = a8
+    for mod in int4:
+        mod.h16 = h16
     if on:
         site = swiglu_site()
         _fuse(model, site)
@@ -231,7 +241,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "")
+            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "") + (", int4 in fp16" if h16 else "")
             + pinned.label(model.device))
     from llamactl.kernels.attention import label as attention_label  # Triton: only with the kernels on
 

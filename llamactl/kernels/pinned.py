@@ -131,7 +131,8 @@ def choose(kernel: str, configs: list, args: dict) -> list:
     x = args["x_ptr"]
     third = args["G"] if kernel == "int4" else args["HAS_SCALE"]
     key = (args["N"], args["K"], third, args["NORM"], args["GLU"], args["RESIDUAL"], args.get("GLU_OUT", False),
-           args.get("PDL", False), args.get("A8", False), str(x.dtype).removeprefix("torch."))
+           args.get("PDL", False), args.get("A8", False) or ("fp16" if args.get("H16") else False),
+           str(x.dtype).removeprefix("torch."))
     want = table(x.device).get(kernel, {}).get(key)
     pinned = [c for c in configs if want is not None and _matches(c, want)]
     return pinned[:1] or configs
