@@ -12,6 +12,7 @@
 #   sweep8  the same for int8 weights with float inputs (int8 and int4 float pins: sweep8, sweep4)
 #   h16     bf16 and int4 with float inputs and in fp16 (3 rows), the pins of the sweeps run before it in the call
 #   int8w   bf16 and int8 with float inputs (2 rows), the same pins
+#   every4  test_kernels' every-int4-candidate test (float, int8 inputs, fp16), stopping at the first failure
 #   h16tests the GPU tests of the int4 fp16 GEMV, the int8 GEMV (PRMT) and the self-checks only
 #   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
@@ -79,6 +80,9 @@ for part in "$@"; do
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
     int8w) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8w --synthetic llama2-7b --synthetic-quant none,int8 \
            --dtype bfloat16 --mode compile "${std[@]}" ;;
+    # test_kernels' every-int4-candidate test alone, stopping at the first failure with its traceback
+    every4) python -m pytest -x -q -p no:cacheprovider --tb=long tests/test_kernels.py -k every_int4 > "$out/every4.txt" 2>&1
+            tail -60 "$out/every4.txt" ;;
     h16tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py \
                 -k "packed_fp16 or every_int4 or gemv_16bit or folds or self_check or own" > "$out/h16tests.txt" 2>&1
               tail -15 "$out/h16tests.txt" ;;

@@ -14,9 +14,9 @@ KERNELS = {"gemv": (gemv._prune_gemv, gemv._bf16_configs), "int4": (gemv._prune_
 
 def launch_args(kernel: str, key: tuple, device: str = "cuda:0") -> dict:
     """The launch's arguments by name, as the autotuner's prune hook gets them, for a table key."""
-    n, k, third, norm, glu, residual, glu_out, pdl, a8, dtype = key
+    n, k, third, norm, glu, residual, glu_out, pdl, inputs, dtype = key
     args = {"x_ptr": _Input(getattr(torch, dtype), torch.device(device)), "N": n, "K": k, "NORM": norm, "GLU": glu, "RESIDUAL": residual,
-            "GLU_OUT": glu_out, "PDL": pdl, "A8": a8}
+            "GLU_OUT": glu_out, "PDL": pdl, "A8": inputs is True, "H16": inputs == "fp16"}
     return args | ({"G": third} if kernel == "int4" else {"HAS_SCALE": third})
 
 
@@ -37,7 +37,7 @@ def prune(kernel: str, args: dict) -> list:
     """The kernel's prune hook on all its candidates, called as the autotuner calls it: the
     positional arguments by name, the flags the launcher passes by keyword."""
     hook, configs = KERNELS[kernel]
-    kw = {k: args[k] for k in ("GLU_OUT", "PDL", "A8")}
+    kw = {k: args[k] for k in ("GLU_OUT", "PDL", "A8", "H16") if k in args}
     return hook(configs(), {k: v for k, v in args.items() if k not in kw}, **kw)
 
 
@@ -59,6 +59,7 @@ def test_unlisted_shapes_gpus_and_the_switch_tune_as_before(on_h200, monkeypatch
     args = launch_args("int4", key)
     assert len(prune("int4", args)) == 1
     assert len(prune("int4", args | {"A8": True})) == 1  # int8 inputs: pinned for int4 too (run 35)
+    assert len(prune("int4", args | {"H16": True})) == 1  # and packed fp16 (run 36)
     assert len(prune("int4", args | {"PDL": False})) == every  # a flag of no pinned row
     monkeypatch.setenv("LLAMACTL_PIN_CONFIGS", "0")
     assert len(prune("int4", args)) == every

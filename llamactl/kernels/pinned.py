@@ -23,13 +23,15 @@ from llamactl.env import flag
 from llamactl.errors import InputError
 from llamactl.kernels import _index
 
-# (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, A8, x dtype) -> the config: `third` is G for the
+# (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, inputs, x dtype) -> the config (inputs: A8 True for
+# int8, "fp16" for int4 in packed fp16 (H16), else False): `third` is G for the
 # int4 kernel and HAS_SCALE (int8 weights) for the 16-bit/int8 one. Each group names its run.
 # (NORM, GLU, RESIDUAL, GLU_OUT): qkv and lm_head read a norm; o and down add the residual;
 # gate_up reads a norm and gives SwiGLU's output
 _NORM, _RES, _GU = (True, False, False, False), (False, False, True, False), (True, False, False, True)
 _ON = (True, False, "bfloat16")  # PDL on, float inputs, bf16 activations
 _A8 = (True, True, "bfloat16")  # PDL on, int8 inputs
+_H16 = (True, "fp16", "bfloat16")  # PDL on, int4 in packed fp16
 
 
 def _cfg(bn: int, bk: int, warps: int, stages: int = 1, prefetch: bool = False, **variant) -> dict:
@@ -72,6 +74,11 @@ _H200 = {
         (4096, 4096, 128, *_RES, *_A8): _cfg(8, 2048, 4, X_CONTIG=True),
         (22016, 4096, 128, *_GU, *_A8): _cfg(16, 1024, 4, X_CONTIG=True),
         (4096, 11008, 128, *_RES, *_A8): _cfg(8, 2048, 4, X_CONTIG=True),
+        # int4 g128 in packed fp16, llama2-7b: the in-graph sweep of run 36 (566.9 tok/s, 2.02x bf16)
+        (12288, 4096, 128, *_NORM, *_H16): _cfg(16, 1024, 2, X_CONTIG=False),
+        (4096, 4096, 128, *_RES, *_H16): _cfg(8, 2048, 4, X_CONTIG=False),
+        (22016, 4096, 128, *_GU, *_H16): _cfg(16, 1024, 4, X_CONTIG=False),
+        (4096, 11008, 128, *_RES, *_H16): _cfg(8, 2048, 4, X_CONTIG=False),
     },
 }
 TABLE = {"NVIDIA H200": _H200}
