@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.bench import SkipStage, Target
+from llamactl.bench import INPUT_LABELS, SkipStage, Target
 from llamactl.errors import InputError
 
 
@@ -109,10 +109,11 @@ def hf_stages(target: Target, device: torch.device, dtype: torch.dtype) -> list[
 
 
 def quality_for(targets: list[Target], reference: str | None, eval_file: str | None, eval_tokens: int,
-                device: torch.device, progress, int8_inputs: bool = False) -> dict[tuple[str, str], dict]:
+                device: torch.device, progress, inputs: tuple[str, ...] = ()) -> dict[tuple[str, str], dict]:
     """(label, "float") -> quality dict (ppl, and KL/top-1 against the reference when there is
-    one). int8_inputs: also (label, "int8") for a quantized model on a GPU, scored through the
-    decode step's int8-input GEMVs one position at a time (prefill does not round its inputs)."""
+    one). inputs ("int8", "fp16"): also (label, kind) for a quantized model on a GPU, scored
+    through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
+    on dequantized weights, with its inputs as they are)."""
     from llamactl.artifact import lineage, open_artifact
     from llamactl.bench import is_quantized
     from llamactl.env import env_var
@@ -122,7 +123,8 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
     out = {}
     for t in targets:
         if t.artifact is None:
-            out[t.label, "float"] = out[t.label, "int8"] = {"skipped": "synthetic weights: quality is meaningless"}
+            for kind in ("float", *inputs):
+                out[t.label, kind] = {"skipped": "synthetic weights: quality is meaningless"}
             continue
         ref_path = reference
         if ref_path is None:  # the root of the manifest chain
@@ -131,18 +133,18 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
         ref_art = open_artifact(ref_path) if ref_path else t.artifact
         own = ref_art is t.artifact
         kinds = ["float"]
-        if int8_inputs and device.type == "cuda" and is_quantized(t.model):
-            kinds.append("int8")
+        if device.type == "cuda" and is_quantized(t.model):
+            kinds += [k for k in inputs if k in INPUT_LABELS]
         for kind in kinds:
             with env_var("LLAMACTL_QUANT_INPUTS", kind):
-                if kind == "int8" and "int8 inputs" not in set_kernels(t.model, True)["gemv"]:
-                    out[t.label, kind] = {"skipped": "the int8-input GEMVs did not run here (their check failed)"}
+                if kind != "float" and INPUT_LABELS[kind] not in set_kernels(t.model, True)["gemv"]:
+                    out[t.label, kind] = {"skipped": f"the GEMVs with {kind} inputs did not run here"}
                     continue
                 q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
                             parent_model=t.model if own else None, child_model=t.model,
-                            child_logits=decode_logits if kind == "int8" else prefill_logits).to_dict()
+                            child_logits=prefill_logits if kind == "float" else decode_logits).to_dict()
             q["reference"] = None if own else str(ref_art.path)
-            q["scored"] = "decode steps, int8 inputs" if kind == "int8" else "prefill"
+            q["scored"] = "prefill" if kind == "float" else f"decode steps, {INPUT_LABELS[kind]}"
             if own:  # no reference: only perplexity is meaningful
                 q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
             out[t.label, kind] = q
@@ -151,11 +153,13 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
 
 def add_quality(rows: list[dict], targets: list[Target], reference: str | None, eval_file: str | None,
                 eval_tokens: int, device: torch.device, progress) -> None:
-    """Set each result row's "quality" (quality_for), the int8-input rows' scored through the decode step."""
+    """Set each result row's "quality" (quality_for), the rows with int8/fp16 inputs scored through
+    the decode step."""
 
     def kind(row: dict) -> str:
-        return "int8" if row["stage"].endswith("+ int8 inputs") else "float"
+        return next((k for k, label in INPUT_LABELS.items() if row["stage"].endswith("+ " + label)), "float")
 
-    qs = quality_for(targets, reference, eval_file, eval_tokens, device, progress, any(kind(r) == "int8" for r in rows))
+    qs = quality_for(targets, reference, eval_file, eval_tokens, device, progress,
+                     tuple(sorted({kind(r) for r in rows} - {"float"})))
     for r in rows:
         r["quality"] = qs.get((r["model"], kind(r)))

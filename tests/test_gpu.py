@@ -158,9 +158,10 @@ def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
 
 
-def test_bench_scores_int8_input_rows_through_the_decode_step(rtn4):
-    """bench --quality --quant-inputs float,int8: the float row is scored by prefill, the int8-input
-    row through the decode step's int8-input GEMVs; rounding the inputs costs a little KL, not much."""
+def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
+    """bench --quality --quant-inputs float,int8,fp16: the float row is scored by prefill, the
+    int8-input and fp16 rows through the decode step's GEMVs; rounding the inputs to int8 costs a
+    little KL, not much; int4 in packed fp16 (x exact) next to nothing."""
     import json
 
     from typer.testing import CliRunner
@@ -168,11 +169,15 @@ def test_bench_scores_int8_input_rows_through_the_decode_step(rtn4):
     from llamactl.cli import app
 
     r = CliRunner().invoke(app, ["bench", str(rtn4), "--device", "cuda", "--dtype", "bfloat16", "--quality",
-                                 "--eval-tokens", "2048", "--quant-inputs", "float,int8", "--prompt-len", "16",
+                                 "--eval-tokens", "2048", "--quant-inputs", "float,int8,fp16", "--prompt-len", "16",
                                  "--gen-len", "8", "--warmup", "0", "--repeat", "1", "--format", "json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
-    assert [x["stage"].endswith("+ int8 inputs") for x in rows] == [False, True]
-    qf, q8 = rows[0]["quality"], rows[1]["quality"]
-    assert (qf["scored"], q8["scored"]) == ("prefill", "decode steps, int8 inputs") and q8["tokens"] == qf["tokens"]
+    ends = [[label for label in ("int8 inputs", "int4 in fp16") if x["stage"].endswith(label)] for x in rows]
+    assert ends == [[], ["int8 inputs"], ["int4 in fp16"]]
+    qf, q8, q16 = (x["quality"] for x in rows)
+    assert (qf["scored"], q8["scored"], q16["scored"]) == ("prefill", "decode steps, int8 inputs",
+                                                           "decode steps, int4 in fp16")
+    assert q8["tokens"] == q16["tokens"] == qf["tokens"]
     assert 0 < qf["kl_mean"] and q8["kl_mean"] < qf["kl_mean"] * 1.5 + 0.01
+    assert abs(q16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3
