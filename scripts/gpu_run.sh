@@ -14,7 +14,9 @@
 #   int8w   bf16 and int8 with float inputs (2 rows), the same pins
 #   every4  test_kernels' every-int4-candidate test (float, int8 inputs, fp16), stopping at the first failure
 #   exact   scripts/int4_exactness.py: each int4 candidate's float, int8-input and fp16 errors against exact references
-#   klq     docs-llama-17m RTN int4: KL against the parent over 16K tokens, float inputs (prefill) and int8/fp16 (decode steps)
+#   a8diag  scripts/a8_diagnose.py: which rounding of x the int4 int8-input GEMV applies here
+#   qtest   test_gpu's bench --quality test with float, int8 and fp16 rows
+#   klq     docs-llama-17m RTN int4: KL against the parent over 4K tokens (16K: past 170 s, run 38), float inputs (prefill) and int8/fp16 (decode steps)
 #   h16t    h16 with kernels.pinned's table alone (no pins file)
 #   h16tests the GPU tests of the int4 fp16 GEMV, the int8 GEMV (PRMT) and the self-checks only
 #   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
@@ -86,10 +88,12 @@ for part in "$@"; do
     # test_kernels' every-int4-candidate test alone, stopping at the first failure with its traceback
     every4) python -m pytest -x -q -p no:cacheprovider --tb=long tests/test_kernels.py -k every_int4 > "$out/every4.txt" 2>&1
             tail -60 "$out/every4.txt" ;;
+    a8diag) python scripts/a8_diagnose.py 2>&1 | tee "$out/a8diag.txt" ;;
+    qtest) python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k bench_scores > "$out/qtest.txt" 2>&1; tail -15 "$out/qtest.txt" ;;
     exact) python scripts/int4_exactness.py "$out/exact.json" > "$out/exact.txt" 2>&1; tail -30 "$out/exact.txt" ;;
     klq) python -m llamactl quantize llamactl/assets/docs-llama-17m --method rtn --bits 4 --group-size 128 -o /tmp/rtn4 \
            --device cpu --eval-tokens 0 --force > /dev/null 2>&1
-         bench docs17m-rtn4-quality /tmp/rtn4 --device cuda --dtype bfloat16 --quality --eval-tokens 16384 \
+         bench docs17m-rtn4-quality /tmp/rtn4 --device cuda --dtype bfloat16 --quality --eval-tokens 4096 \
            --quant-inputs float,int8,fp16 --prompt-len 16 --gen-len 8 --warmup 0 --repeat 1 ;;
     h16t) bench llama2-7b-h16 --synthetic llama2-7b --synthetic-quant none,int4 \
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
