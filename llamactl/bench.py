@@ -316,7 +316,7 @@ def _pdl(choice: bool | None):
 
 
 # what the GEMV label (kernels.linear.set_kernels) and a row's stage say of low-bit GEMV inputs
-INPUT_LABELS = {"int8": "int8 inputs", "fp16": "int4 in fp16"}
+INPUT_LABELS = {"int8": "int8 inputs", "fp16": "fp16 arithmetic"}
 
 
 def is_quantized(model) -> bool:

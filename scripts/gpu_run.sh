@@ -11,6 +11,7 @@
 #   sweep16 kernel_probe.py --sweep "int4 fp16": every int4 fp16 candidate per step shape, the fastest as a pins file
 #   sweep8  the same for int8 weights with float inputs (int8 and int4 float pins: sweep8, sweep4)
 #   h16     bf16 and int4 with float inputs and in fp16 (3 rows), the pins of the sweeps run before it in the call
+#   sweep8h the same for int8 in fp16; int8h: bf16 and int8 with float inputs and in fp16 (3 rows), those pins
 #   int8w   bf16 and int8 with float inputs (2 rows), the same pins
 #   every4  test_kernels' every-int4-candidate test (float, int8 inputs, fp16), stopping at the first failure
 #   exact   scripts/int4_exactness.py: each int4 candidate's float, int8-input and fp16 errors against exact references
@@ -18,7 +19,7 @@
 #   qtest   test_gpu's bench --quality test with float, int8 and fp16 rows
 #   klq     docs-llama-17m RTN int4: KL against the parent over 4K tokens (16K: past 170 s, run 38), float inputs (prefill) and int8/fp16 (decode steps)
 #   h16t    h16 with kernels.pinned's table alone (no pins file)
-#   h16tests the GPU tests of the int4 fp16 GEMV, the int8 GEMV (PRMT) and the self-checks only
+#   h16tests the GPU tests of the fp16 GEMVs (int4, int8), every 16-bit/int8 candidate, and the inputs' own checks
 #   a8pinned bf16 and int8 with int8 inputs, pinned to a8sweep's picks (after a8sweep in the same call)
 #   stepprobe kernel_probe.py --step: llama2-7b's step GEMVs per kind (bf16, int8, int4; float/int8 inputs), summed
 #   bf16    llama2-7b bf16, compile + graphs, Triton kernels on and off, with a kernel profile of each
@@ -77,11 +78,13 @@ for part in "$@"; do
                > "$out/everygemv.txt" 2>&1; tail -5 "$out/everygemv.txt" ;;
     # every int8 x int8 candidate per step shape (in-graph timing), the fastest written as a pins file for a8pinned
     a8sweep) python scripts/kernel_probe.py --sweep "int8 x int8" "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
-    sweep16|sweep8|sweep4) kind=$(case $part in sweep16) echo "int4 fp16";; sweep8) echo int8;; *) echo int4;; esac)
+    sweep16|sweep8h|sweep8|sweep4) kind=$(case $part in sweep16) echo "int4 fp16";; sweep8h) echo "int8 fp16";; sweep8) echo int8;; *) echo int4;; esac)
            python scripts/kernel_probe.py --sweep "$kind" "$out/$part-pins.json" 2>&1 | tee "$out/$part.txt"
            python -c "import json, sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), [])))" \
              "$out"/sweep*-pins.json > "$out/pins.json" ;;
     h16) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-h16 --synthetic llama2-7b --synthetic-quant none,int4 \
+           --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
+    int8h) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8h --synthetic llama2-7b --synthetic-quant none,int8 \
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
     int8w) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8w --synthetic llama2-7b --synthetic-quant none,int8 \
            --dtype bfloat16 --mode compile "${std[@]}" ;;
@@ -98,7 +101,7 @@ for part in "$@"; do
     h16t) bench llama2-7b-h16 --synthetic llama2-7b --synthetic-quant none,int4 \
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
     h16tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py \
-                -k "packed_fp16 or every_int4 or gemv_16bit or folds or self_check or own" > "$out/h16tests.txt" 2>&1
+                -k "packed_fp16 or every_gemv or own" > "$out/h16tests.txt" 2>&1
               tail -15 "$out/h16tests.txt" ;;
     # bf16 and int8 with int8 inputs, the int8 shapes pinned to a8sweep's picks (run a8sweep first, same call)
     a8pinned) LLAMACTL_PINS_FILE=$out/a8pins.json bench llama2-7b-int8-a8-swept --synthetic llama2-7b \

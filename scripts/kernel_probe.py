@@ -200,8 +200,8 @@ def sweep_attention(hkv, rep, s_max, ctx, out):
 
 
 STEP = ("qkv", "o", "gate_up", "down")  # a llama2-7b layer's GEMVs, then lm_head once a step
-# weights, and "x int8": int8 inputs (A8); "int4 fp16": int4 in packed fp16 (H16)
-KINDS = ("bf16", "int8", "int8 x int8", "int4", "int4 x int8", "int4 fp16")
+# weights, and "x int8": int8 inputs (A8); "fp16": packed fp16 arithmetic (H16)
+KINDS = ("bf16", "int8", "int8 x int8", "int8 fp16", "int4", "int4 x int8", "int4 fp16")
 
 
 def step_weights(kind: str, n: int, k: int):
@@ -209,16 +209,15 @@ def step_weights(kind: str, n: int, k: int):
     if kind == "bf16":
         w = torch.randn(n, k, device=dev, dtype=bf16) * 0.02
         return n * k * 2, lambda x, kw: gemv.gemv(x, w, **kw)
-    a8 = kind.endswith("x int8")
+    a8, h16 = kind.endswith("x int8"), kind.endswith("fp16")
     if kind.startswith("int8"):
         w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
         s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
-        return n * k + 2 * n, lambda x, kw, a8=a8: gemv.gemv(x, w8, s8, **kw, a8=a8)
+        return n * k + 2 * n, lambda x, kw, a8=a8, h16=h16: gemv.gemv(x, w8, s8, **kw, a8=a8, h16=h16)
     g = 128
     q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
     s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
     z8 = torch.randint(0, 16, (n, k // g), device=dev).to(torch.uint8)
-    h16 = kind.endswith("fp16")
     return n * k // 2 + 3 * n * (k // g), lambda x, kw, a8=a8, h16=h16: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8,
                                                                                       h16=h16)
 
@@ -270,7 +269,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
     if int4:
         candidates = gemv._prune_int4(gemv._int4_configs(), {**cpu, "G": 128}, A8=a8, H16=h16)
     else:
-        candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, A8=a8)
+        candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, A8=a8, H16=h16)
     fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED
     try:
         for name in STEP:
@@ -283,7 +282,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
                 config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                 gemv.FIXED_BLOCKS = True
                 gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
-                ref = first(x, kw, a8=False, h16=False) if int4 else first(x, kw, a8=False)
+                ref = first(x, kw, a8=False, h16=False)
                 if int4:
                     gemv.INT4_FIXED = config
                 else:

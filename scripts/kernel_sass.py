@@ -5,7 +5,7 @@ disassembles it. The loop body's instructions per weight say whether the kernel 
 memory (about 3 a weight: LOP3, FADD, FFMA) and which configs spill registers.
 Usage: python scripts/kernel_sass.py [--a8] [--int8] [--xc] [--h16] [BLOCK_N BLOCK_K WARPS ...]   (no blocks: every
 autotune config; --a8: the int8-input variant, DP4A; --int8: the int8-weight GEMV instead of int4;
---xc: int4's X_CONTIG variant; --h16: int4 in packed fp16)
+--xc: int4's X_CONTIG variant; --h16: packed fp16 arithmetic)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False, a8: bool = F
     const = {"NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk,
              "PREFETCH": prefetch, "A8": a8}
     if int8:
-        kernel = compile_one(gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"), const | {"HAS_SCALE": True, "REDUCE_EACH": reduce_each},
+        kernel = compile_one(gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"), const | {"HAS_SCALE": True, "REDUCE_EACH": reduce_each, "H16": h16},
                              warps)
     else:
         kernel = compile_one(gemv._gemv_int4_kernel, INT4, const | {"G": 128, "X_CONTIG": x_contig, "H16": h16}, warps)

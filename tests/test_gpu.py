@@ -161,7 +161,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
 def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
     """bench --quality --quant-inputs float,int8,fp16: the float row is scored by prefill, the
     int8-input and fp16 rows through the decode step's GEMVs; rounding the inputs to int8 costs a
-    little KL, not much; int4 in packed fp16 (x exact) next to nothing."""
+    little KL, not much; packed fp16 arithmetic (x exact) next to nothing."""
     import json
 
     from typer.testing import CliRunner
@@ -173,11 +173,11 @@ def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
                                  "--gen-len", "8", "--warmup", "0", "--repeat", "1", "--format", "json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
-    ends = [[label for label in ("int8 inputs", "int4 in fp16") if x["stage"].endswith(label)] for x in rows]
-    assert ends == [[], ["int8 inputs"], ["int4 in fp16"]]
+    ends = [[label for label in ("int8 inputs", "fp16 arithmetic") if x["stage"].endswith(label)] for x in rows]
+    assert ends == [[], ["int8 inputs"], ["fp16 arithmetic"]]
     qf, q8, q16 = (x["quality"] for x in rows)
     assert (qf["scored"], q8["scored"], q16["scored"]) == ("prefill", "decode steps, int8 inputs",
-                                                           "decode steps, int4 in fp16")
+                                                           "decode steps, fp16 arithmetic")
     assert q8["tokens"] == q16["tokens"] == qf["tokens"]
     assert 0 < qf["kl_mean"] and q8["kl_mean"] < qf["kl_mean"] * 1.5 + 0.01
     assert abs(q16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3

@@ -87,7 +87,7 @@ def on_gpu(device: torch.device) -> bool:
 
 
 def inputs_available(device: torch.device, inputs: str) -> bool:
-    """Whether the low-bit GEMVs with `inputs` "int8" (DP4A) or "fp16" (int4 in packed fp16) run
+    """Whether the low-bit GEMVs with `inputs` "int8" (DP4A) or "fp16" (packed fp16 arithmetic) run
     on `device`, where the kernels do: on CUDA they pass a check of their own first (once per
     process), so that a failure turns off only them, with a warning, and not the float kernels."""
     if device.type == "cuda":
@@ -113,7 +113,7 @@ def _checked(index: int, inputs: str = "float") -> bool:
 def self_check(device: torch.device, inputs: str = "float") -> str | None:
     """Run each kernel once on small random inputs against a float64 reference: None when all
     agree (relative error under 2e-2, bf16 output), else what failed. inputs "int8": the int4 and
-    int8 GEMVs with int8 inputs (DP4A) instead; "fp16": the int4 GEMV in packed fp16."""
+    int8 GEMVs with int8 inputs (DP4A) instead; "fp16": the int4 and int8 GEMVs in packed fp16."""
     from llamactl.kernels import attention, gemv
 
     def rel(y, ref):
@@ -134,6 +134,7 @@ def self_check(device: torch.device, inputs: str = "float") -> str | None:
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
         ref8 = (w8.double() @ x.double()) * s8.double()
         if inputs == "fp16":
+            checks["gemv int8 fp16"] = rel(gemv.gemv(x, w8, s8, h16=True), ref8)
             checks["gemv int4 fp16"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, h16=True), w4 @ x.double())
             return _failed(checks)
         if inputs == "int8":

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from llamactl.kernels import interpreted, pdl_launch, pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
-from llamactl.kernels.half_math import _int4_h16_dot
+from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 
 
@@ -140,15 +140,18 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GLU: tl.constexpr,
                REDUCE_EACH: tl.constexpr, USE_ASM: tl.constexpr, A8: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, H16: tl.constexpr = False):
     """One block of _gemv_kernel: weights w: [BN, BK] times x'[k] (k: [BK]) into acc: [BN, BK]
     (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss).
-    A8: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/16] (see _int8_a8_dot)."""
+    A8 and H16: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/16] (see _int8_a8_dot,
+    _int8_h16_dot)."""
     x, x_raw = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [BK]
     if NORM:
         ss += x_raw * x_raw
     if A8:
         acc += _int8_a8_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
+    elif H16:
+        acc += _int8_h16_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
     else:
         if w.dtype == tl.int8:
             prod = _int8_float(w, USE_ASM) * x[None, :]
@@ -166,7 +169,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                  GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False,
-                 A8: tl.constexpr = False):
+                 A8: tl.constexpr = False, H16: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -178,11 +181,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     # PDL: the first block of weights is loaded before waiting for the previous kernel and its
     # iteration is peeled off, so the loop itself is the same as without PDL;
     # A8 (int8 weights, K % 32 == 0): the weights are read as int32 words of 4 and x is rounded to
-    # int8 per 32 columns, one DP4A a word (see _int8_a8_dot)
-    WK: tl.constexpr = BLOCK_K // 4 if A8 else BLOCK_K  # weight elements of a row a block
+    # int8 per 32 columns, one DP4A a word (see _int8_a8_dot); H16 (the same layout): x scaled by a
+    # power of two per 32 columns and multiplied in packed fp16 (see _int8_h16_dot)
+    WORDS: tl.constexpr = A8 or H16  # weights read as int32 words of 4
+    WK: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K  # weight elements of a row a block
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
-    if A8:
+    if WORDS:
         w_cols = tl.arange(0, WK)  # [WK]
         w_len = tl.multiple_of(K // 4, 8)  # words a row
         w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * w_len  # [BN, 1]
@@ -191,7 +196,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         w_len = K
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # [BN, 1]
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)  # NORM: sum of x^2
-    if A8:
+    if WORDS:
         acc = tl.zeros([BLOCK_N, BLOCK_K // 16], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -204,11 +209,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         w_first = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, acc_rows, ss = _gemv_step(w_first, x_ptr, cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH,
-                                       USE_ASM, A8, BLOCK_N, BLOCK_K)
+                                       USE_ASM, A8, BLOCK_N, BLOCK_K, H16)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + cols
-        if A8:
+        if WORDS:
             wk = k0 // 4 + w_cols  # [WK] the block's words
         else:
             wk = k
@@ -218,8 +223,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         else:
             w = _block(w_rows, wk, row_ok, w_len)  # [BN, WK]
         acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM, A8,
-                                       BLOCK_N, BLOCK_K)
-    y = acc_rows if REDUCE_EACH and not A8 else tl.sum(acc, axis=1)  # [BN] (A8 sums into acc only)
+                                       BLOCK_N, BLOCK_K, H16)
+    y = acc_rows if REDUCE_EACH and not WORDS else tl.sum(acc, axis=1)  # [BN] (A8/H16 sum into acc only)
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
@@ -228,13 +233,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 
 def _prune_gemv(configs, named_args, **kwargs):
-    """With int8 inputs (A8) REDUCE_EACH changes nothing (the sums are per 16 columns already):
+    """With int8 inputs (A8) or fp16 arithmetic (H16) REDUCE_EACH changes nothing (the sums are per
+    16 columns already):
     its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
     this GPU (kernels.pinned) runs its pin untimed."""
     kept, seen = [], set()
     for c in configs:
         twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
-        if not kwargs.get("A8") or twin not in seen:
+        if not (kwargs.get("A8") or kwargs.get("H16")) or twin not in seen:
             seen.add(twin)
             kept.append(c)
     return pinned.choose("gemv", kept, {**named_args, **kwargs})
@@ -242,7 +248,7 @@ def _prune_gemv(configs, named_args, **kwargs):
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
 _gemv_tuned = triton.autotune(configs=_bf16_configs(),
-                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8"],
+                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8", "H16"],
                               prune_configs_by={"early_config_prune": _prune_gemv},
                               cache_results=True)(_gemv_kernel)
 
@@ -483,24 +489,28 @@ def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False,
-         glu_out: bool = False, a8: bool = False) -> torch.Tensor:
+         glu_out: bool = False, a8: bool = False, h16: bool = False) -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
     with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
     w is a fused [gate; up] and y: [N // 2] = silu(gate) * up; a8 (int8 w, K % 32 == 0): x rounded
-    to int8 per 32 columns and multiplied in integers."""
+    to int8 per 32 columns and multiplied in integers; h16 (the same weights): x scaled per 32
+    columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
     n, k = w.shape
-    if a8 and (w.dtype != torch.int8 or k % 32):
-        raise ValueError(f"int8 inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
+    if a8 and h16:
+        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
+    if (a8 or h16) and (w.dtype != torch.int8 or k % 32):
+        raise ValueError(f"int8 inputs and fp16 arithmetic need int8 weights with whole 32-column blocks, "
+                         f"not {w.dtype} [{n}, {k}]")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, A8=a8)
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, A8=a8, H16=h16)
     return y
 
 
 @gemv.register_fake
-def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, a8=False):
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, a8=False, h16=False):
     return x.new_empty(w.shape[0] // 2 if glu_out else w.shape[0])
 
 
@@ -525,7 +535,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
     if a8 and h16:
-        raise ValueError("int4 GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
+        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,

@@ -131,9 +131,9 @@ def _halves(bits):
 
 @triton.jit
 def _pair_h16(bits, sub: tl.constexpr, xp, acc_lo, acc_hi):
-    """One pair as _QUAD_ASM computes it (interpreter): ((bits | 1024) - sub) * xp + acc, in fp16
-    per half."""
-    b_lo, b_hi = _halves(bits | 0x64006400)
+    """One pair as the asm computes it (interpreter): (bits - sub) * xp + acc in fp16 per half, bits:
+    a half2 built in the mantissa of 1024 (0x6400)."""
+    b_lo, b_hi = _halves(bits)
     x_lo, x_hi = _halves(xp)
     acc_lo = ((b_lo - sub) * x_lo + acc_lo).to(tl.float16).to(tl.float32)
     acc_hi = ((b_hi - sub) * x_hi + acc_hi).to(tl.float16).to(tl.float32)
@@ -144,8 +144,76 @@ def _pair_h16(bits, sub: tl.constexpr, xp, acc_lo, acc_hi):
 def _word_h16(w, xa, xb, xc, xd, acc_lo, acc_hi):
     """One word's four pairs as _QUAD_ASM computes them (interpreter)."""
     s = (w >> 8) & 0xFFFFFF
-    acc_lo, acc_hi = _pair_h16(w & 0x000F000F, 1032.0, xa, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_h16(w & 0x00F000F0, 1152.0, xb, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_h16(s & 0x000F000F, 1032.0, xc, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_h16(s & 0x00F000F0, 1152.0, xd, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_h16((w & 0x000F000F) | 0x64006400, 1032.0, xa, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_h16((w & 0x00F000F0) | 0x64006400, 1152.0, xb, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_h16((s & 0x000F000F) | 0x64006400, 1032.0, xc, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_h16((s & 0x00F000F0) | 0x64006400, 1152.0, xd, acc_lo, acc_hi)
     return acc_lo, acc_hi
+
+
+# int8 weights, one thread's 16-byte load (4 words, 16 columns): words $1-$4, x's pairs (x[4 i],
+# x[4 i + 2]) in $5-$8 and (x[4 i + 1], x[4 i + 3]) in $9-$12 for word i; $0: the sum of w x' over
+# the 16 columns as float32. A word's bytes, sign bits flipped (128 + w), sit in the mantissas of
+# two fp16 1024s (PRMT with 0x64 bytes), so subtracting 1152 leaves w exactly.
+_WORDS_ASM = tl.constexpr("""{
+.reg .b32 t, a, acc, m;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 acc, 0;
+mov.b32 m, 0x64806480;
+""" + "".join(f"""xor.b32 t, ${w}, 0x80808080;
+prmt.b32 a, t, 0x64646464, 0x4240;
+sub.f16x2 a, a, m;
+fma.rn.f16x2 acc, a, ${4 + w}, acc;
+prmt.b32 a, t, 0x64646464, 0x4341;
+sub.f16x2 a, a, m;
+fma.rn.f16x2 acc, a, ${8 + w}, acc;
+""" for w in range(1, 5)) + """mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _int8_h16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over each 16 columns of w x as [BN, BK/16] floats, in packed fp16 with x scaled by a
+    power of two per 32 columns (as _int4_h16_dot). w: [BN, BK/4] int32, each 4 consecutive int8
+    weights (little-endian); x: [BK] float32. A thread's 4 words (one 16-byte load) are one chain,
+    as in int8_inputs._int8_a8_dot, so the weights stay in the registers they were loaded into."""
+    xb = tl.reshape(x, [BLOCK_K // 32, 32])
+    unit_bits = tl.max(tl.abs(xb), axis=1).to(tl.int32, bitcast=True) & 0x7F800000  # [BK/32] 2^e
+    inv = (0x7F000000 - unit_bits).to(tl.float32, bitcast=True)  # [BK/32] 2^-e, exact
+    xh = tl.reshape(xb * inv[:, None], [BLOCK_K // 4, 2, 2])  # [BK/4, 2, 2]: column 4 w + 2 i + j
+    even, odd = tl.split(xh)  # [BK/4, 2]: columns 4 w + 2 i / 4 w + 2 i + 1
+    x0, x2 = tl.split(even)  # [BK/4]
+    x1, x3 = tl.split(odd)
+    p02 = tl.broadcast_to(_pack_half2(x0, x2, USE_ASM)[None, :], [BLOCK_N, BLOCK_K // 4])
+    p13 = tl.broadcast_to(_pack_half2(x1, x3, USE_ASM)[None, :], [BLOCK_N, BLOCK_K // 4])
+    w0, w1, w2, w3 = _quad_words(w, BLOCK_N, BLOCK_K // 4)  # [BN, BK/16] each
+    a0, a1, a2, a3 = _quad_words(p02, BLOCK_N, BLOCK_K // 4)
+    b0, b1, b2, b3 = _quad_words(p13, BLOCK_N, BLOCK_K // 4)
+    if USE_ASM:
+        dot = tl.inline_asm_elementwise(_WORDS_ASM, "=r" + ",r" * 12, [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3],
+                                        dtype=tl.float32, is_pure=True, pack=1)
+    else:  # the same arithmetic, rounded to fp16 where the GPU rounds (CPU interpreter)
+        acc_lo = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+        acc_hi = tl.zeros([BLOCK_N, BLOCK_K // 16], tl.float32)
+        acc_lo, acc_hi = _int8_word_h16(w0, a0, b0, acc_lo, acc_hi)
+        acc_lo, acc_hi = _int8_word_h16(w1, a1, b1, acc_lo, acc_hi)
+        acc_lo, acc_hi = _int8_word_h16(w2, a2, b2, acc_lo, acc_hi)
+        acc_lo, acc_hi = _int8_word_h16(w3, a3, b3, acc_lo, acc_hi)
+        dot = acc_lo + acc_hi
+    unit = tl.reshape(tl.broadcast_to(unit_bits.to(tl.float32, bitcast=True)[:, None], [BLOCK_K // 32, 2]),
+                      [BLOCK_K // 16])  # [BK/16] each 16 columns' 2^e
+    return dot * unit[None, :]
+
+
+@triton.jit
+def _int8_word_h16(w, x02, x13, acc_lo, acc_hi):
+    """One word of int8 weights as _WORDS_ASM computes it (interpreter)."""
+    t = w ^ -0x7F7F7F80  # 0x80808080 as int32: each byte's sign bit flipped
+    b02 = (t & 0xFF) | (((t >> 16) & 0xFF) << 16) | 0x64006400  # bytes 0 and 2 in two fp16 1024s
+    b13 = ((t >> 8) & 0xFF) | (((t >> 24) & 0xFF) << 16) | 0x64006400
+    acc_lo, acc_hi = _pair_h16(b02, 1152.0, x02, acc_lo, acc_hi)
+    return _pair_h16(b13, 1152.0, x13, acc_lo, acc_hi)

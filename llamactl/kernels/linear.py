@@ -177,10 +177,10 @@ def quant_inputs() -> str:
     the default), "int8" (x rounded to int8 per 32 columns after the folded RMSNorm/SwiGLU and
     multiplied in integers with DP4A: sm_90 instructions a weight 4.1-6.6 -> 1.5-3.2 for int4,
     4.7-7.2 -> 1.5-7.9 for int8 (the wide blocks 1.5-2.2), docs/bench/README.md; on docs-llama-17m
-    it added 0.0004 nats to the int4 models' KL, docs/bench/quant-inputs-kl.txt) or "fp16" (int4
-    only: x scaled by a power of two per 32 columns, exact for bf16 inputs, and multiplied in
-    packed fp16, two weights an instruction: 4.4-5.0 -> 2.5-3.6 instructions a weight, relative
-    error ~5e-4, below bf16's output rounding; see kernels.half_math). LLAMACTL_QUANT_INPUTS
+    it added 0.0004 nats to the int4 models' KL, docs/bench/quant-inputs-kl.txt) or "fp16" (x
+    scaled by a power of two per 32 columns, exact for bf16 inputs, and multiplied in packed fp16,
+    two weights an instruction: 4.4-5.0 -> 2.5-3.6 sm_90 instructions a weight for int4, 3.9-4.3
+    -> 2.5-3.3 for int8; relative error ~5e-4, below bf16's output rounding; kernels.half_math). LLAMACTL_QUANT_INPUTS
     chooses; prefill (cuBLAS) is not affected."""
     return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8", "fp16"))
 
@@ -223,14 +223,12 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
     layers = int8_input_layers(model)
-    int4 = [m for m in layers if isinstance(m, TritonInt4Linear)]
     # the int8-input/fp16 GEMVs' own check runs only for a model that has such layers (a failure warns)
-    a8 = on and quant_inputs() == "int8" and bool(layers) and kernels.inputs_available(model.device, "int8")
-    h16 = on and quant_inputs() == "fp16" and bool(int4) and kernels.inputs_available(model.device, "fp16")
+    inputs = quant_inputs() if on and layers else "float"
+    inputs = inputs if inputs == "float" or kernels.inputs_available(model.device, inputs) else "float"
+    a8, h16 = inputs == "int8", inputs == "fp16"
     for mod in layers:
-        mod.a8 = a8
-    for mod in int4:
-        mod.h16 = h16
+        mod.a8, mod.h16 = a8, h16
     if on:
         site = swiglu_site()
         _fuse(model, site)
@@ -241,7 +239,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "") + (", int4 in fp16" if h16 else "")
+            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "") + (", fp16 arithmetic" if h16 else "")
             + pinned.label(model.device))
     from llamactl.kernels.attention import label as attention_label  # Triton: only with the kernels on
 
