@@ -92,7 +92,7 @@ for part in "$@"; do
     every4) python -m pytest -x -q -p no:cacheprovider --tb=long tests/test_kernels.py -k every_int4 > "$out/every4.txt" 2>&1
             tail -60 "$out/every4.txt" ;;
     a8diag) python scripts/a8_diagnose.py 2>&1 | tee "$out/a8diag.txt" ;;
-    qtest) python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k bench_scores > "$out/qtest.txt" 2>&1; tail -15 "$out/qtest.txt" ;;
+    qtest) python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k bench_scores > "$out/qtest.txt" 2>&1; tail -15 "$out/qtest.txt" ;;
     exact) python scripts/int4_exactness.py "$out/exact.json" > "$out/exact.txt" 2>&1; tail -30 "$out/exact.txt" ;;
     klq) python -m llamactl quantize llamactl/assets/docs-llama-17m --method rtn --bits 4 --group-size 128 -o /tmp/rtn4 \
            --device cpu --eval-tokens 0 --force > /dev/null 2>&1

@@ -176,6 +176,7 @@ def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
     ends = [[label for label in ("int8 inputs", "fp16 arithmetic") if x["stage"].endswith(label)] for x in rows]
     assert ends == [[], ["int8 inputs"], ["fp16 arithmetic"]]
     qf, q8, q16 = (x["quality"] for x in rows)
+    print({x["stage"]: {k: x["quality"][k] for k in ("kl_mean", "ppl", "top1_agreement", "tokens")} for x in rows})
     assert (qf["scored"], q8["scored"], q16["scored"]) == ("prefill", "decode steps, int8 inputs",
                                                            "decode steps, fp16 arithmetic")
     assert q8["tokens"] == q16["tokens"] == qf["tokens"]
