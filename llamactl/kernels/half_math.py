@@ -21,16 +21,18 @@ import triton.language as tl
 
 from llamactl.kernels.int8_inputs import _quad_words
 
+def _half2_chain(setup: str, body: str) -> tl.constexpr:
+    """Inline PTX that adds products into one half2 sum, `acc` (setup: more registers and
+    constants; body: the products, with scratch register t), then returns its two halves' sum as
+    float32 in $0."""
+    return tl.constexpr("{\n.reg .b32 t, acc;\n.reg .b16 lo, hi;\n.reg .f32 flo, fhi;\nmov.b32 acc, 0;\n" + setup + body
+                        + "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;\n}")
+
+
 # one quad: words $1-$4, x's pairs $5-$20 (word by word, pairs 0-3); $0: the quad's sum of
 # (code - 8) x' as float32 (1032 = 0x6408, 1024 + 16 x 8 = 1152 = 0x6480)
-_QUAD_ASM = tl.constexpr("""{
-.reg .b32 t, s, acc, m8, m128;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 acc, 0;
-mov.b32 m8, 0x64086408;
-mov.b32 m128, 0x64806480;
-""" + "".join(f"""lop3.b32 t, ${w}, 0x000F000F, 0x64006400, 0xEA;
+_QUAD_ASM = _half2_chain(".reg .b32 s, m8, m128;\nmov.b32 m8, 0x64086408;\nmov.b32 m128, 0x64806480;\n", "".join(
+    f"""lop3.b32 t, ${w}, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 t, t, m8;
 fma.rn.f16x2 acc, t, ${5 + 4 * (w - 1)}, acc;
 lop3.b32 t, ${w}, 0x00F000F0, 0x64006400, 0xEA;
@@ -43,11 +45,7 @@ fma.rn.f16x2 acc, t, ${7 + 4 * (w - 1)}, acc;
 lop3.b32 t, s, 0x00F000F0, 0x64006400, 0xEA;
 sub.f16x2 t, t, m128;
 fma.rn.f16x2 acc, t, ${8 + 4 * (w - 1)}, acc;
-""" for w in range(1, 5)) + """mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
+""" for w in range(1, 5)))
 
 
 @triton.jit
@@ -58,8 +56,7 @@ def _int4_h16_dot(p, xk, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl
     Words p: [BN, W], xk: [8W] the block's inputs x' (column 8 w + j, float32)."""
     Q: tl.constexpr = WORDS // 4
     xq = tl.reshape(xk, [Q, 32])  # [Q, 32] a quad's inputs
-    unit_bits = tl.max(tl.abs(xq), axis=1).to(tl.int32, bitcast=True) & 0x7F800000  # [Q] 2^e (0 for 0)
-    inv = (0x7F000000 - unit_bits).to(tl.float32, bitcast=True)  # [Q] 2^-e, exact
+    unit_bits, inv = _pow2_scale(xq)  # [Q] each
     c = tl.arange(0, 32)
     pre = tl.where(c % 2 == 1, 1.0 / 16, 1.0)  # [32] odd nibbles sit 4 bits higher
     xh = tl.reshape(xq * inv[:, None] * pre[None, :], [Q, 4, 2, 4])  # [Q, word, half, pair]
@@ -82,6 +79,15 @@ def _int4_h16_dot(p, xk, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl
         acc_lo, acc_hi = _word_h16(w3, a30, a31, a32, a33, acc_lo, acc_hi)
         dot = acc_lo + acc_hi
     return dot * unit_bits.to(tl.float32, bitcast=True)[None, :], tl.sum(xq, axis=1)
+
+
+@triton.jit
+def _pow2_scale(xb):
+    """xb: [B, 32] -> (2^e as float32 bits, int32, and 2^-e, exact), [B] each, with 2^e <= max |x| <
+    2^(e + 1) per row: the exponent bits of the largest magnitude (0 and 2^127 for a row of zeros,
+    whose products are 0 either way)."""
+    unit_bits = tl.max(tl.abs(xb), axis=1).to(tl.int32, bitcast=True) & 0x7F800000
+    return unit_bits, (0x7F000000 - unit_bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -155,24 +161,15 @@ def _word_h16(w, xa, xb, xc, xd, acc_lo, acc_hi):
 # x[4 i + 2]) in $5-$8 and (x[4 i + 1], x[4 i + 3]) in $9-$12 for word i; $0: the sum of w x' over
 # the 16 columns as float32. A word's bytes, sign bits flipped (128 + w), sit in the mantissas of
 # two fp16 1024s (PRMT with 0x64 bytes), so subtracting 1152 leaves w exactly.
-_WORDS_ASM = tl.constexpr("""{
-.reg .b32 t, a, acc, m;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 acc, 0;
-mov.b32 m, 0x64806480;
-""" + "".join(f"""xor.b32 t, ${w}, 0x80808080;
+_WORDS_ASM = _half2_chain(".reg .b32 a, m;\nmov.b32 m, 0x64806480;\n", "".join(
+    f"""xor.b32 t, ${w}, 0x80808080;
 prmt.b32 a, t, 0x64646464, 0x4240;
 sub.f16x2 a, a, m;
 fma.rn.f16x2 acc, a, ${4 + w}, acc;
 prmt.b32 a, t, 0x64646464, 0x4341;
 sub.f16x2 a, a, m;
 fma.rn.f16x2 acc, a, ${8 + w}, acc;
-""" for w in range(1, 5)) + """mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
+""" for w in range(1, 5)))
 
 
 @triton.jit
@@ -182,8 +179,7 @@ def _int8_h16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
     weights (little-endian); x: [BK] float32. A thread's 4 words (one 16-byte load) are one chain,
     as in int8_inputs._int8_a8_dot, so the weights stay in the registers they were loaded into."""
     xb = tl.reshape(x, [BLOCK_K // 32, 32])
-    unit_bits = tl.max(tl.abs(xb), axis=1).to(tl.int32, bitcast=True) & 0x7F800000  # [BK/32] 2^e
-    inv = (0x7F000000 - unit_bits).to(tl.float32, bitcast=True)  # [BK/32] 2^-e, exact
+    unit_bits, inv = _pow2_scale(xb)  # [BK/32] each
     xh = tl.reshape(xb * inv[:, None], [BLOCK_K // 4, 2, 2])  # [BK/4, 2, 2]: column 4 w + 2 i + j
     even, odd = tl.split(xh)  # [BK/4, 2]: columns 4 w + 2 i / 4 w + 2 i + 1
     x0, x2 = tl.split(even)  # [BK/4]
