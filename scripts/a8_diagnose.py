@@ -1,6 +1,6 @@
 """Which rounding of x does the int4 GEMV with int8 inputs apply on this GPU? Its product against
 references that round x per 16, 32, 64 and 128 columns, with 127 / max |x| correctly rounded or as
-torch's 127.0 / t computes it, and with 127 or 127.5 steps (run 38: 1.2e-3 off the per-32 one).
+torch's 127.0 / t computes it (runs 37-38: 1.2e-3 off the per-32 one for bf16-valued x).
 Usage: python scripts/a8_diagnose.py"""
 
 from __future__ import annotations

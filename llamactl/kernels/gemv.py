@@ -13,6 +13,10 @@ is captured.
   scales  [N, K // G] fp16    zeros [N, K // G] uint8
   w[n, k] = (code - zero) * scale, with the group g = k // G.
 Act-order checkpoints have their columns sorted by group at load and x gathered in that order.
+
+The int4 and int8 products multiply in one of three ways (kernels.linear.quant_inputs): float32
+(the default), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded), or packed fp16 (H16,
+kernels.half_math: x exact, sums rounded to fp16 within 16-32 columns).
 """
 
 from __future__ import annotations
