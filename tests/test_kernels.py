@@ -342,12 +342,14 @@ def test_gemv_int8_in_packed_fp16_is_close_to_float_even_with_a_massive_input(ge
 
 
 def _int8_per_32(x: torch.Tensor) -> torch.Tensor:
-    """x [K] float32 as the A8 kernel reads it: rounded to int8 per 32 columns (127 / max |x|, ties
-    to even), dequantized, in float64."""
+    """x [K] float32 as the A8 kernel reads it: rounded to int8 per 32 columns, dequantized, in
+    float64: 127 / max |x| correctly rounded to float32 (torch's `127.0 / t` multiplies by t's
+    reciprocal, 1 ulp off in a quarter of the blocks of bf16-valued x), the exact product of x and
+    it rounded to an integer, ties to even (the kernel's one FMA)."""
     xb = x.float().view(-1, 32)
     qmax = xb.abs().amax(1, keepdim=True)
-    inv = torch.where(qmax > 0, 127.0 / qmax, torch.zeros_like(qmax))
-    return (torch.round(xb * inv).double() * (qmax.double() / 127)).view(-1)
+    inv = torch.where(qmax > 0, torch.full_like(qmax, 127.0) / qmax, torch.zeros_like(qmax))
+    return (torch.round(xb.double() * inv.double()) * (qmax.double() / 127)).view(-1)
 
 
 @pytest.mark.parametrize("act_order", [False, True])

@@ -19,8 +19,10 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     qmax = tl.max(tl.reshape(amax, [WORDS // 4, 4]), axis=1)  # [W/4]
     inv = _int8_inv(qmax)  # [W/4]
     inv_w = tl.reshape(tl.broadcast_to(inv[:, None], [WORDS // 4, 4]), [WORDS])  # [W] each word's quad's
-    v0, v1, v2, v3 = _round(x0 * inv_w), _round(x1 * inv_w), _round(x2 * inv_w), _round(x3 * inv_w)  # [W] int32
-    v4, v5, v6, v7 = _round(x4 * inv_w), _round(x5 * inv_w), _round(x6 * inv_w), _round(x7 * inv_w)
+    v0, v1, v2, v3 = _round(x0, inv_w, USE_ASM), _round(x1, inv_w, USE_ASM), _round(x2, inv_w, USE_ASM), _round(
+        x3, inv_w, USE_ASM)  # [W] int32
+    v4, v5, v6, v7 = _round(x4, inv_w, USE_ASM), _round(x5, inv_w, USE_ASM), _round(x6, inv_w, USE_ASM), _round(
+        x7, inv_w, USE_ASM)
     x_even = (v0 & 0xFF) | ((v2 & 0xFF) << 8) | ((v4 & 0xFF) << 16) | ((v6 & 0xFF) << 24)  # [W] 4 int8 a word
     x_odd = (v1 & 0xFF) | ((v3 & 0xFF) << 8) | ((v5 & 0xFF) << 16) | ((v7 & 0xFF) << 24)
     vsum = tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)  # [W/4]
@@ -60,10 +62,17 @@ def _quad_words(t, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _round(t):
-    """t (float32, |t| < 2^22) rounded to the nearest integer (ties to even) as int32: adding
-    1.5 * 2^23 leaves the integer in the low mantissa bits."""
-    return (t + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+def _round(x, inv, USE_ASM: tl.constexpr):
+    """x * inv (float32, |x * inv| < 2^22) rounded to the nearest integer (ties to even) as int32,
+    the product rounded once, exactly: one FMA adds 1.5 * 2^23, which leaves the integer in the
+    low mantissa bits (as the compiler had fused it all along; rounding the float32 product first
+    lands one step off for some bf16 inputs whose exact product lies just past a half, runs 37-39).
+    The interpreter computes the product in float64 (exact) instead."""
+    if USE_ASM:
+        t = tl.fma(x, inv, 12582912.0)
+    else:
+        t = (x.to(tl.float64) * inv.to(tl.float64) + 12582912.0).to(tl.float32)
+    return t.to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit
@@ -94,7 +103,8 @@ def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
     xb = tl.reshape(x, [BLOCK_K // 32, 32])
     qmax = tl.max(tl.abs(xb), axis=1)  # [BK/32]
     inv = _int8_inv(qmax)  # [BK/32]
-    v = tl.reshape(_round(xb * inv[:, None]) & 0xFF, [BLOCK_K // 4, 2, 2])  # [BK/4, 2, 2]: column 4 w + 2 i + j
+    v = tl.reshape(_round(xb, tl.broadcast_to(inv[:, None], [BLOCK_K // 32, 32]), USE_ASM) & 0xFF,
+                   [BLOCK_K // 4, 2, 2])  # [BK/4, 2, 2]: column 4 w + 2 i + j
     v_even, v_odd = tl.split(v)  # [BK/4, 2]: columns 4 w + 2 i, 4 w + 2 i + 1
     v0, v2 = tl.split(v_even)  # [BK/4]
     v1, v3 = tl.split(v_odd)
