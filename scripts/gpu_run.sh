@@ -15,6 +15,7 @@
 #   int8w   bf16 and int8 with float inputs (2 rows), the same pins
 #   every4  test_kernels' every-int4-candidate test (float, int8 inputs, fp16), stopping at the first failure
 #   exact   scripts/int4_exactness.py: each int4 candidate's float, int8-input and fp16 errors against exact references
+#   a8exact the int8-input exactness tests, the mended reference's included (XPASS: the GPU agrees with it)
 #   a8diag  scripts/a8_diagnose.py: which rounding of x the int4 int8-input GEMV applies here
 #   qtest   test_gpu's bench --quality test with float, int8 and fp16 rows
 #   klq     docs-llama-17m RTN int4: KL against the parent over 4K tokens (16K: past 170 s, run 38), float inputs (prefill) and int8/fp16 (decode steps)
@@ -91,6 +92,8 @@ for part in "$@"; do
     # test_kernels' every-int4-candidate test alone, stopping at the first failure with its traceback
     every4) python -m pytest -x -q -p no:cacheprovider --tb=long tests/test_kernels.py -k every_int4 > "$out/every4.txt" 2>&1
             tail -60 "$out/every4.txt" ;;
+    a8exact) python -m pytest -q -rxX -p no:cacheprovider tests/test_kernels.py tests/test_quant_inputs.py \
+               -k "int8_input_candidates or a8" > "$out/a8exact.txt" 2>&1; tail -15 "$out/a8exact.txt" ;;
     a8diag) python scripts/a8_diagnose.py 2>&1 | tee "$out/a8diag.txt" ;;
     qtest) python -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k bench_scores > "$out/qtest.txt" 2>&1; tail -15 "$out/qtest.txt" ;;
     exact) python scripts/int4_exactness.py "$out/exact.json" > "$out/exact.txt" 2>&1; tail -30 "$out/exact.txt" ;;
