@@ -500,8 +500,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, n
     to int8 per 32 columns and multiplied in integers; h16 (the same weights): x scaled per 32
     columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
     n, k = w.shape
-    if a8 and h16:
-        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
+    _one_arithmetic(a8, h16)
     if (a8 or h16) and (w.dtype != torch.int8 or k % 32):
         raise ValueError(f"int8 inputs and fp16 arithmetic need int8 weights with whole 32-column blocks, "
                          f"not {w.dtype} [{n}, {k}]")
@@ -538,8 +537,7 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     h16: x scaled per 32 columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
-    if a8 and h16:
-        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
+    _one_arithmetic(a8, h16)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
@@ -552,6 +550,12 @@ def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
       a8=False, h16=False):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
+
+
+def _one_arithmetic(a8: bool, h16: bool) -> None:
+    """A low-bit GEMV multiplies with int8 inputs (a8) or in packed fp16 (h16), not both."""
+    if a8 and h16:
+        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
 
 
 def _whole_groups(k: int, group_size: int) -> None:

@@ -1,6 +1,7 @@
-"""The int4 GEMV's packed half-precision arithmetic (H16, LLAMACTL_QUANT_INPUTS=fp16; see
-kernels.gemv): two weights a 32-bit register, so about half the instructions a weight of the
-float32 loop (LOP3, HSUB2, HFMA2 for every two weights, against LOP3, FADD, FFMA for each).
+"""The int4 and int8 GEMVs' packed half-precision arithmetic (H16, LLAMACTL_QUANT_INPUTS=fp16;
+see kernels.gemv): two weights a 32-bit register, so about half the instructions a weight of the
+float32 loop (int4: LOP3, HSUB2, HFMA2 for every two weights, against LOP3, FADD, FFMA for each;
+int8: see _WORDS_ASM). Below, the int4 form.
 
 x is not rounded to fewer bits: each block of 32 inputs (a quad: 4 words, one group's quarter) is
 scaled by a power of two, 2^-e with 2^e <= max |x| < 2^(e+1), and converted to fp16, exact for
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.int8_inputs import _quad_words
+
 
 def _half2_chain(setup: str, body: str) -> tl.constexpr:
     """Inline PTX that adds products into one half2 sum, `acc` (setup: more registers and
