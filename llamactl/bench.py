@@ -20,7 +20,7 @@ import torch
 
 from llamactl import __version__
 from llamactl.decode import Decoder, attention_backend, sync
-from llamactl.env import env_var
+from llamactl.env import QUANT_INPUT_LABELS, env_var
 from llamactl.stats import median, percentile, spread
 
 SCHEMA_VERSION = 1
@@ -315,10 +315,6 @@ def _pdl(choice: bool | None):
     return env_var("LLAMACTL_PDL", None if choice is None else "1" if choice else "0")
 
 
-# what the GEMV label (kernels.linear.set_kernels) and a row's stage say of low-bit GEMV inputs
-INPUT_LABELS = {"int8": "int8 inputs", "fp16": "fp16 arithmetic"}
-
-
 def is_quantized(model) -> bool:
     """Whether the model has int4 or int8 layers whose GEMV inputs --quant-inputs chooses."""
     from llamactl.kernels.linear import int8_input_layers
@@ -377,7 +373,7 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                         raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
                     stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
                     stage += " + PDL" if ", PDL" in raw["gemv"] else ""
-                    stage += "".join(f" + {label}" for label in INPUT_LABELS.values() if label in raw["gemv"])
+                    stage += "".join(f" + {label}" for label in QUANT_INPUT_LABELS.values() if label in raw["gemv"])
                     add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

@@ -6,7 +6,8 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.bench import INPUT_LABELS, SkipStage, Target
+from llamactl.bench import SkipStage, Target
+from llamactl.env import QUANT_INPUT_LABELS
 from llamactl.errors import InputError
 
 
@@ -134,17 +135,17 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
         own = ref_art is t.artifact
         kinds = ["float"]
         if device.type == "cuda" and is_quantized(t.model):
-            kinds += [k for k in inputs if k in INPUT_LABELS]
+            kinds += [k for k in inputs if k in QUANT_INPUT_LABELS]
         for kind in kinds:
             with env_var("LLAMACTL_QUANT_INPUTS", kind):
-                if kind != "float" and INPUT_LABELS[kind] not in set_kernels(t.model, True)["gemv"]:
+                if kind != "float" and QUANT_INPUT_LABELS[kind] not in set_kernels(t.model, True)["gemv"]:
                     out[t.label, kind] = {"skipped": f"the GEMVs with {kind} inputs did not run here"}
                     continue
                 q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
                             parent_model=t.model if own else None, child_model=t.model,
                             child_logits=prefill_logits if kind == "float" else decode_logits).to_dict()
             q["reference"] = None if own else str(ref_art.path)
-            q["scored"] = "prefill" if kind == "float" else f"decode steps, {INPUT_LABELS[kind]}"
+            q["scored"] = "prefill" if kind == "float" else f"decode steps, {QUANT_INPUT_LABELS[kind]}"
             if own:  # no reference: only perplexity is meaningful
                 q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}
             out[t.label, kind] = q
@@ -157,7 +158,7 @@ def add_quality(rows: list[dict], targets: list[Target], reference: str | None, 
     the decode step."""
 
     def kind(row: dict) -> str:
-        return next((k for k, label in INPUT_LABELS.items() if row["stage"].endswith("+ " + label)), "float")
+        return next((k for k, label in QUANT_INPUT_LABELS.items() if row["stage"].endswith("+ " + label)), "float")
 
     qs = quality_for(targets, reference, eval_file, eval_tokens, device, progress,
                      tuple(sorted({kind(r) for r in rows} - {"float"})))

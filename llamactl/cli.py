@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from llamactl import __version__, ui
+from llamactl.env import QUANT_INPUT_LABELS, QUANT_INPUTS
 from llamactl.errors import InputError, LlamactlError
 
 
@@ -143,17 +144,14 @@ def generate(
 
 def _warn_about_gemv(result, compiled: dict | None, quant_inputs: str | None) -> None:
     """Say when the GEMVs that ran are not those asked for: a compile cache made for others, or int8
-    inputs where they do not apply."""
+    inputs/fp16 arithmetic where they do not apply."""
     gemv = result.extra["gemv"]
     if compiled and compiled.get("gemv") not in (None, gemv):
         ui.warn(f"the compile cache was made for gemv {compiled['gemv']}; this run used {gemv}, "
                 "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
-    if quant_inputs == "int8" and "int8 inputs" not in gemv:
-        ui.warn("--quant-inputs int8 changed nothing: it applies to int4/int8 models on llamactl's GPU kernels "
-                f"(this run: {gemv} on {result.device})")
-    if quant_inputs == "fp16" and "fp16 arithmetic" not in gemv:
-        ui.warn("--quant-inputs fp16 changed nothing: it applies to int4/int8 models on llamactl's GPU kernels "
-                f"(this run: {gemv} on {result.device})")
+    if quant_inputs in QUANT_INPUT_LABELS and QUANT_INPUT_LABELS[quant_inputs] not in gemv:
+        ui.warn(f"--quant-inputs {quant_inputs} changed nothing: it applies to int4/int8 models on llamactl's GPU "
+                f"kernels (this run: {gemv} on {result.device})")
 
 
 @app.command()
@@ -323,8 +321,8 @@ def _report(manifest: dict, json_out: bool) -> None:
 
 
 def _check_quant_inputs(value: str | None) -> None:
-    if value not in (None, "float", "int8", "fp16"):
-        raise typer.BadParameter(f"--quant-inputs {value!r}: use float, int8 or fp16")
+    if value is not None and value not in QUANT_INPUTS:
+        raise typer.BadParameter(f"--quant-inputs {value!r}: use {', '.join(QUANT_INPUTS[:-1])} or {QUANT_INPUTS[-1]}")
 
 
 def _comma_choices(option: str, value: str | None, choices: dict, hint: str) -> tuple:
@@ -395,8 +393,8 @@ def bench(
     on_off = {"on": True, "off": False}
     kernel_list = _comma_choices("--kernels", kernels, on_off, "on, off or on,off")
     pdl_list = _comma_choices("--pdl", pdl, on_off, "on, off or off,on")
-    inputs_list = _comma_choices("--quant-inputs", quant_inputs, {"float": "float", "int8": "int8", "fp16": "fp16"},
-                                 "float, int8, fp16 or a comma list of them")
+    inputs_list = _comma_choices("--quant-inputs", quant_inputs, {k: k for k in QUANT_INPUTS},
+                                 f"{', '.join(QUANT_INPUTS)} or a comma list of them")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []

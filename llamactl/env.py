@@ -9,6 +9,11 @@ from typing import Iterator
 
 from llamactl.errors import InputError
 
+# LLAMACTL_QUANT_INPUTS (--quant-inputs): what the low-bit GEMVs multiply with; for all but "float",
+# what the GEMV label (kernels.linear.set_kernels) and bench's stage names say when they ran
+QUANT_INPUT_LABELS = {"int8": "int8 inputs", "fp16": "fp16 arithmetic"}
+QUANT_INPUTS = ("float", *QUANT_INPUT_LABELS)
+
 
 def flag(name: str, default: bool | None) -> bool | None:
     """An on/off switch: 1 or 0, `default` when unset; anything else is refused (a typo such as

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamactl import kernels
-from llamactl.env import choice
+from llamactl.env import QUANT_INPUT_LABELS, QUANT_INPUTS, choice
 from llamactl.kernels import pinned
 from llamactl.model import swiglu
 
@@ -182,7 +182,7 @@ def quant_inputs() -> str:
     two weights an instruction: 4.4-5.0 -> 2.5-3.6 sm_90 instructions a weight for int4, 3.9-4.3
     -> 2.5-3.3 for int8; relative error ~5e-4, below bf16's output rounding; kernels.half_math). LLAMACTL_QUANT_INPUTS
     chooses; prefill (cuBLAS) is not affected."""
-    return choice("LLAMACTL_QUANT_INPUTS", "float", ("float", "int8", "fp16"))
+    return choice("LLAMACTL_QUANT_INPUTS", "float", QUANT_INPUTS)
 
 
 def int8_input_layers(model) -> list[nn.Module]:
@@ -226,9 +226,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     # the int8-input/fp16 GEMVs' own check runs only for a model that has such layers (a failure warns)
     inputs = quant_inputs() if on and layers else "float"
     inputs = inputs if inputs == "float" or kernels.inputs_available(model.device, inputs) else "float"
-    a8, h16 = inputs == "int8", inputs == "fp16"
     for mod in layers:
-        mod.a8, mod.h16 = a8, h16
+        mod.a8, mod.h16 = inputs == "int8", inputs == "fp16"
     if on:
         site = swiglu_site()
         _fuse(model, site)
@@ -239,7 +238,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     if not on:
         return {"gemv": "cublas" if model.device.type == "cuda" else "torch", "decode_attention": "sdpa"}
     gemv = (f"triton {kernels.triton_version()}" + (", SwiGLU before down" if site == "down" else "")
-            + (", PDL" if kernels.pdl(model.device) else "") + (", int8 inputs" if a8 else "") + (", fp16 arithmetic" if h16 else "")
+            + (", PDL" if kernels.pdl(model.device) else "") + (f", {QUANT_INPUT_LABELS[inputs]}" if inputs != "float" else "")
             + pinned.label(model.device))
     from llamactl.kernels.attention import label as attention_label  # Triton: only with the kernels on
 
