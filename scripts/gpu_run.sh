@@ -103,7 +103,7 @@ for part in "$@"; do
            --quant-inputs float,int8,fp16 --prompt-len 16 --gen-len 8 --warmup 0 --repeat 1 ;;
     h16t) bench llama2-7b-h16 --synthetic llama2-7b --synthetic-quant none,int4 \
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
-    h16tests) python -m pytest -q -p no:cacheprovider tests/test_quant_inputs.py tests/test_kernels.py \
+    h16tests) python -m pytest -q -p no:cacheprovider tests/test_half_math.py tests/test_quant_inputs.py tests/test_kernels.py \
                 -k "packed_fp16 or every_gemv or own" > "$out/h16tests.txt" 2>&1
               tail -15 "$out/h16tests.txt" ;;
     # bf16 and int8 with int8 inputs, the int8 shapes pinned to a8sweep's picks (run a8sweep first, same call)

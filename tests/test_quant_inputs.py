@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from llamactl.errors import InputError  # noqa: E402
 from llamactl.kernels import gemv  # noqa: E402
-from test_kernels import DEV, _int4_case, _int8_per_32, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
+from test_kernels import DEV, _fixed, _int4_case, _int8_per_32, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
 
 
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (8, 640, 128)])
@@ -109,3 +109,18 @@ def test_a_bad_quant_input_type_is_refused(monkeypatch):
     monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", "int4")
     with pytest.raises(InputError, match="LLAMACTL_QUANT_INPUTS"):
         quant_inputs()
+
+
+@pytest.mark.xfail(DEV == "cuda", strict=False,
+                   reason="runs 37-39 (H200): 1.2e-3 off the per-32 reference of then, which rounded the float32 "
+                          "product with torch's 127.0 / t; the reference now rounds as the kernel's FMA does, "
+                          "not yet run on a GPU (an XPASS there confirms it)")
+@pytest.mark.parametrize("config", gemv._int4_configs()[::6], ids=str)
+def test_int4_int8_input_candidates_round_bf16_valued_x_as_the_reference(config, monkeypatch):
+    n, k, g = 72, 1152, 128
+    q, s, z, w = _int4_case(n, k, g, seed=7)
+    monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
+    monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
+    x = torch.randn(k, device=DEV, dtype=torch.bfloat16).float()
+    y8 = gemv.gemv_int4(x, q, s, z, g, a8=True)
+    assert rel(y8.cpu(), (w @ _int8_per_32(x).to(DEV)).cpu()) < 1e-5
