@@ -278,11 +278,11 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
             first = copies[0]
             x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
             rows = []
+            gemv.FIXED_BLOCKS = True
+            gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
+            ref = first(x, kw, a8=False, h16=False)  # float inputs and arithmetic, the fixed blocks
             for c in candidates:
                 config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-                gemv.FIXED_BLOCKS = True
-                gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
-                ref = first(x, kw, a8=False, h16=False)
                 if int4:
                     gemv.INT4_FIXED = config
                 else:
