@@ -295,7 +295,7 @@ def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None
              device: torch.device, inputs: tuple[str | None, ...] = (None,),
              quantized: bool = True) -> list[tuple[str, bool, bool | None, str | None]]:
     """The llamactl configurations timed per target, batch and prompt length: (mode, kernels on,
-    programmatic dependent launch on/off, the quantized GEMVs' inputs "float"/"int8"; None: the
+    programmatic dependent launch on/off, the quantized GEMVs' inputs (env.QUANT_INPUTS); None: the
     environment's LLAMACTL_PDL / LLAMACTL_QUANT_INPUTS). Both only change llamactl's kernels on a
     GPU, and the inputs only a `quantized` model's, so elsewhere only the first choice is timed."""
     out = []

@@ -112,7 +112,7 @@ def hf_stages(target: Target, device: torch.device, dtype: torch.dtype) -> list[
 def quality_for(targets: list[Target], reference: str | None, eval_file: str | None, eval_tokens: int,
                 device: torch.device, progress, inputs: tuple[str, ...] = ()) -> dict[tuple[str, str], dict]:
     """(label, "float") -> quality dict (ppl, and KL/top-1 against the reference when there is
-    one). inputs ("int8", "fp16"): also (label, kind) for a quantized model on a GPU, scored
+    one). inputs ("int8", "fp16", "int16"): also (label, kind) for a quantized model on a GPU, scored
     through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
     on dequantized weights, with its inputs as they are)."""
     from llamactl.artifact import lineage, open_artifact

@@ -157,7 +157,7 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
                   device: str = "auto", dtype: str = "auto", force: bool = False, progress=None,
                   log: Callable[[str], None] = lambda m: None, quant_inputs: str | None = None) -> dict[str, Any]:
     """Write `out`: the model (hard-linked where possible) plus compile cache artifacts.
-    quant_inputs: the int4/int8 GEMVs' inputs to compile for ("float"/"int8"/"fp16"; None: LLAMACTL_QUANT_INPUTS)."""
+    quant_inputs: the int4/int8 GEMVs' inputs to compile for (one of env.QUANT_INPUTS; None: LLAMACTL_QUANT_INPUTS)."""
     from llamactl.load import load_model, resolve_device, resolve_dtype
 
     if mode not in MODES:

@@ -11,7 +11,7 @@ from llamactl.errors import InputError
 
 # LLAMACTL_QUANT_INPUTS (--quant-inputs): what the low-bit GEMVs multiply with; for all but "float",
 # what the GEMV label (kernels.linear.set_kernels) and bench's stage names say when they ran
-QUANT_INPUT_LABELS = {"int8": "int8 inputs", "fp16": "fp16 arithmetic"}
+QUANT_INPUT_LABELS = {"int8": "int8 inputs", "fp16": "fp16 arithmetic", "int16": "int16 inputs"}
 QUANT_INPUTS = ("float", *QUANT_INPUT_LABELS)
 
 

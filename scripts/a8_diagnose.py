@@ -29,14 +29,14 @@ def main() -> None:
     x = torch.randn(1152, device=DEV, dtype=torch.bfloat16).float()
     for a8 in (True, False):
         gemv.FIXED_BLOCKS = True
-        y = gemv.gemv_int4(x, q, s, z, 128, a8=a8).double()
+        y = gemv.gemv_int4(x, q, s, z, 128, inputs="int8" if a8 else "float").double()
         print(f"a8={a8}: exact x {rel(y, w @ x.double()):.2e}", end="")
         for block in (16, 32, 64, 128):
             for exact in (True, False):
                 print(f" | per {block}{'' if exact else ' torch-div'} {rel(y, w @ rounded(x, block, exact)):.2e}", end="")
         print()
     x32 = torch.randn(1152, device=DEV)  # float32 inputs (test_quant_inputs' exactness tests pass with these)
-    y = gemv.gemv_int4(x32, q, s, z, 128, a8=True).double()
+    y = gemv.gemv_int4(x32, q, s, z, 128, inputs="int8").double()
     print(f"float32 x: per 32 {rel(y, w @ rounded(x32, 32, True)):.2e}")
 
 if __name__ == "__main__":

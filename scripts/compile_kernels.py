@@ -77,15 +77,15 @@ def cases():
                    gemv._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
                         PREFETCH=False, PDL=pdl, X_CONTIG=x_contig, A8=True))
-    for (norm, glu, res), pdl in itertools.product(flags, [False, True]):
-        if not (norm and glu):  # packed fp16 arithmetic (H16), int4 and int8 weights
-            yield (f"gemv int4 h16 norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_int4_kernel, INT4,
-                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
-                        PREFETCH=False, PDL=pdl, H16=True))
-            yield (f"gemv i8 h16 norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_kernel,
+    for (norm, glu, res), pdl, arith in itertools.product(flags, [False, True], ["H16", "I16"]):
+        if not (norm and glu):  # packed fp16 arithmetic (H16), int16 inputs (I16): int4 and int8 weights
+            yield (f"gemv int4 {arith.lower()} norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_int4_kernel,
+                   INT4, dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
+                              PREFETCH=False, PDL=pdl, **{arith: True}))
+            yield (f"gemv i8 {arith.lower()} norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_kernel,
                    dict(GEMV, w_ptr="*i8"),
                    dict(HAS_SCALE=True, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
-                        PREFETCH=False, REDUCE_EACH=False, PDL=pdl, H16=True))
+                        PREFETCH=False, REDUCE_EACH=False, PDL=pdl, **{arith: True}))
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
@@ -106,7 +106,8 @@ def main() -> None:
         if const.get("USE_ASM") and (fn is gemv._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
             int4 = fn is gemv._gemv_int4_kernel
             asm = (("dp4a.u32.s32" if int4 else "dp4a.s32.s32") if const.get("A8") else "fma.rn.f16x2"
-                   if const.get("H16") else "lop3.b32" if int4 else "prmt.b32")
+                   if const.get("H16") else ("dp2a.hi.s32.u32" if int4 else "dp2a.hi.s32.s32") if const.get("I16")
+                   else "lop3.b32" if int4 else "prmt.b32")
             assert asm in ptx, f"{name}: the inline PTX ({asm}) is missing"
         waits = ptx.count("griddepcontrol.wait")
         assert waits == (1 if const.get("PDL") else 0), f"{name}: {waits} griddepcontrol.wait, PDL={const.get('PDL')}"

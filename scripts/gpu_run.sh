@@ -79,7 +79,8 @@ for part in "$@"; do
                > "$out/everygemv.txt" 2>&1; tail -5 "$out/everygemv.txt" ;;
     # every int8 x int8 candidate per step shape (in-graph timing), the fastest written as a pins file for a8pinned
     a8sweep) python scripts/kernel_probe.py --sweep "int8 x int8" "$out/a8pins.json" 2>&1 | tee "$out/a8sweep.txt" ;;
-    sweep16|sweep8h|sweep8|sweep4) kind=$(case $part in sweep16) echo "int4 fp16";; sweep8h) echo "int8 fp16";; sweep8) echo int8;; *) echo int4;; esac)
+    sweep16|sweep8h|sweep8|sweep4|sweepi8|sweepi4) kind=$(case $part in sweep16) echo "int4 fp16";; sweep8h) echo "int8 fp16";;
+                                    sweep8) echo int8;; sweepi8) echo "int8 x int16";; sweepi4) echo "int4 x int16";; *) echo int4;; esac)
            python scripts/kernel_probe.py --sweep "$kind" "$out/$part-pins.json" 2>&1 | tee "$out/$part.txt"
            python -c "import json, sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), [])))" \
              "$out"/sweep*-pins.json > "$out/pins.json" ;;
@@ -87,6 +88,11 @@ for part in "$@"; do
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
     int8h) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8h --synthetic llama2-7b --synthetic-quant none,int8 \
            --dtype bfloat16 --mode compile --quant-inputs float,fp16 "${std[@]}" ;;
+    # bf16, int4 and int8 with fp16 arithmetic and int16 inputs in one run (the int16 shapes pinned by sweepi8/sweepi4)
+    i16) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-i16 --synthetic llama2-7b --synthetic-quant none,int4,int8 \
+           --dtype bfloat16 --mode compile --quant-inputs fp16,int16 "${std[@]}" ;;
+    i16tests) python -m pytest -q -rxX -p no:cacheprovider tests/test_int16_inputs.py tests/test_quant_inputs.py \
+                -k "int16 or i16 or int8_input_candidates or own" > "$out/i16tests.txt" 2>&1; tail -15 "$out/i16tests.txt" ;;
     int8w) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8w --synthetic llama2-7b --synthetic-quant none,int8 \
            --dtype bfloat16 --mode compile "${std[@]}" ;;
     # test_kernels' every-int4-candidate test alone, stopping at the first failure with its traceback

@@ -34,8 +34,8 @@ def main() -> None:
                 gemv.INT4_FIXED = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                 row = {"n": n, "k": k, "config": gemv.INT4_FIXED,
                        "float": rel(gemv.gemv_int4(x, q, s, z, 128), exact),
-                       "int8": rel(gemv.gemv_int4(x, q, s, z, 128, a8=True), rounded),
-                       "fp16": rel(gemv.gemv_int4(x, q, s, z, 128, h16=True), exact)}
+                       "int8": rel(gemv.gemv_int4(x, q, s, z, 128, inputs="int8"), rounded),
+                       "fp16": rel(gemv.gemv_int4(x, q, s, z, 128, inputs="fp16"), exact)}
                 rows.append(row)
                 print(f"{n}x{k} {c}: float {row['float']:.1e} int8 {row['int8']:.1e} fp16 {row['fp16']:.1e}",
                       flush=True)

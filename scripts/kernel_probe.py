@@ -200,8 +200,15 @@ def sweep_attention(hkv, rep, s_max, ctx, out):
 
 
 STEP = ("qkv", "o", "gate_up", "down")  # a llama2-7b layer's GEMVs, then lm_head once a step
-# weights, and "x int8": int8 inputs (A8); "fp16": packed fp16 arithmetic (H16)
-KINDS = ("bf16", "int8", "int8 x int8", "int8 fp16", "int4", "int4 x int8", "int4 fp16")
+# weights, and "x int8": int8 inputs (A8); "fp16": packed fp16 arithmetic (H16); "x int16": int16
+# inputs (I16)
+KINDS = ("bf16", "int8", "int8 x int8", "int8 fp16", "int8 x int16", "int4", "int4 x int8", "int4 fp16", "int4 x int16")
+
+
+def kind_inputs(kind: str) -> str:
+    """What a KINDS entry's GEMV multiplies with (env.QUANT_INPUTS)."""
+    return "int8" if kind.endswith("x int8") else "fp16" if kind.endswith("fp16") else "int16" if kind.endswith(
+        "x int16") else "float"
 
 
 def step_weights(kind: str, n: int, k: int):
@@ -209,17 +216,17 @@ def step_weights(kind: str, n: int, k: int):
     if kind == "bf16":
         w = torch.randn(n, k, device=dev, dtype=bf16) * 0.02
         return n * k * 2, lambda x, kw: gemv.gemv(x, w, **kw)
-    a8, h16 = kind.endswith("x int8"), kind.endswith("fp16")
+    inputs = kind_inputs(kind)
     if kind.startswith("int8"):
         w8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
         s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
-        return n * k + 2 * n, lambda x, kw, a8=a8, h16=h16: gemv.gemv(x, w8, s8, **kw, a8=a8, h16=h16)
+        return n * k + 2 * n, lambda x, kw, inputs=inputs: gemv.gemv(x, w8, s8, **kw, inputs=inputs)
     g = 128
     q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
     s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
     z8 = torch.randint(0, 16, (n, k // g), device=dev).to(torch.uint8)
-    return n * k // 2 + 3 * n * (k // g), lambda x, kw, a8=a8, h16=h16: gemv.gemv_int4(x, q, s16, z8, g, **kw, a8=a8,
-                                                                                      h16=h16)
+    return n * k // 2 + 3 * n * (k // g), lambda x, kw, inputs=inputs: gemv.gemv_int4(x, q, s16, z8, g, **kw,
+                                                                                     inputs=inputs)
 
 
 def step_copies(kind: str, n: int, k: int) -> tuple[int, list]:
@@ -264,12 +271,13 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
     them, each checked against float inputs; the fastest per shape go to `pins` as
     LLAMACTL_PINS_FILE rows. timer: graph_time, or a stand-in off the GPU."""
     timer = timer or graph_time
-    a8, h16, int4 = kind.endswith("x int8"), kind.endswith("fp16"), kind.startswith("int4")
+    inputs, int4 = kind_inputs(kind), kind.startswith("int4")
+    arith = gemv._arithmetic(inputs)
     cpu = {"x_ptr": torch.empty(1), "N": 0, "K": 0, "NORM": False, "GLU": False, "RESIDUAL": False}  # no pins
     if int4:
-        candidates = gemv._prune_int4(gemv._int4_configs(), {**cpu, "G": 128}, A8=a8, H16=h16)
+        candidates = gemv._prune_int4(gemv._int4_configs(), {**cpu, "G": 128}, **arith)
     else:
-        candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, A8=a8, H16=h16)
+        candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, **arith)
     fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED
     try:
         for name in STEP:
@@ -280,7 +288,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
             rows = []
             gemv.FIXED_BLOCKS = True
             gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
-            ref = first(x, kw, a8=False, h16=False)  # float inputs and arithmetic, the fixed blocks
+            ref = first(x, kw, inputs="float")  # float inputs and arithmetic, the fixed blocks
             for c in candidates:
                 config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                 if int4:
@@ -294,7 +302,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
             rows.sort(key=lambda r: r["us"])
             out.append({"kind": kind, "shape": name, "n": n, "k": k, "configs": rows})
             key = [n, k, 128 if int4 else True, "norm_weight" in kw, kw.get("glu", False), "residual" in kw,
-                   kw.get("glu_out", False), kernels.pdl(dev), a8 or ("fp16" if h16 else False), "bfloat16"]
+                   kw.get("glu_out", False), kernels.pdl(dev), inputs, "bfloat16"]
             pins.append(["int4" if int4 else "gemv", key, rows[0]["config"]])
             print(f"{kind} {name} (largest error against float inputs {max(r['rel_err'] for r in rows):.1e}): "
                   + ", ".join(

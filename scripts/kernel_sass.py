@@ -3,9 +3,9 @@
 Triton compiles to a Hopper cubin with its bundled ptxas; cuobjdump (also in Triton's package)
 disassembles it. The loop body's instructions per weight say whether the kernel can keep up with
 memory (about 3 a weight: LOP3, FADD, FFMA) and which configs spill registers.
-Usage: python scripts/kernel_sass.py [--a8] [--int8] [--xc] [--h16] [BLOCK_N BLOCK_K WARPS ...]   (no blocks: every
+Usage: python scripts/kernel_sass.py [--a8] [--int8] [--xc] [--h16] [--i16] [BLOCK_N BLOCK_K WARPS ...]   (no blocks: every
 autotune config; --a8: the int8-input variant, DP4A; --int8: the int8-weight GEMV instead of int4;
---xc: int4's X_CONTIG variant; --h16: packed fp16 arithmetic)
+--xc: int4's X_CONTIG variant; --h16: packed fp16 arithmetic; --i16: int16 inputs, DP2A)
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from compile_kernels import GEMV, INT4, compile_one  # noqa: E402  (the runtime'
 
 
 def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False, a8: bool = False, int8: bool = False,
-              reduce_each: bool = False, x_contig: bool = False, h16: bool = False) -> list[str]:
+              reduce_each: bool = False, x_contig: bool = False, h16: bool = False, i16: bool = False) -> list[str]:
     const = {"NORM": False, "GLU": False, "RESIDUAL": False, "USE_ASM": True, "BLOCK_N": bn, "BLOCK_K": bk,
-             "PREFETCH": prefetch, "A8": a8}
+             "PREFETCH": prefetch, "A8": a8, "I16": i16}
     if int8:
         kernel = compile_one(gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"), const | {"HAS_SCALE": True, "REDUCE_EACH": reduce_each, "H16": h16},
                              warps)
@@ -47,18 +47,18 @@ def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False, a8: bool = F
 
 
 def main():
-    a8, int8, xc, h16 = "--a8" in sys.argv, "--int8" in sys.argv, "--xc" in sys.argv, "--h16" in sys.argv
+    a8, int8, xc, h16, i16 = (f"--{o}" in sys.argv for o in ("a8", "int8", "xc", "h16", "i16"))
     args = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
     configs = [(*args[i : i + 3], False, False, xc) for i in range(0, len(args), 3)] or [
         (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["PREFETCH"], c.kwargs.get("REDUCE_EACH", False),
          c.kwargs.get("X_CONTIG", False))
         for c in (gemv._bf16_configs() if int8 else gemv._int4_configs())]
     for bn, bk, warps, prefetch, reduce_each, x_contig in configs:
-        body = loop_body(bn, bk, warps, prefetch, a8, int8, reduce_each, x_contig, h16)
+        body = loop_body(bn, bk, warps, prefetch, a8, int8, reduce_each, x_contig, h16, i16)
         per_thread = bn * bk / (32 * warps)
         kinds = Counter(op.split(".")[0] for op in body)
         spills = kinds.get("STL", 0) + kinds.get("LDL", 0)
-        print(f"BLOCK_N {bn:3d} BLOCK_K {bk:5d} warps {warps}{' prefetch' * prefetch}{' reduce_each' * reduce_each}{' x_contig' * x_contig}{' a8' * a8}{' h16' * h16}: {len(body):5d} instructions / {per_thread:4.0f} weights "
+        print(f"BLOCK_N {bn:3d} BLOCK_K {bk:5d} warps {warps}{' prefetch' * prefetch}{' reduce_each' * reduce_each}{' x_contig' * x_contig}{' a8' * a8}{' h16' * h16}{' i16' * i16}: {len(body):5d} instructions / {per_thread:4.0f} weights "
               f"per thread = {len(body) / per_thread:.2f} a weight; spills {spills}; {kinds.most_common(5)}")
 
 

@@ -164,4 +164,4 @@ def test_generate_names_its_gemv_and_says_when_int8_inputs_change_nothing():
     plain = invoke("generate", "-p", "The kernel", "-n", "4", "--seed", "0", "--quant-inputs", "float")
     assert plain.exit_code == 0 and "changed nothing" not in plain.stderr and "gemv torch" in plain.stderr
     bad = invoke("generate", "-p", "x", "--quant-inputs", "fp8")
-    assert bad.exit_code == 2 and "use float, int8 or fp16" in bad.output
+    assert bad.exit_code == 2 and "use float, int8, fp16 or int16" in bad.output

@@ -158,10 +158,10 @@ def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
 
 
-def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
-    """bench --quality --quant-inputs float,int8,fp16: the float row is scored by prefill, the
-    int8-input and fp16 rows through the decode step's GEMVs; rounding the inputs to int8 costs a
-    little KL, not much; packed fp16 arithmetic (x exact) next to nothing."""
+def test_bench_scores_int8_fp16_and_int16_input_rows_through_the_decode_step(rtn4):
+    """bench --quality --quant-inputs float,int8,fp16,int16: the float row is scored by prefill,
+    the others through the decode step's GEMVs; rounding the inputs to int8 costs a little KL, not
+    much; packed fp16 arithmetic (x exact) and int16 inputs next to nothing."""
     import json
 
     from typer.testing import CliRunner
@@ -169,16 +169,18 @@ def test_bench_scores_int8_and_fp16_input_rows_through_the_decode_step(rtn4):
     from llamactl.cli import app
 
     r = CliRunner().invoke(app, ["bench", str(rtn4), "--device", "cuda", "--dtype", "bfloat16", "--quality",
-                                 "--eval-tokens", "2048", "--quant-inputs", "float,int8,fp16", "--prompt-len", "16",
+                                 "--eval-tokens", "2048", "--quant-inputs", "float,int8,fp16,int16", "--prompt-len", "16",
                                  "--gen-len", "8", "--warmup", "0", "--repeat", "1", "--format", "json"])
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["results"]
-    ends = [[label for label in ("int8 inputs", "fp16 arithmetic") if x["stage"].endswith(label)] for x in rows]
-    assert ends == [[], ["int8 inputs"], ["fp16 arithmetic"]]
-    qf, q8, q16 = (x["quality"] for x in rows)
+    labels = ("int8 inputs", "fp16 arithmetic", "int16 inputs")
+    ends = [[label for label in labels if x["stage"].endswith(label)] for x in rows]
+    assert ends == [[], ["int8 inputs"], ["fp16 arithmetic"], ["int16 inputs"]]
+    qf, q8, q16, qi16 = (x["quality"] for x in rows)
     print({x["stage"]: {k: x["quality"][k] for k in ("kl_mean", "ppl", "top1_agreement", "tokens")} for x in rows})
-    assert (qf["scored"], q8["scored"], q16["scored"]) == ("prefill", "decode steps, int8 inputs",
-                                                           "decode steps, fp16 arithmetic")
-    assert q8["tokens"] == q16["tokens"] == qf["tokens"]
+    assert (qf["scored"], q8["scored"], q16["scored"], qi16["scored"]) == (
+        "prefill", "decode steps, int8 inputs", "decode steps, fp16 arithmetic", "decode steps, int16 inputs")
+    assert q8["tokens"] == q16["tokens"] == qi16["tokens"] == qf["tokens"]
     assert 0 < qf["kl_mean"] and q8["kl_mean"] < qf["kl_mean"] * 1.5 + 0.01
     assert abs(q16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3
+    assert abs(qi16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3

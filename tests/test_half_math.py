@@ -22,18 +22,18 @@ def test_gemv_int4_in_packed_fp16_is_close_to_float_even_with_a_massive_input(k,
     n, g = 24, 128
     q, s, z, w = _int4_case(n, k, g, seed=k)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    assert rel(gemv.gemv_int4(x, q, s, z, g, h16=True).cpu(), (w @ x.double()).cpu()) < 1e-3
+    assert rel(gemv.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
     x[5] = 3000.0
-    assert rel(gemv.gemv_int4(x, q, s, z, g, h16=True).cpu(), (w @ x.double()).cpu()) < 1e-3
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, h16=True)
+    assert rel(gemv.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="fp16")
     ref = w @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
     assert rel(y.cpu(), ref.cpu()) < 1e-3
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, h16=True)
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs="fp16")
     assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-3
-    assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, h16=True).any()  # a block of zeros: 0, not NaN
-    with pytest.raises(ValueError, match="exclude"):
-        gemv.gemv_int4(x, q, s, z, g, a8=True, h16=True)
+    assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="fp16").any()  # a block of zeros: 0, not NaN
+    with pytest.raises(ValueError, match="not one of"):
+        gemv.gemv_int4(x, q, s, z, g, inputs="fp8")
 
 
 def test_gemv_int8_in_packed_fp16_is_close_to_float_even_with_a_massive_input(gemv_prefetch):
@@ -45,14 +45,14 @@ def test_gemv_int8_in_packed_fp16_is_close_to_float_even_with_a_massive_input(ge
     s8 = torch.rand(n, device=DEV) * 0.01 + 1e-3
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
     ref = (w8.double() @ x.double()) * s8.double()
-    assert rel(gemv.gemv(x, w8, s8, h16=True).cpu(), ref.cpu()) < 1e-3
+    assert rel(gemv.gemv(x, w8, s8, inputs="fp16").cpu(), ref.cpu()) < 1e-3
     x[40] = 3000.0
-    assert rel(gemv.gemv(x, w8, s8, h16=True).cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-3
-    y = gemv.gemv(x, w8, s8, nw, 1e-5, r, h16=True)
+    assert rel(gemv.gemv(x, w8, s8, inputs="fp16").cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 1e-3
+    y = gemv.gemv(x, w8, s8, nw, 1e-5, r, inputs="fp16")
     xn = x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()
     assert rel(y.cpu(), ((w8.double() @ xn) * s8.double() + r.double()).cpu()) < 1e-3
-    assert not gemv.gemv(torch.zeros(k, device=DEV), w8, s8, h16=True).any()
-    with pytest.raises(ValueError, match="exclude"):
-        gemv.gemv(x, w8, s8, a8=True, h16=True)
+    assert not gemv.gemv(torch.zeros(k, device=DEV), w8, s8, inputs="fp16").any()
+    with pytest.raises(ValueError, match="not one of"):
+        gemv.gemv(x, w8, s8, inputs="fp8")
     with pytest.raises(ValueError, match="whole 32-column"):
-        gemv.gemv(x[:1000], w8[:, :1000], s8, h16=True)
+        gemv.gemv(x[:1000], w8[:, :1000], s8, inputs="fp16")

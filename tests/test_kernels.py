@@ -131,9 +131,9 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv(xr, w, glu_out=True).cpu(), _swiglu_rounded(w.double() @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
     x32 = torch.randn(1056, device=DEV)  # int8 inputs (DP4A): whole 32-column blocks, not whole config blocks
     w8 = torch.randint(-127, 128, (n, 1056), device=DEV, dtype=torch.int8)
-    y8 = gemv.gemv(x32, w8, s8.float(), a8=True)
+    y8 = gemv.gemv(x32, w8, s8.float(), inputs="int8")
     assert rel(y8.cpu(), ((w8.double() @ _int8_per_32(x32)) * s8.double()).cpu()) < 1e-5
-    y16 = gemv.gemv(x32, w8, s8.float(), h16=True)  # packed fp16: the same config
+    y16 = gemv.gemv(x32, w8, s8.float(), inputs="fp16")  # packed fp16: the same config
     assert rel(y16.cpu(), ((w8.double() @ x32.double()) * s8.double()).cpu()) < 2e-3
 
 
@@ -147,9 +147,9 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
     xr = x.to(ROUND_DTYPE)
     assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
-    y16 = gemv.gemv_int4(x.float(), q, s, z, g, h16=True)  # packed fp16: the same config
+    y16 = gemv.gemv_int4(x.float(), q, s, z, g, inputs="fp16")  # packed fp16: the same config
     assert rel(y16.cpu(), (w @ x.double()).cpu()) < 2e-3
-    assert rel(gemv.gemv_int4(x.float(), q, s, z, g, a8=True).cpu(), (w @ x.double()).cpu()) < 2e-2  # int8 inputs
+    assert rel(gemv.gemv_int4(x.float(), q, s, z, g, inputs="int8").cpu(), (w @ x.double()).cpu()) < 2e-2  # int8 inputs
 
 
 def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
@@ -430,11 +430,12 @@ def test_quantized_projections_fuse_side_by_side():
     torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))
 
 
-@pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "float"), ("gate_up", "int8")])
+@pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "float"), ("gate_up", "int8"),
+                                           ("gate_up", "int16")])
 def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
-    residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8
-    inputs (LLAMACTL_QUANT_INPUTS=int8) the decode steps' logits within 2e-2 (prefill unchanged)."""
+    residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8 or
+    int16 inputs (LLAMACTL_QUANT_INPUTS) the decode steps' logits within 2e-2 (prefill unchanged)."""
     monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", inputs)
     from conftest import make_hf_model
@@ -466,8 +467,8 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     mlp = model.model.layers[0].mlp
     assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
     assert model.model.layers[0].self_attn.qkv_proj.norm is not None
-    a8 = [m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear)]
-    assert a8 == [inputs == "int8"] * 4 * 2 and ("int8 inputs" in info["gemv"]) == (inputs == "int8")
+    chosen = [m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)]
+    assert chosen == [inputs] * 4 * 2 and ("int8 inputs" in info["gemv"]) == (inputs == "int8")
     if inputs == "float":
         torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
     else:
@@ -478,9 +479,9 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
         monkeypatch.setattr(kernels, "inputs_available", lambda device, inputs: False)
         info = set_kernels(model, True)
         assert info["gemv"].startswith("triton") and "int8 inputs" not in info["gemv"]
-        assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
+        assert {m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)} == {"float"}
     set_kernels(model, False)
-    assert not any(m.a8 for m in model.modules() if isinstance(m, TritonInt4Linear))
+    assert {m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)} == {"float"}
 
 
 def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch):

@@ -16,7 +16,8 @@ def launch_args(kernel: str, key: tuple, device: str = "cuda:0") -> dict:
     """The launch's arguments by name, as the autotuner's prune hook gets them, for a table key."""
     n, k, third, norm, glu, residual, glu_out, pdl, inputs, dtype = key
     args = {"x_ptr": _Input(getattr(torch, dtype), torch.device(device)), "N": n, "K": k, "NORM": norm, "GLU": glu, "RESIDUAL": residual,
-            "GLU_OUT": glu_out, "PDL": pdl, "A8": inputs is True, "H16": inputs == "fp16"}
+            "GLU_OUT": glu_out, "PDL": pdl, "A8": inputs == "int8", "H16": inputs == "fp16",
+            "I16": inputs == "int16"}
     return args | ({"G": third} if kernel == "int4" else {"HAS_SCALE": third})
 
 
@@ -37,7 +38,7 @@ def prune(kernel: str, args: dict) -> list:
     """The kernel's prune hook on all its candidates, called as the autotuner calls it: the
     positional arguments by name, the flags the launcher passes by keyword."""
     hook, configs = KERNELS[kernel]
-    kw = {k: args[k] for k in ("GLU_OUT", "PDL", "A8", "H16") if k in args}
+    kw = {k: args[k] for k in ("GLU_OUT", "PDL", "A8", "H16", "I16") if k in args}
     return hook(configs(), {k: v for k, v in args.items() if k not in kw}, **kw)
 
 
@@ -78,14 +79,16 @@ def test_fp16_activations_and_other_flags_are_not_pinned(on_h200):
 
 def test_a_pins_file_overrides_the_table_for_its_shapes(on_h200, monkeypatch, tmp_path):
     """LLAMACTL_PINS_FILE: its rows pin their shapes over the table (here int8 o_proj with int8
-    inputs: 16 x 2048 instead of the table's 8 x 2048) and add shapes; the rest keep the table's pins."""
+    inputs: 16 x 2048 instead of the table's 8 x 2048) and add shapes; the rest keep the table's pins.
+    A row written before the inputs were named (true for int8) still pins its shape."""
     import json
 
-    o_a8 = (4096, 4096, True, False, False, True, False, True, True, "bfloat16")
-    new_shape = (1024, 4096, True, False, False, True, False, True, True, "bfloat16")
+    o_a8 = (4096, 4096, True, False, False, True, False, True, "int8", "bfloat16")
+    new_shape = (1024, 4096, True, False, False, True, False, True, "int8", "bfloat16")
     want = {"BLOCK_N": 16, "BLOCK_K": 2048, "PREFETCH": False, "REDUCE_EACH": False, "num_warps": 8, "num_stages": 1}
     assert pinned.TABLE["NVIDIA H200"]["gemv"][o_a8] != want
-    (tmp_path / "pins.json").write_text(json.dumps([["gemv", list(o_a8), want], ["gemv", list(new_shape), want]]))
+    old_form = [*o_a8[:8], True, o_a8[9]]  # runs 32-40's files
+    (tmp_path / "pins.json").write_text(json.dumps([["gemv", old_form, want], ["gemv", list(new_shape), want]]))
     monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "pins.json"))
     for key in (o_a8, new_shape):
         (c,) = prune("gemv", launch_args("gemv", key))

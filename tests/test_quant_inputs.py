@@ -24,7 +24,7 @@ def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
     x = torch.randn(k, device=DEV, dtype=torch.float32)
     x[32:64] = 0  # a quad of zeros: scale 0
     x[70] = 40.0  # an outlier: its quad rounds coarsely
-    y = gemv.gemv_int4(x, q, s, z, g, a8=True)
+    y = gemv.gemv_int4(x, q, s, z, g, inputs="int8")
     assert rel(y.cpu(), (w @ _int8_per_32(x)).cpu()) < 1e-5
     assert rel(y.cpu(), (w @ x.double()).cpu()) < 2e-2
 
@@ -33,11 +33,11 @@ def test_gemv_int4_a8_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
     n, k, g = 16, 384, 128
     q, s, z, w = _int4_case(n, k, g, seed=5)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, a8=True)
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="int8")
     rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
     assert rel(y.cpu(), (w @ _int8_per_32(x * nw) * rs + r.double()).cpu()) < 1e-5
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, a8=True)
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs="int8")
     act = (F.silu(h[:k].double()) * h[k:].double()).float()
     assert rel(y.cpu(), (w @ _int8_per_32(act)).cpu()) < 1e-5
 
@@ -51,24 +51,24 @@ def test_gemv_int8_a8_multiplies_int8_inputs_exactly(n, k, gemv_prefetch):
     s8 = torch.rand(n, device=DEV) * 0.01 + 1e-3
     x = torch.randn(k, device=DEV)
     x[:32] = 0
-    y = gemv.gemv(x, w8, s8, a8=True)
+    y = gemv.gemv(x, w8, s8, inputs="int8")
     assert rel(y.cpu(), ((w8.double() @ _int8_per_32(x)) * s8.double()).cpu()) < 1e-5
     assert rel(y.cpu(), ((w8.double() @ x.double()) * s8.double()).cpu()) < 2e-2
     nw, r = torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv(x + 1, w8, s8, nw, 1e-5, r, False, a8=True)
+    y = gemv.gemv(x + 1, w8, s8, nw, 1e-5, r, False, inputs="int8")
     rs = torch.rsqrt((x.double() + 1).pow(2).mean() + 1e-5)
     assert rel(y.cpu(), ((w8.double() @ _int8_per_32((x + 1) * nw)) * rs * s8.double() + r.double()).cpu()) < 1e-5
     h = torch.randn(2 * k, device=DEV)
     act = (F.silu(h[:k].double()) * h[k:].double()).float()
-    assert rel(gemv.gemv(h, w8, s8, glu=True, a8=True).cpu(), ((w8.double() @ _int8_per_32(act)) * s8.double()).cpu()) < 1e-5
+    assert rel(gemv.gemv(h, w8, s8, glu=True, inputs="int8").cpu(), ((w8.double() @ _int8_per_32(act)) * s8.double()).cpu()) < 1e-5
 
 
 def test_int8_inputs_need_int8_weights_in_32_column_blocks():
     x = torch.randn(200, device=DEV)
     with pytest.raises(ValueError, match="int8 inputs"):
-        gemv.gemv(x, torch.zeros(8, 200, dtype=torch.int8, device=DEV), torch.ones(8, device=DEV), a8=True)
+        gemv.gemv(x, torch.zeros(8, 200, dtype=torch.int8, device=DEV), torch.ones(8, device=DEV), inputs="int8")
     with pytest.raises(ValueError, match="int8 inputs"):
-        gemv.gemv(x[:192], torch.zeros(8, 192, device=DEV), a8=True)
+        gemv.gemv(x[:192], torch.zeros(8, 192, device=DEV), inputs="int8")
 
 
 def test_int8_and_fp16_inputs_have_a_check_of_their_own(monkeypatch):
@@ -78,12 +78,14 @@ def test_int8_and_fp16_inputs_have_a_check_of_their_own(monkeypatch):
 
     assert kernels.self_check(torch.device(DEV), "int8") is None
     assert kernels.self_check(torch.device(DEV), "fp16") is None
+    assert kernels.self_check(torch.device(DEV), "int16") is None
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     problem = kernels.self_check(torch.device(DEV), "int8")
-    assert "gemv int4 x int8" in problem and "gemv int8 x int8" not in problem
+    assert "gemv int4 int8" in problem and "gemv int8 int8" not in problem
     assert "gemv int4 fp16" in kernels.self_check(torch.device(DEV), "fp16")
-    assert "x int8" not in kernels.self_check(torch.device(DEV)) and "fp16" not in kernels.self_check(torch.device(DEV))
+    assert "gemv int4 int16" in kernels.self_check(torch.device(DEV), "int16")
+    assert all(kind not in kernels.self_check(torch.device(DEV)) for kind in ("int4 int8", "fp16", "int16"))
 
 
 def test_int8_input_autotuning_times_no_twin_twice():
@@ -122,5 +124,5 @@ def test_int4_int8_input_candidates_round_bf16_valued_x_as_the_reference(config,
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
     monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16).float()
-    y8 = gemv.gemv_int4(x, q, s, z, g, a8=True)
+    y8 = gemv.gemv_int4(x, q, s, z, g, inputs="int8")
     assert rel(y8.cpu(), (w @ _int8_per_32(x).to(DEV)).cpu()) < 1e-5

@@ -87,9 +87,10 @@ def on_gpu(device: torch.device) -> bool:
 
 
 def inputs_available(device: torch.device, inputs: str) -> bool:
-    """Whether the low-bit GEMVs with `inputs` "int8" (DP4A) or "fp16" (packed fp16 arithmetic) run
-    on `device`, where the kernels do: on CUDA they pass a check of their own first (once per
-    process), so that a failure turns off only them, with a warning, and not the float kernels."""
+    """Whether the low-bit GEMVs with `inputs` "int8" (DP4A), "fp16" (packed fp16 arithmetic) or
+    "int16" (DP2A) run on `device`, where the kernels do: on CUDA they pass a check of their own
+    first (once per process), so that a failure turns off only them, with a warning, and not the
+    float kernels."""
     if device.type == "cuda":
         return _checked(_index(device), inputs)
     return True
@@ -112,8 +113,8 @@ def _checked(index: int, inputs: str = "float") -> bool:
 @torch.inference_mode()
 def self_check(device: torch.device, inputs: str = "float") -> str | None:
     """Run each kernel once on small random inputs against a float64 reference: None when all
-    agree (relative error under 2e-2, bf16 output), else what failed. inputs "int8": the int4 and
-    int8 GEMVs with int8 inputs (DP4A) instead; "fp16": the int4 and int8 GEMVs in packed fp16."""
+    agree (relative error under 2e-2, bf16 output), else what failed. inputs other than "float"
+    (env.QUANT_INPUTS): the int4 and int8 GEMVs with those inputs instead."""
     from llamactl.kernels import attention, gemv
 
     def rel(y, ref):
@@ -133,13 +134,10 @@ def self_check(device: torch.device, inputs: str = "float") -> str | None:
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
         ref8 = (w8.double() @ x.double()) * s8.double()
-        if inputs == "fp16":
-            checks["gemv int8 fp16"] = rel(gemv.gemv(x, w8, s8, h16=True), ref8)
-            checks["gemv int4 fp16"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, h16=True), w4 @ x.double())
-            return _failed(checks)
-        if inputs == "int8":
-            checks["gemv int8 x int8"] = rel(gemv.gemv(x, w8, s8, a8=True), ref8)
-            checks["gemv int4 x int8"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, a8=True), w4 @ x.double())
+        if inputs != "float":
+            checks[f"gemv int8 {inputs}"] = rel(gemv.gemv(x, w8, s8, inputs=inputs), ref8)
+            checks[f"gemv int4 {inputs}"] = rel(gemv.gemv_int4(x, gemv.pack_int4(codes), s4, z4, 128, inputs=inputs),
+                                                w4 @ x.double())
             return _failed(checks)
         checks["gemv"] = rel(gemv.gemv(x, w), w.double() @ x.double())
         h = w.double() @ x.double()  # w as a fused [gate; up]: SwiGLU in the epilogue

@@ -14,9 +14,11 @@ is captured.
   w[n, k] = (code - zero) * scale, with the group g = k // G.
 Act-order checkpoints have their columns sorted by group at load and x gathered in that order.
 
-The int4 and int8 products multiply in one of three ways (kernels.linear.quant_inputs): float32
-(the default), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded), or packed fp16 (H16,
-kernels.half_math: x exact, sums rounded to fp16 within 16-32 columns).
+The int4 and int8 products multiply in one of four ways (kernels.linear.quant_inputs): float32
+(the default), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded to 2^-7 of its block's
+largest), packed fp16 (H16, kernels.half_math: x exact, sums rounded to fp16 within 16-32 columns)
+or 16-bit fixed-point inputs with DP2A (I16, kernels.int16_inputs: x rounded to 2^-15 of its
+block's largest, sums exact).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
+from llamactl.env import QUANT_INPUTS
 from llamactl.kernels import interpreted, pdl_launch, pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
+from llamactl.kernels.int16_inputs import _int4_i16_dot, _int8_i16_dot
 
 
 def _bf16_configs():
@@ -144,11 +148,11 @@ def _int8_float(w, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GLU: tl.constexpr,
                REDUCE_EACH: tl.constexpr, USE_ASM: tl.constexpr, A8: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, H16: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, H16: tl.constexpr = False, I16: tl.constexpr = False):
     """One block of _gemv_kernel: weights w: [BN, BK] times x'[k] (k: [BK]) into acc: [BN, BK]
     (or acc_rows: [BN] with REDUCE_EACH); ss: [BK] sums x^2 for NORM. Returns (acc, acc_rows, ss).
-    A8 and H16: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/16] (see _int8_a8_dot,
-    _int8_h16_dot)."""
+    A8, H16 and I16: w: [BN, BK/4] int32 words of int8 weights, acc: [BN, BK/16] (see _int8_a8_dot,
+    _int8_h16_dot, _int8_i16_dot)."""
     x, x_raw = _load_input(x_ptr, k, k < K, K, nw_ptr, NORM, GLU)  # [BK]
     if NORM:
         ss += x_raw * x_raw
@@ -156,6 +160,8 @@ def _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM: tl.constexpr, GL
         acc += _int8_a8_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
     elif H16:
         acc += _int8_h16_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
+    elif I16:
+        acc += _int8_i16_dot(w, x, USE_ASM, BLOCK_N, BLOCK_K)
     else:
         if w.dtype == tl.int8:
             prod = _int8_float(w, USE_ASM) * x[None, :]
@@ -173,7 +179,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
                  NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                  GLU_OUT: tl.constexpr = False, REDUCE_EACH: tl.constexpr = False, PDL: tl.constexpr = False,
-                 A8: tl.constexpr = False, H16: tl.constexpr = False):
+                 A8: tl.constexpr = False, H16: tl.constexpr = False, I16: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x'[k] (* s[n]) (+ r[n]); w: [N, K] row-major, 16-bit or int8 with scales s: [N]
     #   x' = x                                  x: [K]
     #   x' = rmsnorm(x) * nw          (NORM)    the layer's RMSNorm folded in, nw: [K]
@@ -186,8 +192,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
     # iteration is peeled off, so the loop itself is the same as without PDL;
     # A8 (int8 weights, K % 32 == 0): the weights are read as int32 words of 4 and x is rounded to
     # int8 per 32 columns, one DP4A a word (see _int8_a8_dot); H16 (the same layout): x scaled by a
-    # power of two per 32 columns and multiplied in packed fp16 (see _int8_h16_dot)
-    WORDS: tl.constexpr = A8 or H16  # weights read as int32 words of 4
+    # power of two per 32 columns and multiplied in packed fp16 (see _int8_h16_dot); I16 (the same
+    # layout): x in 16-bit fixed point per 32 columns, two DP2A a word (see _int8_i16_dot)
+    WORDS: tl.constexpr = A8 or H16 or I16  # weights read as int32 words of 4
     WK: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K  # weight elements of a row a block
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     cols = tl.arange(0, BLOCK_K)  # [BK]
@@ -213,7 +220,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         w_first = _block(w_rows, w_cols, row_ok, w_len)  # [BN, WK]
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, acc_rows, ss = _gemv_step(w_first, x_ptr, cols, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH,
-                                       USE_ASM, A8, BLOCK_N, BLOCK_K, H16)
+                                       USE_ASM, A8, BLOCK_N, BLOCK_K, H16, I16)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + cols
@@ -227,8 +234,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
         else:
             w = _block(w_rows, wk, row_ok, w_len)  # [BN, WK]
         acc, acc_rows, ss = _gemv_step(w, x_ptr, k, K, nw_ptr, acc, acc_rows, ss, NORM, GLU, REDUCE_EACH, USE_ASM, A8,
-                                       BLOCK_N, BLOCK_K, H16)
-    y = acc_rows if REDUCE_EACH and not WORDS else tl.sum(acc, axis=1)  # [BN] (A8/H16 sum into acc only)
+                                       BLOCK_N, BLOCK_K, H16, I16)
+    y = acc_rows if REDUCE_EACH and not WORDS else tl.sum(acc, axis=1)  # [BN] (A8/H16/I16 sum into acc only)
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
     if HAS_SCALE:
@@ -237,14 +244,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 
 
 def _prune_gemv(configs, named_args, **kwargs):
-    """With int8 inputs (A8) or fp16 arithmetic (H16) REDUCE_EACH changes nothing (the sums are per
-    16 columns already):
-    its candidates twin plain ones, and only the first of each twin is timed. A shape pinned for
-    this GPU (kernels.pinned) runs its pin untimed."""
+    """With int8 inputs (A8), fp16 arithmetic (H16) or int16 inputs (I16) REDUCE_EACH changes
+    nothing (the sums are per 16 columns already): its candidates twin plain ones, and only the
+    first of each twin is timed. A shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
+    words = kwargs.get("A8") or kwargs.get("H16") or kwargs.get("I16")
     kept, seen = [], set()
     for c in configs:
         twin = (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.kwargs["PREFETCH"], c.num_warps, c.num_stages)
-        if not (kwargs.get("A8") or kwargs.get("H16")) or twin not in seen:
+        if not words or twin not in seen:
             seen.add(twin)
             kept.append(c)
     return pinned.choose("gemv", kept, {**named_args, **kwargs})
@@ -252,7 +259,8 @@ def _prune_gemv(configs, named_args, **kwargs):
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
 _gemv_tuned = triton.autotune(configs=_bf16_configs(),
-                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8", "H16"],
+                              key=["N", "K", "HAS_SCALE", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8", "H16",
+                                   "I16"],
                               prune_configs_by={"early_config_prune": _prune_gemv},
                               cache_results=True)(_gemv_kernel)
 
@@ -301,7 +309,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                       GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False, X_CONTIG: tl.constexpr = False,
-                      A8: tl.constexpr = False, H16: tl.constexpr = False):
+                      A8: tl.constexpr = False, H16: tl.constexpr = False, I16: tl.constexpr = False):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
     # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
@@ -320,6 +328,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # two DP4A instructions (see _int4_a8_dot): 1.5-3.2 sm_90 instructions a weight, not 4.1-6.6
     # H16: x scaled by a power of two per 32 columns and multiplied in packed fp16, two weights an
     # instruction (see kernels.half_math); X_CONTIG is implied
+    # I16: x in 16-bit fixed point per 32 columns, a word's 8 products summed by 4 DP2A (see
+    # kernels.int16_inputs)
     WORDS: tl.constexpr = BLOCK_K // 8
     # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
     # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
@@ -339,7 +349,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         p_first = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
         _wait_for_previous_kernel(PDL, USE_ASM)
         acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
@@ -349,7 +359,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
         else:
             p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
         acc, ss = _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16)
+                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -359,7 +369,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
 @triton.jit
 def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G: tl.constexpr,
                NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
-               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False, H16: tl.constexpr = False):
+               BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False, H16: tl.constexpr = False,
+               I16: tl.constexpr = False):
     """One block of _gemv_int4_kernel: the words p: [BN, W] at columns k0 .. k0 + 8 W, with their
     groups' scales and zeros and x's slices, into acc: [BN, W/4]; ss: [W] sums x^2 for NORM.
     Returns (acc, ss)."""
@@ -392,6 +403,8 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
         ss += sq
     if A8:
         part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)  # [BN, W/4]
+    elif I16:
+        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)
     else:
         part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)
     return acc + s * part, ss
@@ -442,7 +455,8 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
 
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
-                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8", "H16"],
+                                   key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8",
+                                        "H16", "I16"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -493,27 +507,25 @@ def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False,
-         glu_out: bool = False, a8: bool = False, h16: bool = False) -> torch.Tensor:
+         glu_out: bool = False, inputs: str = "float") -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
     with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
-    w is a fused [gate; up] and y: [N // 2] = silu(gate) * up; a8 (int8 w, K % 32 == 0): x rounded
-    to int8 per 32 columns and multiplied in integers; h16 (the same weights): x scaled per 32
-    columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
+    w is a fused [gate; up] and y: [N // 2] = silu(gate) * up; inputs (int8 w, K % 32 == 0 for all
+    but "float"): what x is multiplied as, see _arithmetic."""
     n, k = w.shape
-    _one_arithmetic(a8, h16)
-    if (a8 or h16) and (w.dtype != torch.int8 or k % 32):
-        raise ValueError(f"int8 inputs and fp16 arithmetic need int8 weights with whole 32-column blocks, "
-                         f"not {w.dtype} [{n}, {k}]")
+    arith = _arithmetic(inputs)
+    if inputs != "float" and (w.dtype != torch.int8 or k % 32):
+        raise ValueError(f"{inputs} inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_tuned, _gemv_kernel,
             (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
              x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, A8=a8, H16=h16)
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, **arith)
     return y
 
 
 @gemv.register_fake
-def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, a8=False, h16=False):
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, inputs="float"):
     return x.new_empty(w.shape[0] // 2 if glu_out else w.shape[0])
 
 
@@ -530,32 +542,35 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 @torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-              glu: bool = False, glu_out: bool = False, a8: bool = False, h16: bool = False) -> torch.Tensor:
+              glu: bool = False, glu_out: bool = False, inputs: str = "float") -> torch.Tensor:
     """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
-    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; a8: x
-    rounded to int8 per 32 columns (after the folded RMSNorm/SwiGLU) and multiplied in integers;
-    h16: x scaled per 32 columns to fp16 and multiplied in packed fp16 (kernels.half_math)."""
+    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; inputs:
+    what x (after the folded RMSNorm/SwiGLU) is multiplied as, see _arithmetic."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
-    _one_arithmetic(a8, h16)
+    arith = _arithmetic(inputs)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, A8=a8, H16=h16)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, **arith)
     return y
 
 
 @gemv_int4.register_fake
 def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
-      a8=False, h16=False):
+      inputs="float"):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 
-def _one_arithmetic(a8: bool, h16: bool) -> None:
-    """A low-bit GEMV multiplies with int8 inputs (a8) or in packed fp16 (h16), not both."""
-    if a8 and h16:
-        raise ValueError("GEMV: int8 inputs (a8) and fp16 arithmetic (h16) exclude each other")
+def _arithmetic(inputs: str) -> dict[str, bool]:
+    """The kernels' switches for what a low-bit GEMV multiplies its weights with (env.QUANT_INPUTS):
+    "float" (x in float32), "int8" (A8: x rounded to int8 per 32 columns, DP4A), "fp16" (H16: x
+    scaled per 32 columns to fp16, packed fp16 arithmetic) or "int16" (I16: x in 16-bit fixed point
+    per 32 columns, DP2A)."""
+    if inputs not in QUANT_INPUTS:
+        raise ValueError(f"GEMV inputs {inputs!r}: not one of {', '.join(QUANT_INPUTS)}")
+    return {"A8": inputs == "int8", "H16": inputs == "fp16", "I16": inputs == "int16"}
 
 
 def _whole_groups(k: int, group_size: int) -> None:

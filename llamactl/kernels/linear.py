@@ -91,8 +91,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see quant_inputs)
-        self.h16 = False  # batch-1 GEMV in packed fp16 (see quant_inputs)
+        self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (see quant_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -119,15 +118,14 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
-                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.a8,
-                          self.h16)
+                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.inputs)
             return y.view(*x.shape[:-1], self._output_width())
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
         if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
             y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
-                                       a8=self.a8, h16=self.h16) for row in x2])
+                                       inputs=self.inputs) for row in x2])
         else:
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
@@ -180,8 +178,11 @@ def quant_inputs() -> str:
     it added 0.0004 nats to the int4 models' KL, docs/bench/quant-inputs-kl.txt) or "fp16" (x
     scaled by a power of two per 32 columns, exact for bf16 inputs, and multiplied in packed fp16,
     two weights an instruction: 4.4-5.0 -> 2.5-3.6 sm_90 instructions a weight for int4, 3.9-4.3
-    -> 2.5-3.3 for int8; relative error ~5e-4, below bf16's output rounding; kernels.half_math). LLAMACTL_QUANT_INPUTS
-    chooses; prefill (cuBLAS) is not affected."""
+    -> 2.5-3.3 for int8; relative error ~5e-4, below bf16's output rounding; kernels.half_math) or
+    "int16" (x scaled by a power of two per 32 columns and rounded to int16, exact within 2^7 of
+    the block's largest, else to 2^-15 of it; products summed in integers by DP2A, exactly: 2.2-2.8
+    sm_90 instructions a weight for int4, 1.5-2.1 for int8; kernels.int16_inputs).
+    LLAMACTL_QUANT_INPUTS chooses; prefill (cuBLAS) is not affected."""
     return choice("LLAMACTL_QUANT_INPUTS", "float", QUANT_INPUTS)
 
 
@@ -227,7 +228,7 @@ def set_kernels(model, on: bool) -> dict[str, str]:
     inputs = quant_inputs() if on and layers else "float"
     inputs = inputs if inputs == "float" or kernels.inputs_available(model.device, inputs) else "float"
     for mod in layers:
-        mod.a8, mod.h16 = inputs == "int8", inputs == "fp16"
+        mod.inputs = inputs
     if on:
         site = swiglu_site()
         _fuse(model, site)

@@ -23,14 +23,14 @@ from llamactl.env import flag
 from llamactl.errors import InputError
 from llamactl.kernels import _index
 
-# (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, inputs, x dtype) -> the config (inputs: A8 True for
-# int8, "fp16" for packed fp16 arithmetic (H16), else False): `third` is G for the
-# int4 kernel and HAS_SCALE (int8 weights) for the 16-bit/int8 one. Each group names its run.
+# (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, inputs, x dtype) -> the config (inputs: one of
+# env.QUANT_INPUTS, see _inputs): `third` is G for the int4 kernel and HAS_SCALE (int8 weights) for
+# the 16-bit/int8 one. Each group names its run.
 # (NORM, GLU, RESIDUAL, GLU_OUT): qkv and lm_head read a norm; o and down add the residual;
 # gate_up reads a norm and gives SwiGLU's output
 _NORM, _RES, _GU = (True, False, False, False), (False, False, True, False), (True, False, False, True)
-_ON = (True, False, "bfloat16")  # PDL on, float inputs, bf16 activations
-_A8 = (True, True, "bfloat16")  # PDL on, int8 inputs
+_ON = (True, "float", "bfloat16")  # PDL on, float inputs, bf16 activations
+_A8 = (True, "int8", "bfloat16")  # PDL on, int8 inputs
 _H16 = (True, "fp16", "bfloat16")  # PDL on, packed fp16 arithmetic
 
 
@@ -120,13 +120,15 @@ def label(device: torch.device) -> str:
 def _file_pins(path: str) -> dict:
     """Pins for the GPU in use from a JSON file: [[kernel, key, config], ...], key as in the table
     above (the x dtype without "torch."), config as _cfg's result; to time configs the autotuner
-    does not pick, or to pin another GPU's picks (scripts/pins_from_autotune.py prints a run's)."""
+    does not pick, or to pin another GPU's picks (scripts/pins_from_autotune.py prints a run's).
+    Files written before the inputs were named (runs 32-40) say false for float and true for int8."""
     pins: dict = {"gemv": {}, "int4": {}}
     try:
         for kernel, key, config in json.loads(Path(path).read_text()):
             if kernel not in pins or len(key) != 10 or not isinstance(config, dict):
                 raise ValueError(f"row {[kernel, key, config]}: kernel gemv or int4, a key of 10 values, a config")
-            pins[kernel][tuple(key)] = config
+            inputs = {False: "float", True: "int8"}.get(key[8], key[8])
+            pins[kernel][(*key[:8], inputs, key[9])] = config
     except (OSError, ValueError, TypeError) as e:
         raise InputError(f"LLAMACTL_PINS_FILE={path}: not a readable list of [kernel, key, config] rows ({e})",
                          "fix the file or unset LLAMACTL_PINS_FILE") from e
@@ -144,8 +146,12 @@ def choose(kernel: str, configs: list, args: dict) -> list:
     x = args["x_ptr"]
     third = args["G"] if kernel == "int4" else args["HAS_SCALE"]
     key = (args["N"], args["K"], third, args["NORM"], args["GLU"], args["RESIDUAL"], args.get("GLU_OUT", False),
-           args.get("PDL", False), args.get("A8", False) or ("fp16" if args.get("H16") else False),
-           str(x.dtype).removeprefix("torch."))
+           args.get("PDL", False), inputs(args), str(x.dtype).removeprefix("torch."))
     want = table(x.device).get(kernel, {}).get(key)
     pinned = [c for c in configs if want is not None and _matches(c, want)]
     return pinned[:1] or configs
+
+
+def inputs(args: dict) -> str:
+    """What a launch's low-bit GEMV multiplies with (env.QUANT_INPUTS), from its A8/H16/I16 switches."""
+    return "int8" if args.get("A8") else "fp16" if args.get("H16") else "int16" if args.get("I16") else "float"

@@ -50,8 +50,7 @@ class Int8Kernel(nn.Module, FusedIO):
         from llamactl import kernels
 
         self.triton = kernels.on_gpu(self.weight.device)
-        self.a8 = False  # batch-1 rows rounded to int8 per 32 columns for the GEMV (see kernels.linear.quant_inputs)
-        self.h16 = False  # batch-1 GEMV in packed fp16 (the same)
+        self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (see kernels.linear.quant_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -72,7 +71,7 @@ class Int8Kernel(nn.Module, FusedIO):
 
             y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales, *self._norm_args(),
                      None if residual is None else residual.reshape(-1).to(torch.bfloat16), self.glu,
-                     self.glu_out, self.a8, self.h16)  # batch-1 decode
+                     self.glu_out, self.inputs)  # batch-1 decode
             y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         shape, dtype = x.shape, x.dtype
