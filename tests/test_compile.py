@@ -110,7 +110,7 @@ def test_a_cache_compiled_for_other_kernels_says_so(compiled, tmp_path):
     finally:
         man_path.write_text(original)
     bad = runner.invoke(app, ["compile", str(out), "-o", str(tmp_path / "o"), "--quant-inputs", "int4"])
-    assert bad.exit_code == 2 and "use float, int8 or fp16" in bad.output and not (tmp_path / "o").exists()
+    assert bad.exit_code == 2 and "use float, int8, fp16 or int16" in bad.output and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("args", [("--buckets", "4"), ("--buckets", "999999"), ("--mode", "ludicrous")])
