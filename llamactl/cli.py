@@ -184,7 +184,7 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
 
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
-QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else float).")]
+QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
 EvalOpt = Annotated[Optional[str], typer.Option("--eval", help="Plain-text file for the quality report (default: packaged docs-eval.txt).")]
 EvalTokensOpt = Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens scored in the quality report; 0 skips it.")]
 
@@ -347,7 +347,7 @@ def bench(
     mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
     kernels: Annotated[str, typer.Option(help="llamactl's Triton GEMV and decode-attention kernels (CUDA): on, off, or on,off to time both.")] = "on",
     pdl: Annotated[Optional[str], typer.Option("--pdl", help="Programmatic dependent launch of the kernels (Hopper GPUs): on, off, or off,on to time both in one run (default: LLAMACTL_PDL).")] = None,
-    quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), fp16 (packed fp16 arithmetic), int16 (16-bit fixed point, DP2A), or a comma list such as float,int16 to time each in one run (default: LLAMACTL_QUANT_INPUTS).")] = None,
+    quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), fp16 (packed fp16 arithmetic), int16 (16-bit fixed point, DP2A), or a comma list such as float,int16 to time each in one run (default: LLAMACTL_QUANT_INPUTS, else int16).")] = None,
     stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
     synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
     synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int4 (RTN, group 128), int8 (per channel) or none; a comma list times several copies of the synthetic model in one run.")] = None,

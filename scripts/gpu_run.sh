@@ -91,6 +91,12 @@ for part in "$@"; do
     # bf16, int4 and int8 with fp16 arithmetic and int16 inputs in one run (the int16 shapes pinned by sweepi8/sweepi4)
     i16) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-i16 --synthetic llama2-7b --synthetic-quant none,int4,int8 \
            --dtype bfloat16 --mode compile --quant-inputs fp16,int16 "${std[@]}" ;;
+    # bf16, int4 and int8 with the default inputs (int16) and kernels.pinned's table alone
+    i16d) bench llama2-7b-i16d --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile \
+            "${std[@]}" ;;
+    # the GPU tests of generate/compile/bench paths with the default inputs, but the 3-minute synthetic int4 bench
+    gpudefault) python -m pytest -v -p no:cacheprovider --durations=8 tests/test_gpu.py tests/test_int4.py tests/test_pinned.py \
+                  -k "not bench_synthetic_int4" > "$out/gpudefault.txt" 2>&1; tail -25 "$out/gpudefault.txt" ;;
     i16tests) python -m pytest -q -rxX -p no:cacheprovider tests/test_int16_inputs.py tests/test_quant_inputs.py \
                 -k "int16 or i16 or int8_input_candidates or own" > "$out/i16tests.txt" 2>&1; tail -15 "$out/i16tests.txt" ;;
     int8w) LLAMACTL_PINS_FILE=$out/pins.json bench llama2-7b-int8w --synthetic llama2-7b --synthetic-quant none,int8 \
@@ -131,6 +137,9 @@ for part in "$@"; do
     l3) bench llama3-8b --synthetic llama3-8b --mode compile --prompt-len 128,2048 --gen-len 256 --warmup 2 --repeat 5 ;;
     long) bench llama3-8b-16k --synthetic llama3-8b --mode compile --prompt-len 128,16384 --gen-len 256 --warmup 2 --repeat 5 ;;
     ladder) bench llama2-7b-stages --synthetic llama2-7b --stages "${std[@]}" ;;
+    # the same with regional compilation off only (CUDA's default)
+    warm0) LLAMACTL_COMPILE_REGIONS=0 bash scripts/compile_warm_start.sh llamactl/assets/docs-llama-17m /tmp/warm0 cuda \
+             | tee "$out/warm-regions0.txt" ;;
     warm) for r in 1 0; do LLAMACTL_COMPILE_REGIONS=$r bash scripts/compile_warm_start.sh llamactl/assets/docs-llama-17m /tmp/warm$r cuda \
             | tee "$out/warm-regions$r.txt"; done ;;
     regions) LLAMACTL_COMPILE_REGIONS=1 bench llama2-7b-regions --synthetic llama2-7b --mode compile "${std[@]}" ;;

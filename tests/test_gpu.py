@@ -140,7 +140,8 @@ def rtn4(trained_model, tmp_path):
 
 def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
     """generate --quant-inputs int8 runs the int4 GEMVs with rounded inputs and reports it; its
-    greedy text starts as the float-input one does (docs-llama-17m: KL +0.0004 nats, quant-inputs-kl.txt)."""
+    greedy text starts as the float-input one does (docs-llama-17m: KL +0.0004 nats, quant-inputs-kl.txt);
+    without the option the int4 GEMVs take int16 inputs (the default), and say so."""
     import json
 
     from typer.testing import CliRunner
@@ -149,13 +150,15 @@ def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
 
     out, run = rtn4, CliRunner().invoke
     res = {}
-    for inputs in ("float", "int8"):
+    for inputs in ("float", "int8", None):
         r = run(app, ["generate", str(out), "-p", "The kernel", "-n", "24", "--temperature", "0", "--device", "cuda",
-                      "--dtype", "bfloat16", "--quant-inputs", inputs, "--json"])
+                      "--dtype", "bfloat16", "--json"] + (["--quant-inputs", inputs] if inputs else []))
         assert r.exit_code == 0, r.output
         res[inputs] = json.loads(r.stdout)
     assert "int8 inputs" in res["int8"]["extra"]["gemv"] and "int8 inputs" not in res["float"]["extra"]["gemv"]
+    assert "int16 inputs" in res[None]["extra"]["gemv"] and "int16 inputs" not in res["float"]["extra"]["gemv"]
     assert res["int8"]["token_ids"][:8] == res["float"]["token_ids"][:8]
+    assert res[None]["token_ids"][:16] == res["float"]["token_ids"][:16]
 
 
 def test_bench_scores_int8_fp16_and_int16_input_rows_through_the_decode_step(rtn4):

@@ -15,10 +15,10 @@ is captured.
 Act-order checkpoints have their columns sorted by group at load and x gathered in that order.
 
 The int4 and int8 products multiply in one of four ways (kernels.linear.quant_inputs): float32
-(the default), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded to 2^-7 of its block's
+(x as it is), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded to 2^-7 of its block's
 largest), packed fp16 (H16, kernels.half_math: x exact, sums rounded to fp16 within 16-32 columns)
 or 16-bit fixed-point inputs with DP2A (I16, kernels.int16_inputs: x rounded to 2^-15 of its
-block's largest, sums exact).
+block's largest, sums exact; a model's default).
 """
 
 from __future__ import annotations
