@@ -162,6 +162,10 @@ for part in "$@"; do
     a8int8) bench llama2-7b-int8-a8 --synthetic llama2-7b --synthetic-quant none,int8 \
               --dtype bfloat16 --mode compile --quant-inputs float,int8 "${std[@]}" ;;
     # the int8 model's step with int8 inputs, profiled: what keeps int8 under 1.6x (kernel table in OUT/)
+    # int4 and int8 with the default inputs (int16), PDL off so that each kernel's time is its own: the step's kernel tables
+    i16prof) rm -rf /tmp/profi; LLAMACTL_PDL=0 bench llama2-7b-i16-prof --synthetic llama2-7b --synthetic-quant int4,int8 \
+               --dtype bfloat16 --mode compile "${std[@]}" --profile /tmp/profi
+             cp /tmp/profi/kernels-*.txt "$out/"; head -16 /tmp/profi/kernels-*.txt ;;
     a8prof) rm -rf /tmp/profi; bench llama2-7b-int8-a8-prof --synthetic llama2-7b --synthetic-quant int8 \
               --dtype bfloat16 --mode compile --quant-inputs int8 "${std[@]}" --profile /tmp/profi
             cp /tmp/profi/kernels-*.txt "$out/"; head -30 /tmp/profi/kernels-*.txt ;;
