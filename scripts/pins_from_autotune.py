@@ -1,10 +1,11 @@
 """Print kernels/pinned.py table rows from a bench run's autotune log (gpu_run.sh's autotune.txt).
 
 The log holds what TRITON_PRINT_AUTOTUNING printed: per GEMV shape its key and the config chosen.
-Keys from commit c65f477 on carry A8 always and PDL only when on, so a key has 10 values with PDL
-and 9 without (earlier logs lack A8: not read here). Paste the rows of the run whose decode was
-fastest into pinned.py, under the GPU's name, with the run named.
-Usage: python scripts/pins_from_autotune.py docs/bench/run24-autotune.txt
+Keys carry PDL only when it is on, then the arithmetic switches of the log's commit: A8 (commit
+c65f477 on, runs 23-35: --switches 1), A8 and H16 (runs 36-40: --switches 2), A8, H16 and I16
+(run 41 on: the default, 3); earlier logs lack A8 and are not read. Paste the rows of the run whose
+decode was fastest into pinned.py, under the GPU's name, with the run named.
+Usage: python scripts/pins_from_autotune.py [--switches N] docs/bench/run41-autotune.txt
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ KEY = re.compile(r"autotuning for function (_gemv_kernel|_gemv_int4_kernel),\s*w
                  r"best config selected: (.*?);", re.S)
 
 
-def rows(text: str) -> list[str]:
+def rows(text: str, switches: int = 3) -> list[str]:
     out = []
     for fn, key, config in KEY.findall(text):
         values = ast.literal_eval(key)
         flags = [v for v in values if not isinstance(v, str)]  # the dtypes come last
         dtype = values[len(flags)].removeprefix("torch.")  # x's dtype: the first argument
-        if len(flags) not in (9, 10):
-            raise SystemExit(f"{key}: {len(flags)} key values, not a log of c65f477 or later")
+        if len(flags) - 8 not in (switches, switches + 1):
+            raise SystemExit(f"{key}: {len(flags)} key values, not 8 + PDL + {switches} switches (see --switches)")
         n, k, third, norm, glu, res, _use_asm, glu_out, *rest = flags
-        pdl, a8 = (rest[0], rest[1]) if len(rest) == 2 else (False, rest[0])
+        pdl = rest.pop(0) if len(rest) > switches else False
+        arith = dict(zip(("A8", "H16", "I16"), rest))
+        inputs = "int8" if arith.get("A8") else "fp16" if arith.get("H16") else "int16" if arith.get("I16") else "float"
         cfg = dict(item.split(": ") for item in config.split(", "))
         kw = {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
         variant = "X_CONTIG" if fn == "_gemv_int4_kernel" else "REDUCE_EACH"
@@ -34,10 +37,12 @@ def rows(text: str) -> list[str]:
         args += ["prefetch=True"] if cfg["PREFETCH"] == "True" else []
         args.append(f"{variant}={cfg[variant]}")
         kernel = "int4" if fn == "_gemv_int4_kernel" else "gemv"
-        out.append(f'"{kernel}": ({n}, {k}, {third}, {norm}, {glu}, {res}, {glu_out}, {pdl}, {a8}, "{dtype}"): '
+        out.append(f'"{kernel}": ({n}, {k}, {third}, {norm}, {glu}, {res}, {glu_out}, {pdl}, "{inputs}", "{dtype}"): '
                    f"_cfg({', '.join(map(str, args))}),")
     return out
 
 
 if __name__ == "__main__":
-    print("\n".join(rows(open(sys.argv[1]).read())))
+    args = sys.argv[1:]
+    n = int(args[1]) if args[:1] == ["--switches"] else 3
+    print("\n".join(rows(open(args[-1]).read(), n)))

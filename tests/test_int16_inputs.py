@@ -12,7 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from llamactl.kernels import gemv  # noqa: E402
-from test_kernels import DEV, _fixed, _int4_case, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
+from test_kernels import DEV, _fixed, _int4_case, _int8_per_32, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
 
 
 def _int16_per_32(x: torch.Tensor) -> torch.Tensor:
@@ -54,17 +54,19 @@ def test_gemv_int4_i16_multiplies_its_inputs_exactly(n, k, g, int4_prefetch):
     assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="int16").any()
 
 
-def test_gemv_int4_i16_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
+@pytest.mark.parametrize("inputs,rounded,tol", [("int8", _int8_per_32, 1e-5), ("int16", _int16_per_32, 1e-6)])
+def test_gemv_int4_integer_inputs_fold_rmsnorm_and_swiglu_before_rounding(inputs, rounded, tol, int4_prefetch):
+    """int8 (A8) and int16 (I16) inputs: x' (after the folded RMSNorm or SwiGLU) is what is rounded."""
     n, k, g = 16, 384, 128
-    q, s, z, w = _int4_case(n, k, g, seed=9)
+    q, s, z, w = _int4_case(n, k, g, seed=5)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="int16")
+    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs=inputs)
     rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
-    assert rel(y.cpu(), (w @ _int16_per_32(x * nw) * rs + r.double()).cpu()) < 1e-6
+    assert rel(y.cpu(), (w @ rounded(x * nw) * rs + r.double()).cpu()) < tol
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs="int16")
+    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs=inputs)
     act = (F.silu(h[:k].double()) * h[k:].double()).float()
-    assert rel(y.cpu(), (w @ _int16_per_32(act)).cpu()) < 1e-6
+    assert rel(y.cpu(), (w @ rounded(act)).cpu()) < tol
 
 
 @pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])

@@ -29,19 +29,6 @@ def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
     assert rel(y.cpu(), (w @ x.double()).cpu()) < 2e-2
 
 
-def test_gemv_int4_a8_folds_rmsnorm_and_swiglu_before_rounding(int4_prefetch):
-    n, k, g = 16, 384, 128
-    q, s, z, w = _int4_case(n, k, g, seed=5)
-    x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="int8")
-    rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
-    assert rel(y.cpu(), (w @ _int8_per_32(x * nw) * rs + r.double()).cpu()) < 1e-5
-    h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs="int8")
-    act = (F.silu(h[:k].double()) * h[k:].double()).float()
-    assert rel(y.cpu(), (w @ _int8_per_32(act)).cpu()) < 1e-5
-
-
 @pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])
 def test_gemv_int8_a8_multiplies_int8_inputs_exactly(n, k, gemv_prefetch):
     """a8 with int8 weights: one DP4A a word of 4 weights and 4 int8 inputs (rounded per 32

@@ -18,7 +18,7 @@ weights in H16); int4 weights, a word's even and odd nibbles as bytes (LOP3; SHF
 import triton
 import triton.language as tl
 
-from llamactl.kernels.int8_inputs import _quad_words, _round
+from llamactl.kernels.int8_inputs import _int_op, _quad_words, _round
 
 
 @triton.jit
@@ -52,15 +52,11 @@ def _dp2a(a, b, c, HI: tl.constexpr, B_SIGNED: tl.constexpr, USE_ASM: tl.constex
     if USE_ASM:
         if HI:
             if B_SIGNED:
-                return tl.inline_asm_elementwise("dp2a.hi.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                                 dtype=tl.int32, is_pure=True, pack=1)
-            return tl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+                return _int_op("dp2a.hi.s32.s32 $0, $1, $2, $3;", a, b, c)
+            return _int_op("dp2a.hi.s32.u32 $0, $1, $2, $3;", a, b, c)
         if B_SIGNED:
-            return tl.inline_asm_elementwise("dp2a.lo.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+            return _int_op("dp2a.lo.s32.s32 $0, $1, $2, $3;", a, b, c)
+        return _int_op("dp2a.lo.s32.u32 $0, $1, $2, $3;", a, b, c)
     for i in tl.static_range(2):
         bi = (b >> (8 * (2 * HI + i))) & 0xFF
         if B_SIGNED:

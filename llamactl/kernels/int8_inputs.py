@@ -76,15 +76,19 @@ def _round(x, inv, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _int_op(op: tl.constexpr, a, b, c):
+    """One PTX instruction `op` on int32 registers: $0 = op($1, $2, $3) (dp4a, dp2a)."""
+    return tl.inline_asm_elementwise(op, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _dp4a(a, b, c, USE_ASM: tl.constexpr, A_SIGNED: tl.constexpr = False):
     """c + the sum of the 4 products of a's bytes (unsigned, or signed with A_SIGNED) and b's bytes
     (signed), int32 (PTX dp4a)."""
     if USE_ASM:
         if A_SIGNED:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+            return _int_op("dp4a.s32.s32 $0, $1, $2, $3;", a, b, c)
+        return _int_op("dp4a.u32.s32 $0, $1, $2, $3;", a, b, c)
     for i in tl.static_range(4):
         ai = (a >> (8 * i)) & 0xFF
         if A_SIGNED:
