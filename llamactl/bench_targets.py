@@ -29,9 +29,12 @@ def parse_percent(value: str) -> float:
 
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
-                 synthetic_quant: str | None = None) -> list[Target]:
-    from llamactl.load import load_model, resolve_dtype, resolve_model_path
+                 synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None) -> list[Target]:
+    """The models to time. compile_warn (when a compile mode is timed): load each model folder's
+    `llamactl compile` cache for this machine, warning through it where one does not match."""
     from llamactl.artifact import open_artifact
+    from llamactl.compile import load_compile_cache
+    from llamactl.load import load_model, resolve_dtype, resolve_model_path
 
     targets = []
     if synthetic:
@@ -42,6 +45,8 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         model = load_model(art, device, resolve_dtype(dtype_name, device, art))
+        if compile_warn:
+            load_compile_cache(art, model.device, model.dtype, compile_warn)
         targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
     dtypes = {t.model.dtype for t in targets}
     if len(dtypes) > 1:

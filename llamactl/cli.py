@@ -118,9 +118,11 @@ def generate(
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     mode, buckets, entry = None, None, None
     if compile_:
-        from llamactl.compile import load_compile_cache
+        from llamactl.compile import load_compile_cache, skip_compile_workers
 
         entry = load_compile_cache(art, m.device, m.dtype, ui.warn)
+        if entry:
+            skip_compile_workers()
         mode, buckets = "compile", (entry or {}).get("buckets")
     result = None
     with env_var("LLAMACTL_QUANT_INPUTS", quant_inputs):
@@ -395,7 +397,8 @@ def bench(
     pdl_list = _comma_choices("--pdl", pdl, on_off, "on, off or off,on")
     inputs_list = _comma_choices("--quant-inputs", quant_inputs, {k: k for k in QUANT_INPUTS},
                                  f"{', '.join(QUANT_INPUTS)} or a comma list of them")
-    targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant)
+    targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
+                              ui.warn if "compile" in modes else None)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")

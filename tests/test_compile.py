@@ -1,4 +1,4 @@
-"""compile: cache artifacts written, keyed to this machine, loaded by generate; mismatches warn."""
+"""compile: cache artifacts written, keyed to this machine, loaded by generate and bench; mismatches warn."""
 
 from __future__ import annotations
 
@@ -68,15 +68,58 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
     assert not list((tmp_path / "inductor").glob("*/.*llamactl-tmp"))
 
 
-def test_generate_uses_the_cache_and_matches_eager(compiled):
+def test_generate_uses_the_cache_and_matches_eager(compiled, monkeypatch):
+    """A warm start also turns Inductor's compile workers off (it compiles nothing; run 45)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     out, _ = compiled
     args = ["generate", str(out), "-p", "The kernel", "-n", "12", "--temperature", "0", "--json"]
-    warm = runner.invoke(app, args + ["--compile"])
+    with inductor_config.patch(compile_threads=2):  # restored after it
+        warm = runner.invoke(app, args + ["--compile"])
+        threads = inductor_config.compile_threads
     eager = runner.invoke(app, args)
     assert warm.exit_code == 0, warm.output
     assert "warning" not in warm.stderr
     assert json.loads(warm.stdout)["extra"]["mode"] == "compile"
     assert json.loads(warm.stdout)["token_ids"][:8] == json.loads(eager.stdout)["token_ids"][:8]
+    assert threads == 1
+
+
+def test_compile_workers_stay_as_the_environment_says(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from llamactl.compile import skip_compile_workers
+
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    with inductor_config.patch(compile_threads=2):
+        skip_compile_workers()
+        assert inductor_config.compile_threads == 2
+
+
+def test_bench_loads_the_cache_when_it_compiles(compiled):
+    """bench --mode compile on a compiled folder loads its cache for this machine (a mismatched
+    one warns, as generate does); other modes leave it alone."""
+    out, _ = compiled
+    args = ["bench", str(out), "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+            "--format", "json"]
+    r = runner.invoke(app, args + ["--mode", "compile"])
+    assert r.exit_code == 0, r.output
+    assert "warning" not in r.stderr and json.loads(r.stdout)["results"][0]["stage"].startswith("llamactl + compile")
+    man_path = out / "llamactl.json"
+    original = man_path.read_text()
+    man = json.loads(original)
+    man["metrics"]["compile_cache"][0]["key"]["torch"] = "0.0.0"
+    man_path.write_text(json.dumps(man))
+    try:
+        r = runner.invoke(app, args + ["--mode", "compile"])
+        assert r.exit_code == 0, r.output
+        assert "compiling from scratch" in r.stderr
+        r = runner.invoke(app, args + ["--mode", "eager"])
+        assert r.exit_code == 0, r.output
+        assert "compiling from scratch" not in r.stderr
+    finally:
+        man_path.write_text(original)
 
 
 def test_mismatched_cache_warns_and_recompiles(compiled):
