@@ -317,9 +317,9 @@ def _pdl(choice: bool | None):
 
 def is_quantized(model) -> bool:
     """Whether the model has int4 or int8 layers whose GEMV inputs --quant-inputs chooses."""
-    from llamactl.kernels.linear import int8_input_layers
+    from llamactl.kernels.linear import quant_input_layers
 
-    return bool(int8_input_layers(model))
+    return bool(quant_input_layers(model))
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],

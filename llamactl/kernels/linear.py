@@ -190,9 +190,9 @@ def quant_inputs() -> str:
     return choice("LLAMACTL_QUANT_INPUTS", "int16", QUANT_INPUTS)
 
 
-def int8_input_layers(model) -> list[nn.Module]:
-    """The layers whose batch-1 GEMV can take int8 inputs (quant_inputs): the int4 ones, and the
-    int8 ones with whole 32-column blocks."""
+def quant_input_layers(model) -> list[nn.Module]:
+    """The layers whose batch-1 GEMV takes the quant_inputs choice (int16, int8, fp16): the int4
+    ones, and the int8 ones with whole 32-column blocks."""
     from llamactl.quantize.int8 import Int8Kernel
 
     return [m for m in model.modules()
@@ -227,8 +227,8 @@ def set_kernels(model, on: bool) -> dict[str, str]:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
                 setattr(owner, child, _swap_linear(mod, cls))
-    layers = int8_input_layers(model)
-    # the int8-input/fp16 GEMVs' own check runs only for a model that has such layers (a failure warns)
+    layers = quant_input_layers(model)
+    # the chosen inputs' own check (int16 by default) runs only for a model that has such layers (a failure warns)
     inputs = quant_inputs() if on and layers else "float"
     inputs = inputs if inputs == "float" or kernels.inputs_available(model.device, inputs) else "float"
     for mod in layers:
