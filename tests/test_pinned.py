@@ -113,3 +113,34 @@ def test_a_bad_pins_file_is_one_clear_error(on_h200, monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "missing.json"))
     with pytest.raises(InputError, match="missing.json"):
         pinned.table(torch.device("cuda:0"))
+
+
+def test_pins_from_autotune_turns_a_runs_log_into_the_tables_rows():
+    """scripts/pins_from_autotune.py on run 41's log (keys with A8, H16 and I16) gives the int4
+    int16 rows pinned from it, and reads run 24's (A8 only) with --switches 1."""
+    import ast
+    import re
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import pins_from_autotune
+    finally:
+        sys.path.pop(0)
+
+    def parse(rows):
+        out = {}
+        for row in rows:
+            kernel, key, cfg = re.fullmatch(r'"(\w+)": (\(.*?\)): (_cfg\(.*\)),', row).groups()
+            out[kernel, ast.literal_eval(key)] = eval(cfg, {"_cfg": pinned._cfg})
+        return out
+
+    run41 = parse(pins_from_autotune.rows((root / "docs/bench/run41-autotune.txt").read_text()))
+    int16 = {key: cfg for (kernel, key), cfg in run41.items() if kernel == "int4" and key[8] == "int16"}
+    assert len(int16) == 4 and all(pinned.TABLE["NVIDIA H200"]["int4"][key] == cfg for key, cfg in int16.items())
+    run24 = parse(pins_from_autotune.rows((root / "docs/bench/run24-autotune.txt").read_text(), switches=1))
+    assert {key[8] for _, key in run24} == {"float", "int8"}
+    with pytest.raises(SystemExit, match="switches"):
+        pins_from_autotune.rows((root / "docs/bench/run24-autotune.txt").read_text())
