@@ -20,7 +20,7 @@ gives (2, 6) and (3, 7) the same way. x's pair p of word i is (x[8 i + p], x[8 i
 import triton
 import triton.language as tl
 
-from llamactl.kernels.int8_inputs import _quad_words
+from llamactl.kernels.int8_inputs import _quad_words, _repeat
 
 
 def _half2_chain(setup: str, body: str) -> tl.constexpr:
@@ -202,8 +202,7 @@ def _int8_h16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
         acc_lo, acc_hi = _int8_word_h16(w2, a2, b2, acc_lo, acc_hi)
         acc_lo, acc_hi = _int8_word_h16(w3, a3, b3, acc_lo, acc_hi)
         dot = acc_lo + acc_hi
-    unit = tl.reshape(tl.broadcast_to(unit_bits.to(tl.float32, bitcast=True)[:, None], [BLOCK_K // 32, 2]),
-                      [BLOCK_K // 16])  # [BK/16] each 16 columns' 2^e
+    unit = _repeat(unit_bits.to(tl.float32, bitcast=True), 2, BLOCK_K // 32)  # [BK/16] each 16 columns' 2^e
     return dot * unit[None, :]
 
 

@@ -18,7 +18,7 @@ weights in H16); int4 weights, a word's even and odd nibbles as bytes (LOP3; SHF
 import triton
 import triton.language as tl
 
-from llamactl.kernels.int8_inputs import _int_op, _quad_words, _round
+from llamactl.kernels.int8_inputs import _int_op, _quad_max, _quad_sum, _quad_words, _repeat, _round
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _int8_i16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
     dot = _dp2a(b2, w2, dot, True, True, USE_ASM)
     dot = _dp2a(a3, w3, dot, False, True, USE_ASM)
     dot = _dp2a(b3, w3, dot, True, True, USE_ASM)  # [BN, BK/16] exact
-    scale = tl.reshape(tl.broadcast_to(down[:, None], [BLOCK_K // 32, 2]), [BLOCK_K // 16])  # [BK/16]
+    scale = _repeat(down, 2, BLOCK_K // 32)  # [BK/16] each 16 columns' block's
     return dot.to(tl.float32) * scale[None, :]
 
 
@@ -101,15 +101,13 @@ def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, B
     point per quad (module docstring). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4]
     the quads' zero points. A word's even nibbles as bytes (0, 2, 4, 6) take x's pairs (0, 2) and
     (4, 6) in two DP2A, its odd ones (shifted by 4) the pairs (1, 3) and (5, 7); a quad is one chain."""
-    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))  # [W]
-    down, up = _int16_scale(tl.max(tl.reshape(amax, [WORDS // 4, 4]), axis=1))  # [W/4] each
-    up_w = tl.reshape(tl.broadcast_to(up[:, None], [WORDS // 4, 4]), [WORDS])  # [W] each word's quad's
+    down, up = _int16_scale(_quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS))  # [W/4] each
+    up_w = _repeat(up, 4, WORDS // 4)  # [W] each word's quad's
     v0, v1, v2, v3 = _round16(x0, up_w, USE_ASM), _round16(x1, up_w, USE_ASM), _round16(x2, up_w, USE_ASM), \
         _round16(x3, up_w, USE_ASM)  # [W] int32 in int16's range
     v4, v5, v6, v7 = _round16(x4, up_w, USE_ASM), _round16(x5, up_w, USE_ASM), _round16(x6, up_w, USE_ASM), \
         _round16(x7, up_w, USE_ASM)
-    vsum = tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)  # [W/4]
+    vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
     even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
     odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
     e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)  # [BN, W/4] each

@@ -14,18 +14,16 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     group). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points.
     The even nibbles of a word are its bytes masked with 0x0F0F0F0F, the odd ones those of the word
     shifted by 4; one DP4A each multiplies them with the matching 4 int8 inputs and adds."""
-    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))  # [W]
-    qmax = tl.max(tl.reshape(amax, [WORDS // 4, 4]), axis=1)  # [W/4]
+    qmax = _quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS)  # [W/4]
     inv = _int8_inv(qmax)  # [W/4]
-    inv_w = tl.reshape(tl.broadcast_to(inv[:, None], [WORDS // 4, 4]), [WORDS])  # [W] each word's quad's
+    inv_w = _repeat(inv, 4, WORDS // 4)  # [W] each word's quad's
     v0, v1, v2, v3 = _round(x0, inv_w, USE_ASM), _round(x1, inv_w, USE_ASM), _round(x2, inv_w, USE_ASM), _round(
         x3, inv_w, USE_ASM)  # [W] int32
     v4, v5, v6, v7 = _round(x4, inv_w, USE_ASM), _round(x5, inv_w, USE_ASM), _round(x6, inv_w, USE_ASM), _round(
         x7, inv_w, USE_ASM)
     x_even = (v0 & 0xFF) | ((v2 & 0xFF) << 8) | ((v4 & 0xFF) << 16) | ((v6 & 0xFF) << 24)  # [W] 4 int8 a word
     x_odd = (v1 & 0xFF) | ((v3 & 0xFF) << 8) | ((v5 & 0xFF) << 16) | ((v7 & 0xFF) << 24)
-    vsum = tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)  # [W/4]
+    vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
     even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
     odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
     # a quad's 4 words (one thread's 16-byte load): 8 DP4A chained, [BN, W/4] each
@@ -42,6 +40,26 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     dot = _dp4a(e3, xe3, dot, USE_ASM)
     dot = _dp4a(o3, xo3, dot, USE_ASM)  # [BN, W/4] sum over the quad of code v, exact
     return (dot.to(tl.float32) - z * vsum.to(tl.float32)[None, :]) * (qmax * (1.0 / 127.0))[None, :]
+
+
+@triton.jit
+def _quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS: tl.constexpr):
+    """The largest |x| of each quad (4 words: 32 columns), [W/4], from the slices x_j: [W]."""
+    amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))  # [W]
+    return tl.max(tl.reshape(amax, [WORDS // 4, 4]), axis=1)
+
+
+@triton.jit
+def _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS: tl.constexpr):
+    """The sum of each quad's 32 values, [W/4], from the slices v_j: [W]."""
+    return tl.sum(tl.reshape(v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7, [WORDS // 4, 4]), axis=1)
+
+
+@triton.jit
+def _repeat(v, TIMES: tl.constexpr, N: tl.constexpr):
+    """v: [N] -> [N * TIMES], each value TIMES times in a row (a block's scale for each of its parts)."""
+    return tl.reshape(tl.broadcast_to(v[:, None], [N, TIMES]), [N * TIMES])
 
 
 @triton.jit
@@ -119,5 +137,5 @@ def _int8_a8_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl
     dot = _dp4a(w1, x1, dot, USE_ASM, A_SIGNED=True)
     dot = _dp4a(w2, x2, dot, USE_ASM, A_SIGNED=True)
     dot = _dp4a(w3, x3, dot, USE_ASM, A_SIGNED=True)  # [BN, BK/16] exact
-    scale = tl.reshape(tl.broadcast_to((qmax * (1.0 / 127.0))[:, None], [BLOCK_K // 32, 2]), [BLOCK_K // 16])
+    scale = _repeat(qmax * (1.0 / 127.0), 2, BLOCK_K // 32)  # [BK/16] each 16 columns' block's
     return dot.to(tl.float32) * scale[None, :]
