@@ -14,6 +14,8 @@ import ast
 import re
 import sys
 
+from llamactl.kernels import INPUT_SWITCHES, pinned
+
 KEY = re.compile(r"autotuning for function (_gemv_kernel|_gemv_int4_kernel),\s*with key as (\(.*?\)),.*?"
                  r"best config selected: (.*?);", re.S)
 
@@ -28,8 +30,7 @@ def rows(text: str, switches: int = 3) -> list[str]:
             raise SystemExit(f"{key}: {len(flags)} key values, not 8 + PDL + {switches} switches (see --switches)")
         n, k, third, norm, glu, res, _use_asm, glu_out, *rest = flags
         pdl = rest.pop(0) if len(rest) > switches else False
-        arith = dict(zip(("A8", "H16", "I16"), rest))
-        inputs = "int8" if arith.get("A8") else "fp16" if arith.get("H16") else "int16" if arith.get("I16") else "float"
+        inputs = pinned.inputs(dict(zip(INPUT_SWITCHES.values(), rest)))
         cfg = dict(item.split(": ") for item in config.split(", "))
         kw = {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
         variant = "X_CONTIG" if fn == "_gemv_int4_kernel" else "REDUCE_EACH"

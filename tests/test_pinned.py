@@ -144,3 +144,10 @@ def test_pins_from_autotune_turns_a_runs_log_into_the_tables_rows():
     assert {key[8] for _, key in run24} == {"float", "int8"}
     with pytest.raises(SystemExit, match="switches"):
         pins_from_autotune.rows((root / "docs/bench/run24-autotune.txt").read_text())
+
+
+def test_every_quant_inputs_kind_keys_the_pins_by_its_own_name():
+    """gemv._arithmetic's switches for each --quant-inputs kind read back (pinned.inputs) as that kind."""
+    from llamactl.env import QUANT_INPUTS
+
+    assert [pinned.inputs(gemv._arithmetic(kind)) for kind in QUANT_INPUTS] == list(QUANT_INPUTS)

@@ -23,6 +23,9 @@ from llamactl.env import flag
 # the @triton.jit functions of gemv.py and attention.py: their Triton cache entries travel with
 # `llamactl compile` artifacts (compiled binaries and autotune choices)
 KERNEL_NAMES = ("_gemv_kernel", "_gemv_int4_kernel", "_dequant_int4_kernel", "_split_kernel", "_merge_kernel")
+# the GEMV kernels' constexpr switch for each --quant-inputs kind but "float" (env.QUANT_INPUTS), in
+# the order of their autotune keys (gemv._arithmetic sets them, pinned.inputs reads them back)
+INPUT_SWITCHES = {"int8": "A8", "fp16": "H16", "int16": "I16"}
 LAUNCHERS = ("__triton_launcher", "cuda_utils")  # Triton's C launchers, in its cache too
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from llamactl.env import QUANT_INPUTS
-from llamactl.kernels import interpreted, pdl_launch, pinned
+from llamactl.kernels import INPUT_SWITCHES, interpreted, pdl_launch, pinned
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
@@ -570,7 +570,7 @@ def _arithmetic(inputs: str) -> dict[str, bool]:
     per 32 columns, DP2A)."""
     if inputs not in QUANT_INPUTS:
         raise ValueError(f"GEMV inputs {inputs!r}: not one of {', '.join(QUANT_INPUTS)}")
-    return {"A8": inputs == "int8", "H16": inputs == "fp16", "I16": inputs == "int16"}
+    return {switch: inputs == kind for kind, switch in INPUT_SWITCHES.items()}
 
 
 def _whole_groups(k: int, group_size: int) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from llamactl.env import flag
 from llamactl.errors import InputError
-from llamactl.kernels import _index
+from llamactl.kernels import INPUT_SWITCHES, _index
 
 # (N, K, third, NORM, GLU, RESIDUAL, GLU_OUT, PDL, inputs, x dtype) -> the config (inputs: one of
 # env.QUANT_INPUTS, see _inputs): `third` is G for the int4 kernel and HAS_SCALE (int8 weights) for
@@ -167,4 +167,4 @@ def choose(kernel: str, configs: list, args: dict) -> list:
 
 def inputs(args: dict) -> str:
     """What a launch's low-bit GEMV multiplies with (env.QUANT_INPUTS), from its A8/H16/I16 switches."""
-    return "int8" if args.get("A8") else "fp16" if args.get("H16") else "int16" if args.get("I16") else "float"
+    return next((kind for kind, switch in INPUT_SWITCHES.items() if args.get(switch)), "float")
