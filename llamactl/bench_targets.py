@@ -159,8 +159,8 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
 
 def add_quality(rows: list[dict], targets: list[Target], reference: str | None, eval_file: str | None,
                 eval_tokens: int, device: torch.device, progress) -> None:
-    """Set each result row's "quality" (quality_for), the rows with int8/fp16 inputs scored through
-    the decode step."""
+    """Set each result row's "quality" (quality_for), the rows with int16/int8 inputs or fp16
+    arithmetic scored through the decode step."""
 
     def kind(row: dict) -> str:
         return next((k for k, label in QUANT_INPUT_LABELS.items() if row["stage"].endswith("+ " + label)), "float")

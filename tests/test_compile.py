@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 
@@ -106,35 +107,35 @@ def test_bench_loads_the_cache_when_it_compiles(compiled):
     r = runner.invoke(app, args + ["--mode", "compile"])
     assert r.exit_code == 0, r.output
     assert "warning" not in r.stderr and json.loads(r.stdout)["results"][0]["stage"].startswith("llamactl + compile")
-    man_path = out / "llamactl.json"
-    original = man_path.read_text()
-    man = json.loads(original)
-    man["metrics"]["compile_cache"][0]["key"]["torch"] = "0.0.0"
-    man_path.write_text(json.dumps(man))
-    try:
+    with _cache_for_another_torch(out):
         r = runner.invoke(app, args + ["--mode", "compile"])
         assert r.exit_code == 0, r.output
         assert "compiling from scratch" in r.stderr
         r = runner.invoke(app, args + ["--mode", "eager"])
         assert r.exit_code == 0, r.output
         assert "compiling from scratch" not in r.stderr
-    finally:
-        man_path.write_text(original)
 
 
-def test_mismatched_cache_warns_and_recompiles(compiled):
-    out, entry = compiled
+@contextmanager
+def _cache_for_another_torch(out):
+    """The compiled folder's manifest says its cache was made by torch 0.0.0, then is put back."""
     man_path = out / "llamactl.json"
     original = man_path.read_text()
     man = json.loads(original)
     man["metrics"]["compile_cache"][0]["key"]["torch"] = "0.0.0"
     man_path.write_text(json.dumps(man))
     try:
+        yield
+    finally:
+        man_path.write_text(original)
+
+
+def test_mismatched_cache_warns_and_recompiles(compiled):
+    out, entry = compiled
+    with _cache_for_another_torch(out):
         r = runner.invoke(app, ["generate", str(out), "-p", "x", "-n", "4", "--temperature", "0", "--compile"])
         assert r.exit_code == 0, r.output
         assert "compiling from scratch" in r.stderr
-    finally:
-        man_path.write_text(original)
 
 
 def test_a_cache_compiled_for_other_kernels_says_so(compiled, tmp_path):
