@@ -191,37 +191,133 @@ def lineage(art: Artifact, max_depth: int = 32) -> list[dict[str, Any]]:
 
 
 def check_output(out: Path, force: bool, inputs: list[Path] = ()) -> None:
-    """Refuse an existing output without --force, and any output that is one of the inputs."""
+    """Refuse, before any work: an output that is an input, inside one or holding one; an existing
+    output without --force; with --force, anything but a folder llamactl wrote (one with a
+    llamactl.json) or an empty folder; and an output whose parent cannot be written."""
     out = Path(out)
+    target = out.resolve()
     for src in inputs:
-        if out.resolve() == Path(src).resolve() or Path(src).resolve() in out.resolve().parents:
+        src = Path(src).resolve()
+        if target == src or src in target.parents:
             raise InputError(f"output {out} is the input folder or inside it", "inputs are never modified: choose another -o")
-    if out.exists() and not force:
-        raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+        if target in src.parents:
+            raise InputError(f"output {out} contains the input {src}", "replacing it would delete the input: choose another -o")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+        if out.is_symlink() or not out.is_dir():
+            raise OutputExistsError(f"output {out} exists and is not a folder", "--force replaces only folders: choose another -o path")
+        if not (out / MANIFEST).is_file() and any(out.iterdir()):
+            raise OutputExistsError(f"output {out} is a folder llamactl did not write (no {MANIFEST})",
+                                    "--force replaces only llamactl's outputs or empty folders: choose another -o path")
+    check_writable_dir(out.parent, "-o")
+
+
+def check_writable_dir(folder: Path, option: str) -> None:
+    """Raise InputError unless `folder` (made if missing) is a folder this process can write."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise InputError(f"{option} {folder}: {probe} is not a folder", "choose an output path under a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {folder}: {probe} is not writable", "choose an output path you can write")
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """Raise InputError, before any work, for a file path that cannot be written: a folder, or a
+    parent that is not a writable folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{option} {path} is a folder", f"give {option} a file name, for example {path / 'bench.json'}")
+    check_writable_dir(path.parent, option)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove the staging folders and locks beside `out` left by runs that died (kill -9, power
+    loss): `.NAME.tmp-PID-*` and `.NAME.lock` of a process that no longer exists. Returns them."""
+    out = Path(out)
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = p.name[len(f".{out.name}.tmp-"):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        pid = int(lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        pid = None
+    if lock.exists() and (pid is None or not _alive(pid)):
+        lock.unlink(missing_ok=True)
+        removed.append(lock)
+    return removed
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside `out`; rename it into place only if the block succeeds."""
-    out = Path(out)
-    check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
+def _reserve(out: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `out` (created exclusively) for the block: a second run writing the
+    same output is refused at once instead of silently replacing the first one's result."""
+    lock = out.parent / f".{out.name}.lock"
     try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        holder = lock.read_text().strip() if lock.exists() else "?"
+        raise OutputExistsError(f"output {out} is being written by another llamactl run (pid {holder})",
+                                "wait for it to finish, or choose another -o path") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, force: bool, log=lambda message: None) -> Iterator[Path]:
+    """Yield a temporary folder beside `out`; rename it into place only if the block succeeds.
+    The output is reserved for the block (a concurrent writer is refused), leftovers of dead runs
+    are cleaned first (and logged), and nothing half-written is ever at `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p in clean_stale(out):
+        log(f"removed {p}, left by a run that was killed")
+    with _reserve(out):
+        check_output(out, force)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
+        try:
+            yield tmp
+            if out.exists():
+                if not force:  # another tool made it meanwhile
+                    raise OutputExistsError(f"output {out} appeared while this run worked; nothing was replaced",
+                                            "pass --force to replace it, or choose another -o path")
+                check_output(out, force)
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-old-", dir=out.parent))
+                old.rmdir()
+                out.rename(old)
+                tmp.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def copy_side_files(src: Path, dst: Path) -> None:

@@ -20,10 +20,11 @@ import torch
 
 from llamactl import __version__
 from llamactl.decode import Decoder, attention_backend, sync
-from llamactl.env import QUANT_INPUT_LABELS, env_var
+from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.options import RuntimeOptions
 from llamactl.stats import median, percentile, spread
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry "plan" (what the step ran, layers.plan.Plan) and "options"
 
 
 @dataclass
@@ -101,12 +102,13 @@ def _peak(device: torch.device) -> int:
 
 
 def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial, mode: str,
-                  profile_dir: Path | None = None, kernels: bool = True) -> dict[str, Any]:
-    """Run warm-up + timed generations through Decoder in `mode`; per-run timings and latencies."""
+                  profile_dir: Path | None = None, options: RuntimeOptions | None = None) -> dict[str, Any]:
+    """Run warm-up + timed generations through Decoder in `mode` with `options`; per-run timings
+    and latencies, and the Decoder's plan."""
     device = model.device
     gen = torch.Generator(device="cpu").manual_seed(trial.seed)
     ids = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    dec = Decoder(model, batch, prompt_len + gen_len, mode, kernels=kernels)
+    dec = Decoder(model, batch, prompt_len + gen_len, mode, options=options)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = []
@@ -118,7 +120,7 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     backend = attention_backend(model, batch, device)
     if dec.kernels["decode_attention"] != "sdpa":
         backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
-    return {"runs": timed, "backend": backend, "kv_bytes": _kv_alloc(model), "gemv": dec.kernels["gemv"]}
+    return {"runs": timed, "backend": backend, "kv_bytes": _kv_alloc(model), "gemv": dec.plan.label, "plan": dec.plan}
 
 
 def _kv_alloc(model) -> int:
@@ -216,6 +218,7 @@ def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) ->
         "repeats": len(runs),
         "attention_backend": raw["backend"],
         "gemv": raw.get("gemv"),
+        "plan": raw["plan"].as_dict() if raw.get("plan") else None,
         "kv_bytes": raw["kv_bytes"],
     }
 
@@ -229,9 +232,9 @@ def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float) 
 
 
 def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict[str, Any]:
-    commit = os.environ.get("LLAMACTL_COMMIT")  # set by scripts/gpu_run.sh: the tree there may lack .git
+    commit = None
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
@@ -292,12 +295,14 @@ def kernel_table(events, steps: int, cuda: bool) -> str:
 
 
 def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None, ...],
-             device: torch.device, inputs: tuple[str | None, ...] = (None,),
-             quantized: bool = True) -> list[tuple[str, bool, bool | None, str | None]]:
-    """The llamactl configurations timed per target, batch and prompt length: (mode, kernels on,
-    programmatic dependent launch on/off, the quantized GEMVs' inputs (env.QUANT_INPUTS); None: the
-    environment's LLAMACTL_PDL / LLAMACTL_QUANT_INPUTS). Both only change llamactl's kernels on a
-    GPU, and the inputs only a `quantized` model's, so elsewhere only the first choice is timed."""
+             device: torch.device, inputs: tuple[str | None, ...] = (None,), quantized: bool = True,
+             base: RuntimeOptions | None = None) -> list[tuple[str, RuntimeOptions]]:
+    """The llamactl configurations timed per target, batch and prompt length: (mode, options),
+    each of `base`'s options with one choice of kernels on/off, programmatic dependent launch
+    on/off and the quantized GEMVs' inputs (None: base's). PDL and the inputs change only
+    llamactl's kernels on a GPU, and the inputs only a `quantized` model's, so elsewhere only the
+    first choice is timed."""
+    base = base or RuntimeOptions()
     out = []
     for mode in modes:
         for on in kernels:
@@ -305,30 +310,34 @@ def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None
             for i, p in enumerate(pdl):
                 for j, kind in enumerate(inputs):
                     if (i == 0 or gpu) and (j == 0 or gpu and quantized):
-                        out.append((mode, on, p, kind))
+                        out.append((mode, base.replace(kernels=on, pdl=p, quant_inputs=kind)))
     return out
-
-
-def _pdl(choice: bool | None):
-    """LLAMACTL_PDL set to `choice` for a block (None: left as it is); kernels.pdl reads it at
-    each launch, and a decoder's CUDA graph keeps what its capture saw."""
-    return env_var("LLAMACTL_PDL", None if choice is None else "1" if choice else "0")
 
 
 def is_quantized(model) -> bool:
     """Whether the model has int4 or int8 layers whose GEMV inputs --quant-inputs chooses."""
-    from llamactl.kernels.linear import quant_input_layers
+    from llamactl.layers.plan import quant_input_layers
 
     return bool(quant_input_layers(model))
+
+
+def stage_name(mode: str, plan) -> str:
+    """A row's stage for people, from its mode and what ran (the row's plan has the fields)."""
+    stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
+             "compile": "llamactl + compile + CUDA graphs"}[mode]
+    stage += " + Triton kernels" if plan.kernels else ""
+    stage += " + PDL" if plan.pdl else ""
+    return stage + (f" + {QUANT_INPUT_LABELS[plan.inputs]}" if plan.inputs != "float" else "")
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
         device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
         profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,),
-        pdl: tuple[bool | None, ...] = (None,), inputs: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
-    """Measure every target x variant (mode, kernels, PDL, inputs; see `variants`) x batch x prompt length;
+        pdl: tuple[bool | None, ...] = (None,), inputs: tuple[str | None, ...] = (None,),
+        options: RuntimeOptions | None = None, warn: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Measure every target x variant (mode and options; see `variants`) x batch x prompt length;
     hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
-    and/or off (cuBLAS + SDPA)."""
+    and/or off (cuBLAS + SDPA). warn: what a plan's warnings go to (kernels that failed their check)."""
     bw = copy_bandwidth(device)
     results = []
 
@@ -362,19 +371,17 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
                 _free(device)
             for target in targets:
-                for mode, on, launch, kind in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model)):
-                    stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
-                             "compile": "llamactl + compile + CUDA graphs"}[mode]
+                for mode, opts in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model), options):
                     if mode != "eager" and device.type != "cuda":
+                        stage = {"graphs": "llamactl + CUDA graphs", "compile": "llamactl + compile + CUDA graphs"}[mode]
                         add({"model": target.label, "stage": stage}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
-                    with _pdl(launch), env_var("LLAMACTL_QUANT_INPUTS", kind):
-                        raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, on)
-                    stage += " + Triton kernels" if raw["gemv"].startswith("triton") else ""
-                    stage += " + PDL" if ", PDL" in raw["gemv"] else ""
-                    stage += "".join(f" + {label}" for label in QUANT_INPUT_LABELS.values() if label in raw["gemv"])
-                    add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
+                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, opts)
+                    for w in raw["plan"].warnings:
+                        warn(w)
+                    add({"model": target.label, "stage": stage_name(mode, raw["plan"]), "options": opts.as_dict()},
+                        target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 
 

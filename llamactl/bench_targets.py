@@ -7,8 +7,9 @@ from typing import Any, Callable
 import torch
 
 from llamactl.bench import SkipStage, Target
-from llamactl.env import QUANT_INPUT_LABELS
 from llamactl.errors import InputError
+from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.options import RuntimeOptions
 
 
 def parse_int_list(value: str, option: str) -> list[int]:
@@ -29,9 +30,13 @@ def parse_percent(value: str) -> float:
 
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
-                 synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None) -> list[Target]:
+                 synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None,
+                 options: RuntimeOptions | None = None) -> list[Target]:
     """The models to time. compile_warn (when a compile mode is timed): load each model folder's
-    `llamactl compile` cache for this machine, warning through it where one does not match."""
+    `llamactl compile` cache for this machine, warning through it where one does not match.
+    options: the runtime's (quantized layers on llamactl's kernels where they run)."""
+    from llamactl.layers.plan import kernels_run
+
     from llamactl.artifact import open_artifact
     from llamactl.compile import load_compile_cache
     from llamactl.load import load_model, resolve_dtype, resolve_model_path
@@ -41,10 +46,11 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
         dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
         for quant in (synthetic_quant or "none").split(","):
-            targets.append(_synthetic_target(synthetic, quant.strip(), device, dtype))
+            targets.append(_synthetic_target(synthetic, quant.strip(), device, dtype,
+                                             kernels_run(device, options or RuntimeOptions())[0]))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
-        model = load_model(art, device, resolve_dtype(dtype_name, device, art))
+        model = load_model(art, device, resolve_dtype(dtype_name, device, art), options)
         if compile_warn:
             load_compile_cache(art, model.device, model.dtype, compile_warn)
         targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
@@ -54,7 +60,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
-def _synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype) -> Target:
+def _synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool) -> Target:
     from llamactl.synthetic import build_synthetic
 
     if quant not in ("none", "int4", "int8"):
@@ -64,16 +70,17 @@ def _synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch
     model = build_synthetic(shape, device, dtype)
     label = f"synthetic:{shape}"
     if quant == "int4":
-        from llamactl.quantize.int4 import quantize_linears_int4
+        from llamactl.quantize.rtn import quantize_linears_int4
 
-        quantize_linears_int4(model, 128)
+        quantize_linears_int4(model, triton, 128)
         label += " int4-g128"
     elif quant == "int8":
-        from llamactl.quantize.int8 import available, quantize_linears_int8
+        from llamactl.layers.int8 import available
+        from llamactl.quantize.rtn import quantize_linears_int8
 
-        if not available(device.type):
+        if not available(device.type, triton):
             raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
-        quantize_linears_int8(model)
+        quantize_linears_int8(model, triton)
         label += " int8"
     return Target(label=label, model=model, synthetic=shape)
 
@@ -115,17 +122,18 @@ def hf_stages(target: Target, device: torch.device, dtype: torch.dtype) -> list[
 
 
 def quality_for(targets: list[Target], reference: str | None, eval_file: str | None, eval_tokens: int,
-                device: torch.device, progress, inputs: tuple[str, ...] = ()) -> dict[tuple[str, str], dict]:
+                device: torch.device, progress, inputs: tuple[str, ...] = (),
+                options: RuntimeOptions | None = None) -> dict[tuple[str, str], dict]:
     """(label, "float") -> quality dict (ppl, and KL/top-1 against the reference when there is
     one). inputs ("int8", "fp16", "int16"): also (label, kind) for a quantized model on a GPU, scored
     through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
     on dequantized weights, with its inputs as they are)."""
     from llamactl.artifact import lineage, open_artifact
     from llamactl.bench import is_quantized
-    from llamactl.env import env_var
-    from llamactl.kernels.linear import set_kernels
+    from llamactl.layers.plan import prepare
     from llamactl.quality import decode_logits, measure, prefill_logits
 
+    options = options or RuntimeOptions()
     out = {}
     for t in targets:
         if t.artifact is None:
@@ -142,13 +150,12 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
         if device.type == "cuda" and is_quantized(t.model):
             kinds += [k for k in inputs if k in QUANT_INPUT_LABELS]
         for kind in kinds:
-            with env_var("LLAMACTL_QUANT_INPUTS", kind):
-                if kind != "float" and QUANT_INPUT_LABELS[kind] not in set_kernels(t.model, True)["gemv"]:
-                    out[t.label, kind] = {"skipped": f"the GEMVs with {kind} inputs did not run here"}
-                    continue
-                q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
-                            parent_model=t.model if own else None, child_model=t.model,
-                            child_logits=prefill_logits if kind == "float" else decode_logits).to_dict()
+            if kind != "float" and prepare(t.model, options.replace(kernels=True, quant_inputs=kind)).inputs != kind:
+                out[t.label, kind] = {"skipped": f"the GEMVs with {kind} inputs did not run here"}
+                continue
+            q = measure(ref_art, t.artifact, device, eval_file, eval_tokens, progress,
+                        parent_model=t.model if own else None, child_model=t.model,
+                        child_logits=prefill_logits if kind == "float" else decode_logits).to_dict()
             q["reference"] = None if own else str(ref_art.path)
             q["scored"] = "prefill" if kind == "float" else f"decode steps, {QUANT_INPUT_LABELS[kind]}"
             if own:  # no reference: only perplexity is meaningful
@@ -158,14 +165,14 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
 
 
 def add_quality(rows: list[dict], targets: list[Target], reference: str | None, eval_file: str | None,
-                eval_tokens: int, device: torch.device, progress) -> None:
+                eval_tokens: int, device: torch.device, progress, options: RuntimeOptions | None = None) -> None:
     """Set each result row's "quality" (quality_for), the rows with int16/int8 inputs or fp16
     arithmetic scored through the decode step."""
 
     def kind(row: dict) -> str:
-        return next((k for k, label in QUANT_INPUT_LABELS.items() if row["stage"].endswith("+ " + label)), "float")
+        return (row.get("plan") or {}).get("inputs") or "float"
 
     qs = quality_for(targets, reference, eval_file, eval_tokens, device, progress,
-                     tuple(sorted({kind(r) for r in rows} - {"float"})))
+                     tuple(sorted({kind(r) for r in rows} - {"float"})), options)
     for r in rows:
         r["quality"] = qs.get((r["model"], kind(r)))

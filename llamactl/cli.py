@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -12,8 +11,8 @@ import typer
 from typer.core import TyperGroup
 
 from llamactl import __version__, ui
-from llamactl.env import QUANT_INPUT_LABELS, QUANT_INPUTS
 from llamactl.errors import InputError, LlamactlError
+from llamactl.kernels.arith import QUANT_INPUTS
 
 
 class ErrorBoundary(TyperGroup):
@@ -23,7 +22,9 @@ class ErrorBoundary(TyperGroup):
         try:
             return super().invoke(ctx)
         except LlamactlError as e:
-            if os.environ.get("LLAMACTL_DEBUG"):
+            from llamactl.options import debug
+
+            if debug():
                 traceback.print_exc()
             ui.error(e.message, e.hint)
             raise typer.Exit(1)
@@ -96,22 +97,24 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile`).")] = False,
     quant_inputs: QuantInputsOpt = None,
+    kernels: KernelsOpt = None,
+    pins_file: PinsFileOpt = None,
     json_out: JsonOpt = False,
     allow_pickle: PickleOpt = False,
 ):
     """Generate text, streamed to stdout; timing goes to stderr."""
     from llamactl import generate as gen
-    from llamactl.env import env_var
+    from llamactl.layers.plan import Plan
     from llamactl.load import load
 
-    _check_quant_inputs(quant_inputs)
+    options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\n")
         if not prompt:
             raise InputError("no prompt given: stdin was empty", "pass --prompt TEXT or pipe the prompt on stdin")
-    art, m, tok, _ = load(model, device, dtype, allow_pickle)
+    art, m, tok, _ = load(model, device, dtype, allow_pickle, options)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
@@ -124,16 +127,20 @@ def generate(
         if entry:
             skip_compile_workers()
         mode, buckets = "compile", (entry or {}).get("buckets")
-    result = None
-    with env_var("LLAMACTL_QUANT_INPUTS", quant_inputs):
-        for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets):
-            if isinstance(ev, gen.Result):
-                result = ev
-            elif not json_out:
-                ui.emit_text(ev.text)
+    result = plan = None
+    for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
+                           options):
+        if isinstance(ev, Plan):
+            plan = ev
+            for w in plan.warnings:
+                ui.warn(w)
+        elif isinstance(ev, gen.Result):
+            result = ev
+        elif not json_out:
+            ui.emit_text(ev.text)
     if not json_out:
         ui.emit_text("\n")  # before any warning, which goes to stderr
-    _warn_about_gemv(result, entry, quant_inputs)
+    _warn_about_gemv(plan, result.device, entry, quant_inputs)
     if json_out:
         ui.emit_json({"model": str(art.path), **vars(result)})
         return
@@ -144,16 +151,15 @@ def generate(
            f"{result.extra.get('attention_backend')}[/dim]")
 
 
-def _warn_about_gemv(result, compiled: dict | None, quant_inputs: str | None) -> None:
+def _warn_about_gemv(plan, device: str, compiled: dict | None, quant_inputs: str | None) -> None:
     """Say when the GEMVs that ran are not those asked for: a compile cache made for others, or int8
     inputs/fp16 arithmetic/int16 inputs where they do not apply."""
-    gemv = result.extra["gemv"]
-    if compiled and compiled.get("gemv") not in (None, gemv):
-        ui.warn(f"the compile cache was made for gemv {compiled['gemv']}; this run used {gemv}, "
+    if compiled and compiled.get("gemv") not in (None, plan.label):
+        ui.warn(f"the compile cache was made for gemv {compiled['gemv']}; this run used {plan.label}, "
                 "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
-    if quant_inputs in QUANT_INPUT_LABELS and QUANT_INPUT_LABELS[quant_inputs] not in gemv:
+    if quant_inputs not in (None, "float") and plan.inputs != quant_inputs:
         ui.warn(f"--quant-inputs {quant_inputs} changed nothing: it applies to int4/int8 models on llamactl's GPU "
-                f"kernels (this run: {gemv} on {result.device})")
+                f"kernels (this run: {plan.label} on {device})")
 
 
 @app.command()
@@ -186,7 +192,9 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
 
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
-QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
+QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", callback=lambda v: _check_quant_inputs(v), help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
+KernelsOpt = Annotated[Optional[str], typer.Option("--kernels", callback=lambda v: _check_on_off("--kernels", v), help="llamactl's Triton kernels on the GPU: on or off (cuBLAS/SDPA) (default: LLAMACTL_KERNELS, else on).")]
+PinsFileOpt = Annotated[Optional[str], typer.Option("--pins-file", help="Pinned kernel configs to run over the packaged ones (a file `llamactl bench --tune` wrote) (default: LLAMACTL_PINS_FILE).")]
 EvalOpt = Annotated[Optional[str], typer.Option("--eval", help="Plain-text file for the quality report (default: packaged docs-eval.txt).")]
 EvalTokensOpt = Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens scored in the quality report; 0 skips it.")]
 
@@ -214,7 +222,7 @@ def quantize(
     json_out: JsonOpt = False,
 ):
     """Quantize a 16-bit model to 4 or 8 bits and report what it cost in quality."""
-    from llamactl.quantize import QuantOptions, quantize as run
+    from llamactl.quantize.stage import QuantOptions, quantize as run
 
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
                         clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, calib=calib, n_samples=n_samples, seq_len=seq_len)
@@ -275,23 +283,24 @@ def compile_cmd(
     model: ModelArg = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output folder (default: MODEL-compiled).")] = None,
     mode: Annotated[str, typer.Option(help="default, reduce-overhead or max-autotune (inductor autotuning; slower to compile).")] = "default",
-    buckets: Annotated[str, typer.Option(help="KV-cache lengths to compile for; a generation uses the smallest that fits.")] = "128,512,2048",
+    buckets: Annotated[str, typer.Option(help="KV-cache lengths to compile for; a generation uses the smallest that fits.", callback=lambda v: _int_list("--buckets", v))] = "128,512,2048",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     quant_inputs: QuantInputsOpt = None,
+    kernels: KernelsOpt = None,
+    pins_file: PinsFileOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ):
     """Compile and warm the decode step per bucket; keep the compile cache in an artifact folder."""
-    from llamactl.bench_targets import parse_int_list
     from llamactl.compile import compile_model
     from llamactl.load import resolve_model_path
 
-    _check_quant_inputs(quant_inputs)
+    options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     src = resolve_model_path(model)
     out = output or f"{str(src).rstrip('/')}-compiled"
-    manifest = compile_model(src, out, parse_int_list(buckets, "--buckets"), mode, device=device, dtype=dtype,
-                             force=force, progress=ui.progress, log=ui.log, quant_inputs=quant_inputs)
+    manifest = compile_model(src, out, buckets, mode, device=device, dtype=dtype,
+                             force=force, progress=ui.progress, log=ui.log, options=options)
     entry = manifest["metrics"]["compile_cache"][0]
     if json_out:
         ui.emit_json({"output": manifest["output"], **entry})
@@ -322,9 +331,39 @@ def _report(manifest: dict, json_out: bool) -> None:
     ui.table(title, ["", "parent", "child"], rows)
 
 
-def _check_quant_inputs(value: str | None) -> None:
+def _check_quant_inputs(value: str | None) -> str | None:
     if value is not None and value not in QUANT_INPUTS:
         raise typer.BadParameter(f"--quant-inputs {value!r}: use {', '.join(QUANT_INPUTS[:-1])} or {QUANT_INPUTS[-1]}")
+    return value
+
+
+def _check_on_off(option: str, value: str | None) -> str | None:
+    if value is not None and value not in ("on", "off"):
+        raise typer.BadParameter(f"{option} {value!r}: use on or off")
+    return value
+
+
+def _int_list(option: str, value: str) -> list[int]:
+    """A comma list of positive integers (a malformed one is a usage error, exit 2)."""
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma list of integers; for example {option} 128,2048")
+    if not out or min(out) < 1:
+        raise typer.BadParameter(f"{value!r} needs positive integers; for example {option} 128,2048")
+    return out
+
+
+def _runtime_options(kernels: str | None = None, pdl: str | None = None, quant_inputs: str | None = None,
+                     pins_file: str | None = None):
+    """The run's RuntimeOptions: the flags given, over the LLAMACTL_* variables, over the defaults."""
+    from llamactl.options import RuntimeOptions
+
+    on = {"on": True, "off": False, None: None}
+    if pins_file is not None and not Path(pins_file).is_file():
+        raise InputError(f"--pins-file {pins_file}: no such file", "write one with `llamactl bench --tune FILE`")
+    return RuntimeOptions.from_env().replace(kernels=on[kernels], pdl=on[pdl], quant_inputs=quant_inputs,
+                                             pins_file=pins_file)
 
 
 def _comma_choices(option: str, value: str | None, choices: dict, hint: str) -> tuple:
@@ -339,9 +378,9 @@ def _comma_choices(option: str, value: str | None, choices: dict, hint: str) -> 
 @app.command()
 def bench(
     models: Annotated[Optional[list[str]], typer.Argument(help="Model folders (default: the embedded model).", show_default=False)] = None,
-    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt tokens; a comma list sweeps.")] = "128",
+    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt tokens; a comma list sweeps.", callback=lambda v: _int_list("--prompt-len", v))] = "128",
     gen_len: Annotated[int, typer.Option("--gen-len", min=2, help="New tokens per generation.")] = 256,
-    batch: Annotated[str, typer.Option("--batch", help="Batch sizes; a comma list sweeps.")] = "1",
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes; a comma list sweeps.", callback=lambda v: _int_list("--batch", v))] = "1",
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs first (compilation, graph capture).")] = 2,
     repeat: Annotated[int, typer.Option(min=1, help="Timed runs; the median is reported.")] = 5,
     device: DeviceOpt = "auto",
@@ -362,6 +401,8 @@ def bench(
     profile: Annotated[Optional[str], typer.Option(help="Write a torch.profiler trace of the decode loop to this folder.")] = None,
     compare_files: Annotated[Optional[tuple[str, str]], typer.Option("--compare", help="BASE.json NEW.json: compare two results instead of measuring.")] = None,
     max_slowdown: Annotated[str, typer.Option("--max-slowdown", help="With --compare: exit 1 when decode or prefill got slower than this.")] = "5%",
+    pins_file: PinsFileOpt = None,
+    tune: Annotated[Optional[str], typer.Option("--tune", help="Tune every GEMV shape afresh (no pins) and write the autotuner's picks as a pins file for this GPU (CUDA).")] = None,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON."""
     from llamactl import bench as core, report
@@ -381,9 +422,13 @@ def bench(
         if not ok:
             raise typer.Exit(1)
         return
-    trial = core.Trial(prompt_lens=bt.parse_int_list(prompt_len, "--prompt-len"), gen_len=gen_len,
-                       batches=bt.parse_int_list(batch, "--batch"), warmup=warmup, repeat=repeat)
+    trial = core.Trial(prompt_lens=prompt_len, gen_len=gen_len, batches=batch, warmup=warmup, repeat=repeat)
     dev = resolve_device(device)
+    options = _runtime_options(pins_file=pins_file)
+    if tune:
+        if dev.type != "cuda":
+            raise InputError("--tune times the GPU kernels' configs: it needs a CUDA device", "run it on the GPU")
+        options = options.replace(pins=False)
     modes = [m for m in mode.split(",") if m]
     if modes == ["auto"]:
         modes = ["graphs"] if dev.type == "cuda" else ["eager"]
@@ -397,8 +442,12 @@ def bench(
     pdl_list = _comma_choices("--pdl", pdl, on_off, "on, off or off,on")
     inputs_list = _comma_choices("--quant-inputs", quant_inputs, {k: k for k in QUANT_INPUTS},
                                  f"{', '.join(QUANT_INPUTS)} or a comma list of them")
+    if output:
+        from llamactl.artifact import check_writable_file
+
+        check_writable_file(Path(output), "--output")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
-                              ui.warn if "compile" in modes else None)
+                              ui.warn if "compile" in modes else None, options)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
@@ -412,9 +461,15 @@ def bench(
 
         result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
-                          inputs=inputs_list)
+                          inputs=inputs_list, options=options, warn=ui.warn)
+    if tune:
+        from llamactl.tune import write_pins
+
+        n = write_pins(Path(tune), dev, " ".join(["llamactl", "bench", *sys.argv[2:]]))
+        ui.log(f"wrote {n} pinned configs to {tune} (run them with --pins-file {tune}, or copy them into "
+               "llamactl/kernels/configs/ for this GPU)")
     if quality:
-        bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress)
+        bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options)
     report.add_speedups(result["results"])
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:

@@ -21,19 +21,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from llamactl.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
-from llamactl.env import env_var
 from llamactl.errors import InputError
+from llamactl.options import RuntimeOptions
 
 CACHE_DIR = "compile-cache"
 MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, str | None]:
-    from llamactl import kernels
+    from llamactl.kernels.device import triton_version
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
-            "triton": kernels.triton_version(), "device_name": name, "dtype": str(dtype).replace("torch.", ""),
+            "triton": triton_version(), "device_name": name, "dtype": str(dtype).replace("torch.", ""),
             "mode": mode}
 
 
@@ -53,7 +53,7 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
             try:
                 torch.compiler.load_cache_artifacts(path.read_bytes())
                 if e.get("triton_cache"):  # llamactl's own kernels: binaries and autotune choices
-                    from llamactl import kernels
+                    from llamactl.kernels import cache as kernels
 
                     folder = art.path / CACHE_DIR / e["triton_cache"]
                     bad = _damaged_entries(folder, e.get("triton_cache_sha256") or {})
@@ -94,8 +94,22 @@ def _inductor_dir() -> Path:
 @contextmanager
 def _fresh_inductor_dir() -> Iterator[Path]:
     """Inductor's cache dir set to an empty folder for the duration (the folder is yielded)."""
-    with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d, env_var("TORCHINDUCTOR_CACHE_DIR", d):
+    with tempfile.TemporaryDirectory(prefix="llamactl-inductor-") as d, _env_var("TORCHINDUCTOR_CACHE_DIR", d):
         yield Path(d)
+
+
+@contextmanager
+def _env_var(name: str, value: str) -> Iterator[None]:
+    """os.environ[name] = value inside the block (Inductor reads its cache dir from it), restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _checksums(folder: Path) -> dict[str, str]:
@@ -146,16 +160,16 @@ def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]
     return n
 
 
-def warm(model, buckets: list[int], mode: str, progress) -> tuple[list[dict[str, Any]], str]:
-    """Compile and run the decode step once per bucket; returns seconds per bucket and the GEMV
-    that ran (Decoder.kernels["gemv"]: which kernels, PDL, int8 inputs)."""
+def warm(model, buckets: list[int], mode: str, progress, options: RuntimeOptions | None = None):
+    """Compile and run the decode step once per bucket; returns seconds per bucket and the plan
+    that ran (layers.plan.Plan: which kernels, PDL, inputs)."""
     from llamactl.decode import Decoder, sync
 
     timings = []
     with progress("compile buckets", len(buckets)) as advance:
         for b in buckets:
             t0 = time.perf_counter()
-            dec = Decoder(model, 1, b, "compile", buckets=buckets, compile_mode=mode)
+            dec = Decoder(model, 1, b, "compile", buckets=buckets, compile_mode=mode, options=options)
             ids = torch.zeros(1, min(8, b - 2), dtype=torch.long, device=model.device)
             tok = dec.prefill(ids)
             for i in range(2):
@@ -163,14 +177,14 @@ def warm(model, buckets: list[int], mode: str, progress) -> tuple[list[dict[str,
             sync(model.device)
             timings.append({"bucket": b, "seconds": round(time.perf_counter() - t0, 2)})
             advance(1)
-    return timings, dec.kernels["gemv"]
+    return timings, dec.plan
 
 
 def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], mode: str = "default", *,
                   device: str = "auto", dtype: str = "auto", force: bool = False, progress=None,
-                  log: Callable[[str], None] = lambda m: None, quant_inputs: str | None = None) -> dict[str, Any]:
-    """Write `out`: the model (hard-linked where possible) plus compile cache artifacts.
-    quant_inputs: the int4/int8 GEMVs' inputs to compile for (one of env.QUANT_INPUTS; None: LLAMACTL_QUANT_INPUTS)."""
+                  log: Callable[[str], None] = lambda m: None, options: RuntimeOptions | None = None) -> dict[str, Any]:
+    """Write `out`: the model (hard-linked where possible) plus compile cache artifacts, compiled
+    for `options` (the GEMVs' inputs among them; RuntimeOptions()'s defaults when None)."""
     from llamactl.load import load_model, resolve_device, resolve_dtype
 
     if mode not in MODES:
@@ -183,21 +197,20 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
     check_output(out, force, [art.path])
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, art)
-    model = load_model(art, dev, dt)
+    model = load_model(art, dev, dt, options)
     torch.compiler.reset()
     with ExitStack() as stack:
         # on the CPU, compile into an empty Inductor cache dir, so all its builds can be carried
         inductor_dir = stack.enter_context(_fresh_inductor_dir()) if dev.type == "cpu" else None
         t0 = time.perf_counter()
-        with env_var("LLAMACTL_QUANT_INPUTS", quant_inputs):
-            timings, gemv = warm(model, sorted(set(buckets)), mode, progress)
+        timings, plan = warm(model, sorted(set(buckets)), mode, progress, options)
         cold = time.perf_counter() - t0
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             raise InputError("torch produced no compile cache artifacts", "is the inductor cache disabled in this environment?")
         blob, _info = saved
         key = cache_key(dev, dt, mode)
-        tmp = stack.enter_context(staged_output(out, force))
+        tmp = stack.enter_context(staged_output(out, force, log))
         for f in art.path.iterdir():
             if f.is_file() and f.name != "llamactl.json":
                 try:
@@ -207,7 +220,7 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         (tmp / CACHE_DIR).mkdir()
         fname = f"{_key_id(key)}.bin"
         (tmp / CACHE_DIR / fname).write_bytes(blob)
-        from llamactl import kernels
+        from llamactl.kernels import cache as kernels
 
         triton_dir, builds_dir = f"triton-{_key_id(key)}", f"cpu-builds-{_key_id(key)}"
         saved_kernels, builds = 0, {}
@@ -220,7 +233,8 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
                  "triton_cache_sha256": _checksums(tmp / CACHE_DIR / triton_dir) if saved_kernels else {},
                  "cpu_builds": builds_dir if builds else None, "cpu_build_sha256": builds,
-                 "cold_compile_seconds": round(cold, 2), "per_bucket": timings, "gemv": gemv}
+                 "cold_compile_seconds": round(cold, 2), "per_bucket": timings, "gemv": plan.label,
+                 "plan": plan.as_dict()}
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}
         return write_manifest(tmp, "compile", art, params, {"compile_cache": [entry]}) | {"output": str(out)}

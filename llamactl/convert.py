@@ -77,7 +77,7 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
         groups = convert_state(state, args, opts.kv_heads, opts.grouping, opts.merge, stats)
     if stats is not None:
         stats.close()
-    with staged_output(out, force) as tmp:
+    with staged_output(out, force, log) as tmp:
         config = dict(art.config, num_key_value_heads=opts.kv_heads)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         distill = None

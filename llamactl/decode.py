@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from llamactl.env import flag
+from llamactl.options import RuntimeOptions
 
 MODES = ("eager", "graphs", "compile")
 
@@ -42,15 +42,22 @@ def attention_backend(model, batch: int, device: torch.device) -> str:
         return "sdpa"
 
 
-def compile_regions(device: torch.device) -> bool:
-    """Whether torch.compile traces one decoder layer and reuses it (model._layer_region).
+def compile_regions(device: torch.device, options: RuntimeOptions) -> bool:
+    """Whether torch.compile traces one decoder layer and reuses it (model._layer_region):
+    options.compile_regions, else on the CPU only (faster to compile there; on CUDA it decoded
+    about 2% slower, docs/bench/README.md)."""
+    return device.type == "cpu" if options.compile_regions is None else options.compile_regions
 
-    On the CPU it is measured (32 layers: 34 s -> 12 s to the first compiled step, same tokens).
-    On CUDA it is off: on the H200 it saved 0.9 s of a 13.9 s warm start but decoded llama2-7b at
-    254.9 tok/s against 258-261 with the whole step compiled, where the cache-writing attention
-    op runs in place (docs/bench/run16-*). LLAMACTL_COMPILE_REGIONS=1 or 0 overrides."""
-    on = flag("LLAMACTL_COMPILE_REGIONS", None)
-    return device.type == "cpu" if on is None else on
+
+def _inductor_options(compile_mode: str, llamactl_gemv: bool) -> dict:
+    """Inductor's settings for this compile only (torch.compile's `options`; no global config):
+    its own cudagraphs off (the whole step is captured once, by the Decoder), and its matrix-vector
+    tuning only where llamactl's GEMVs do not run (with them Inductor generates a few small
+    kernels, and the tuning cost seconds of every warm start)."""
+    opts = {"triton.cudagraphs": False, "coordinate_descent_tuning": not llamactl_gemv}
+    if compile_mode == "max-autotune":
+        opts["max_autotune"] = True
+    return opts
 
 
 class Decoder:
@@ -58,42 +65,34 @@ class Decoder:
 
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 buckets: list[int] | None = None, compile_mode: str = "default", kernels: bool = True):
+                 buckets: list[int] | None = None, compile_mode: str = "default",
+                 options: RuntimeOptions | None = None):
         """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
-        max_seq up to, so one compiled step serves many prompt lengths. kernels: llamactl's Triton
-        GEMV and decode attention where they run (CUDA with Triton), else cuBLAS and SDPA."""
+        max_seq up to, so one compiled step serves many prompt lengths. options: what the step
+        runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does."""
+        from llamactl.layers.plan import prepare, unfold_cache_writes
+
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
-        model.fuse_projections()
-        from llamactl.kernels.linear import set_kernels
-
-        self.kernels = set_kernels(model, kernels and self.device.type == "cuda")  # what runs, for reports
+        self.options = options or RuntimeOptions()
+        self.plan = prepare(model, self.options)
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]
         self.max_seq = min(fitting[0] if fitting else max_seq, model.args.max_position_embeddings)
         self.max_seq = max(self.max_seq, max_seq)
         model.setup_caches(batch, self.max_seq)
         self._step = self._eager_step
-        self.compile_regions = mode == "compile" and compile_regions(self.device)
+        self.compile_regions = mode == "compile" and compile_regions(self.device, self.options)
         for layer in model.model.layers:
             layer.compile_region = self.compile_regions
         if self.compile_regions:
-            from llamactl.kernels.linear import unfold_cache_writes
-
             unfold_cache_writes(model)
         if mode == "compile":
-            # Inductor without its own cudagraphs: the whole step is captured below, once.
-            import torch._inductor.config as inductor_config
-
-            # tunes Inductor's own matrix-vector kernels, which run only without llamactl's: with them,
-            # Inductor generates a few small kernels (~30 us of a 3.6 ms llama2-7b step, run 19) and
-            # the tuning cost 2.7-4.5 s of each warm start (run 18)
-            inductor_config.coordinate_descent_tuning = not self.kernels["gemv"].startswith("triton")
-            inductor_mode = "max-autotune-no-cudagraphs" if compile_mode == "max-autotune" else None
-            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False, mode=inductor_mode)
+            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False,
+                                       options=_inductor_options(compile_mode, self.plan.kernels))
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
@@ -105,6 +104,11 @@ class Decoder:
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # tok: [B, 1], pos: [1] -> next token [B]
         return self.sample(self.model(tok, pos)[:, -1])
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """What runs, for people: {"gemv": plan.label, "decode_attention": ...}."""
+        return {"gemv": self.plan.label, "decode_attention": self.plan.attention_label}
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:

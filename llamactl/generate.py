@@ -11,6 +11,8 @@ import torch
 
 from llamactl.decode import Decoder, attention_backend, sync
 from llamactl.errors import InputError
+from llamactl.layers.plan import Plan
+from llamactl.options import RuntimeOptions
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,13 @@ class _TokenReader:
 @torch.inference_mode()
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
              stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
-             buckets: list[int] | None = None) -> Iterator[Step | Result]:
-    """Prefill the prompt, then decode one token per step; yields Steps, then one Result.
+             buckets: list[int] | None = None, options: RuntimeOptions | None = None) -> Iterator[Plan | Step | Result]:
+    """Prefill the prompt, then decode one token per step; yields the Plan of what runs, Steps,
+    then one Result.
 
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
-    eager otherwise. Raises InputError when the prompt and new tokens do not fit the context.
+    eager otherwise. options: the runtime's choices (RuntimeOptions()'s defaults when None).
+    Raises InputError when the prompt and new tokens do not fit the context.
     """
 
     ctx = model.args.max_position_embeddings
@@ -143,7 +147,8 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     if mode is None:
         mode = "graphs" if device.type == "cuda" else "eager"
     sampler = None if sampling.temperature <= 0 else (lambda logits: sample(logits, sampling))
-    dec = Decoder(model, 1, n + max_new_tokens, mode, sample=sampler, buckets=buckets)
+    dec = Decoder(model, 1, n + max_new_tokens, mode, sample=sampler, buckets=buckets, options=options)
+    yield dec.plan
     stop_ids = set() if ignore_eos else (stop_ids or set())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -200,5 +205,6 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
-        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device), "gemv": dec.kernels["gemv"]},
+        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device), "gemv": dec.plan.label,
+               "plan": dec.plan.as_dict()},
     )

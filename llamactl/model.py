@@ -98,9 +98,12 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self.qkv_sizes = (h * d, kv * d, kv * d)
         self.kv_cache: KVCache | None = None
-        # set by kernels.linear.set_kernels for S == 1: "rope" (llamactl's split-KV attention with RoPE
-        # and the cache write folded in), "plain" (the attention kernel alone), or "" (SDPA)
+        # set by layers.prepare for S == 1: "rope" (llamactl's split-KV attention with RoPE and the
+        # cache write folded in), "plain" (the attention kernel alone), or "" (SDPA); with its
+        # smallest chunk of the cache and programmatic dependent launch
         self.decode_kernel = ""
+        self.attn_min_chunk = 64
+        self.pdl = False
 
     def forward(self, x, cos, sin, mask, input_pos, residual):
         # x: [B, S, hidden] (normed), cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S],
@@ -118,7 +121,8 @@ class Attention(nn.Module):
             # up to input_pos, with the query heads of a KV head as one tile
             c, d = self.kv_cache, self.head_dim
             y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
-                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[0], sin[0], input_pos)  # [B, H_kv, rep, D]
+                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[0], sin[0], input_pos,
+                                      self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
@@ -128,7 +132,8 @@ class Attention(nn.Module):
         if s == 1 and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
-            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos)  # [B, H_kv, rep, D]
+            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos,
+                                 self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual)
         if rep > 1:
             # Grouped-query attention as more query rows per KV head: query head h uses KV head
@@ -194,7 +199,7 @@ class DecoderLayer(nn.Module):
 
 
 def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x), in one kernel where the layer fuses the add (kernels.linear.GemvLinear)."""
+    """residual + linear(x), in one kernel where the layer fuses the add (layers.fused.GemvLinear)."""
     if getattr(linear, "fuses_residual", False):
         return linear(x, residual=residual)
     return residual + linear(x)

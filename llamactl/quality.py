@@ -61,7 +61,7 @@ def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """ids: [1, T] -> logits [1, T, V], one position at a time as decoding computes them: batch-1
-    steps, which run llamactl's GEMV kernels where set_kernels put them (prefill does not)."""
+    steps, which run llamactl's GEMV kernels where layers.prepare put them (prefill does not)."""
     model.setup_caches(ids.shape[0], ids.shape[1])
     ids = ids.to(model.device)
     steps = [model(ids[:, i : i + 1], torch.tensor([i], device=model.device))[:, -1] for i in range(ids.shape[1])]
@@ -78,8 +78,8 @@ def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
     agree = count = 0
     for i in range(windows.shape[0]):
         ids = windows[i : i + 1]
-        lp = F.log_softmax(prefill_logits(parent, ids)[0, :-1], dim=-1)  # [T-1, V]
-        lc = F.log_softmax(child_logits(child, ids)[0, :-1].to(lp.device), dim=-1)
+        lp = F.log_softmax(_finite(prefill_logits(parent, ids), "parent")[0, :-1], dim=-1)  # [T-1, V]
+        lc = F.log_softmax(_finite(child_logits(child, ids), "child")[0, :-1].to(lp.device), dim=-1)
         target = ids[0, 1:].to(lp.device)
         nll_p += -lp.gather(1, target[:, None]).sum().item()
         nll_c += -lc.gather(1, target[:, None]).sum().item()
@@ -95,6 +95,16 @@ def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
         top1_agreement=agree / count, tokens=count, windows=windows.shape[0], window_len=windows.shape[1],
         eval_file=eval_file,
     )
+
+
+def _finite(logits: torch.Tensor, who: str) -> torch.Tensor:
+    """logits, or a CheckpointError when they hold NaN or Inf: such a model has no score."""
+    if not bool(torch.isfinite(logits).all()):
+        from llamactl.errors import CheckpointError
+
+        raise CheckpointError(f"the {who} model's logits hold NaN or Inf on the eval text: its weights are broken",
+                              "check the folder's weights (for example with `llamactl generate`), or re-create it")
+    return logits
 
 
 def measure(parent_art, child_art, device: torch.device, eval_file: str | None, eval_tokens: int,

@@ -28,9 +28,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from llamactl import kernels
+from llamactl.kernels.device import pdl_supported
 from llamactl.kernels import attention, gemv
-from llamactl.quantize import int4 as tg
+from llamactl.layers import int4 as tg
 
 dev, bf16 = torch.device("cuda"), torch.bfloat16
 torch.manual_seed(0)
@@ -41,6 +41,12 @@ FOLDS = {"qkv": "norm", "gate_up": "norm", "lm_head": "norm", "o": "residual", "
 
 
 def folds(name: str, x: torch.Tensor, n: int, swiglu_after_gate_up: bool = False) -> tuple[torch.Tensor, dict]:
+    """_folds' input and arguments, launched as the decode step launches them (PDL where it runs)."""
+    x, kw = _folds(name, x, n, swiglu_after_gate_up)
+    return x, {**kw, "pdl": pdl_supported(dev)}
+
+
+def _folds(name: str, x: torch.Tensor, n: int, swiglu_after_gate_up: bool = False) -> tuple[torch.Tensor, dict]:
     """The input and the fold arguments (norm_weight/eps, residual, glu) the model uses for `name`;
     swiglu_after_gate_up: the alternative where gate_up applies SwiGLU to its own
     outputs (glu_out) and down takes the result plainly."""
@@ -302,7 +308,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
             rows.sort(key=lambda r: r["us"])
             out.append({"kind": kind, "shape": name, "n": n, "k": k, "configs": rows})
             key = [n, k, 128 if int4 else True, "norm_weight" in kw, kw.get("glu", False), "residual" in kw,
-                   kw.get("glu_out", False), kernels.pdl(dev), inputs, "bfloat16"]
+                   kw.get("glu_out", False), pdl_supported(dev), inputs, "bfloat16"]
             pins.append(["int4" if int4 else "gemv", key, rows[0]["config"]])
             print(f"{kind} {name} (largest error against float inputs {max(r['rel_err'] for r in rows):.1e}): "
                   + ", ".join(

@@ -150,37 +150,31 @@ def test_profile_writes_a_trace(tmp_path):
     assert len(traces) == 1 and "traceEvents" in json.loads(traces[0].read_text())
 
 
-def test_pdl_variants_are_timed_only_where_they_change_something(monkeypatch):
-    """--pdl off,on doubles the GPU configurations with kernels on, and nothing else; each
-    variant runs with LLAMACTL_PDL set as chosen, and the variable is restored afterwards."""
-    import os
-
+def test_pdl_variants_are_timed_only_where_they_change_something():
+    """--pdl off,on doubles the GPU configurations with kernels on, and nothing else; each variant
+    is an options object (no environment variable is set)."""
     import torch
 
     from llamactl import bench as core
+    from llamactl.options import RuntimeOptions
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     both = (False, True)
-    assert core.variants(["compile"], (True, False), both, gpu) == [
-        ("compile", True, False, None), ("compile", True, True, None), ("compile", False, False, None)]
-    assert core.variants(["eager"], (True,), both, cpu) == [("eager", True, False, None)]
-    assert core.variants(["graphs"], (True,), (None,), gpu) == [("graphs", True, None, None)]
+
+    def flat(vs):
+        return [(mode, o.kernels, o.pdl, o.quant_inputs) for mode, o in vs]
+
+    assert flat(core.variants(["compile"], (True, False), both, gpu)) == [
+        ("compile", True, False, "int16"), ("compile", True, True, "int16"), ("compile", False, False, "int16")]
+    assert flat(core.variants(["eager"], (True,), both, cpu)) == [("eager", True, False, "int16")]
+    assert flat(core.variants(["graphs"], (True,), (None,), gpu, base=RuntimeOptions(pdl=False))) == [
+        ("graphs", True, False, "int16")]
     # --quant-inputs float,int8: both for a quantized model with kernels on a GPU, else the first
     kinds = ("float", "int8")
-    assert core.variants(["compile"], (True, False), (None,), gpu, kinds) == [
-        ("compile", True, None, "float"), ("compile", True, None, "int8"), ("compile", False, None, "float")]
-    assert core.variants(["compile"], (True,), (None,), gpu, kinds, quantized=False) == [("compile", True, None, "float")]
-    assert core.variants(["eager"], (True,), (None,), cpu, kinds) == [("eager", True, None, "float")]
-    monkeypatch.setenv("LLAMACTL_PDL", "0")
-    with core._pdl(True):
-        assert os.environ["LLAMACTL_PDL"] == "1"
-    with core._pdl(None):
-        assert os.environ["LLAMACTL_PDL"] == "0"
-    assert os.environ["LLAMACTL_PDL"] == "0"
-    monkeypatch.delenv("LLAMACTL_PDL")
-    with core._pdl(False):
-        assert os.environ["LLAMACTL_PDL"] == "0"
-    assert "LLAMACTL_PDL" not in os.environ
+    assert flat(core.variants(["compile"], (True, False), (None,), gpu, kinds)) == [
+        ("compile", True, True, "float"), ("compile", True, True, "int8"), ("compile", False, True, "float")]
+    assert flat(core.variants(["compile"], (True,), (None,), gpu, kinds, quantized=False)) == [("compile", True, True, "float")]
+    assert flat(core.variants(["eager"], (True,), (None,), cpu, kinds)) == [("eager", True, True, "float")]
     r = bench("--synthetic", "tiny", "--prompt-len", "8", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
               "--pdl", "off,on", "--format", "json")
     assert r.exit_code == 0, r.output
@@ -192,7 +186,7 @@ def test_pdl_variants_are_timed_only_where_they_change_something(monkeypatch):
 
 
 @pytest.mark.parametrize("args,code", [
-    (("--prompt-len", "abc"), 1), (("--prompt-len", "0"), 1), (("--synthetic", "gpt5"), 1),
+    (("--prompt-len", "abc"), 2), (("--prompt-len", "0"), 2), (("--batch", "1,x"), 2), (("--synthetic", "gpt5"), 1),
     (("--format", "xml"), 2), (("--mode", "turbo"), 2), (("--gen-len", "1"), 2), (("--pdl", "maybe"), 2),
     (("--quant-inputs", "int4"), 2),
 ])

@@ -168,22 +168,24 @@ def test_regional_compilation_defaults_and_override(monkeypatch):
     import torch
 
     from llamactl.decode import compile_regions
+    from llamactl.options import RuntimeOptions
 
     monkeypatch.delenv("LLAMACTL_COMPILE_REGIONS", raising=False)
-    assert compile_regions(torch.device("cpu")) and not compile_regions(torch.device("cuda"))
+    default = RuntimeOptions.from_env()
+    assert compile_regions(torch.device("cpu"), default) and not compile_regions(torch.device("cuda"), default)
     monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "1")
-    assert compile_regions(torch.device("cuda"))
+    assert compile_regions(torch.device("cuda"), RuntimeOptions.from_env())
     monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "0")
-    assert not compile_regions(torch.device("cpu"))
+    assert not compile_regions(torch.device("cpu"), RuntimeOptions.from_env())
     monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "yes")  # a typo is refused, not read as off
     with pytest.raises(InputError, match="LLAMACTL_COMPILE_REGIONS='yes' is not 0 or 1"):
-        compile_regions(torch.device("cpu"))
+        RuntimeOptions.from_env()
 
 
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
     """save_cache takes llamactl's kernel entries (not Inductor's) and Triton's launchers, load_cache
     adds them atomically."""
-    from llamactl import kernels
+    from llamactl.kernels import cache as kernels
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
@@ -205,7 +207,8 @@ def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):
 def test_damaged_triton_entries_of_an_artifact_are_left_out(tmp_path, monkeypatch):
     """compile records a checksum per saved file; an entry with a changed or missing file is not
     put into Triton's cache (Triton would load the damaged binary), the others are."""
-    from llamactl import compile as comp, kernels
+    from llamactl import compile as comp
+    from llamactl.kernels import cache as kernels
 
     saved = tmp_path / "saved"
     for entry in ("aaa", "bbb", "ccc"):

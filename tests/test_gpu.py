@@ -24,10 +24,12 @@ def untuned(monkeypatch):
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
 
 
-def greedy(model, mode: str, n: int = 32, kernels: bool = True) -> list[int]:
+def greedy(model, mode: str, n: int = 32, kernels: bool = True, pdl: bool = True) -> list[int]:
+    from llamactl.options import RuntimeOptions
+
     ids = torch.arange(10, 60, device="cuda").view(1, -1)
-    dec = Decoder(model, 1, ids.shape[1] + n, mode, kernels=kernels)
-    assert dec.kernels["gemv"].startswith("triton") == kernels, dec.kernels  # on a GPU they pass their self-check
+    dec = Decoder(model, 1, ids.shape[1] + n, mode, options=RuntimeOptions(kernels=kernels, pdl=pdl))
+    assert dec.plan.kernels == kernels, dec.plan  # on a GPU they pass their self-check
     tok = dec.prefill(ids)
     out = [int(tok)]
     for i in range(n - 1):
@@ -46,13 +48,12 @@ def test_cuda_graphs_and_compile_match_eager(trained_model, dtype):
 
 
 @pytest.mark.parametrize("mode,pdl", [("eager", "0"), ("graphs", "0"), ("compile", "0"), ("graphs", "1"), ("compile", "1")])
-def test_triton_kernels_decode_like_cublas_and_sdpa(trained_model, mode, pdl, monkeypatch):
-    """pdl: programmatic dependent launch (kernels.pdl), which graphs must keep and which must not
-    let a kernel read its input before the kernel writing it has finished."""
-    monkeypatch.setenv("LLAMACTL_PDL", pdl)
+def test_triton_kernels_decode_like_cublas_and_sdpa(trained_model, mode, pdl):
+    """pdl: programmatic dependent launch (RuntimeOptions.pdl), which graphs must keep and which must
+    not let a kernel read its input before the kernel writing it has finished."""
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
     plain = greedy(model, "eager", 48, kernels=False)
-    fast = greedy(model, mode, 48, kernels=True)
+    fast = greedy(model, mode, 48, kernels=True, pdl=pdl == "1")
     assert fast[:16] == plain[:16]  # different summation order in bf16: early tokens must agree
     assert sum(a == b for a, b in zip(fast, plain)) >= 40
 
@@ -61,7 +62,7 @@ def test_int4_checkpoint_decodes_through_the_triton_kernel(trained_model, tmp_pa
     from typer.testing import CliRunner
 
     from llamactl.cli import app
-    from llamactl.kernels.linear import TritonInt4Linear
+    from llamactl.layers.int4 import TritonInt4Linear
 
     out = tmp_path / "rtn4"
     res = CliRunner().invoke(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "--group-size", "128",

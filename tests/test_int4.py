@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamactl.quantize.gptq_format import GPTQLinear, dequantize_gptq, pack_gptq
-from llamactl.quantize.int4 import Int4Linear, dequantize_tinygemm, tinygemm_params
+from llamactl.layers.gptq import GPTQLinear, dequantize_gptq, pack_gptq
+from llamactl.layers.int4 import Int4Linear, dequantize_tinygemm, tinygemm_params
 from llamactl.quantize.rtn import rtn_quantize
 
 
@@ -28,7 +28,7 @@ def gptq_layer(out_f=256, in_f=512, group=128, sym=False, act_order=False, seed=
 def test_tinygemm_parameters_reproduce_the_gptq_weight(act_order, sym):
     lin = gptq_layer(sym=sym, act_order=act_order)
     ref = dequantize_gptq(lin.qweight, lin.qzeros, lin.scales.float(), lin.g_idx, 4)
-    from llamactl.quantize.gptq_format import unpack_rows
+    from llamactl.layers.gptq import unpack_rows
 
     codes = unpack_rows(lin.qweight, 4).t()
     zeros = (unpack_rows(lin.qzeros.t().contiguous(), 4).t() + 1) & 0xF
@@ -115,11 +115,11 @@ def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path
     from llamactl.artifact import open_artifact
     from llamactl.cli import app
     from llamactl.load import load_model
-    from llamactl.quantize.int8 import Int8Kernel, available
+    from llamactl.layers.int8 import Int8Kernel, available
 
     if method == "int8" and find_spec("bitsandbytes") is None:
         pytest.skip("pip install 'llamactl[bnb]'")
-    if not available("cpu"):
+    if not available("cpu", False):
         pytest.skip("this torch has no _weight_int8pack_mm for the CPU")
     out = tmp_path / method
     args = ["quantize", str(tiny128_path), "-o", str(out), "--method", method, "--bits", "8", "--eval-tokens", "0"]
@@ -144,14 +144,14 @@ def tiny128_path(tmp_path_factory):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_int8_kernel_matches_the_dequantized_reference(device):
-    from llamactl.quantize.int8 import Int8Kernel, available
+    from llamactl.layers.int8 import Int8Kernel, available
 
-    if device == "cuda" and not torch.cuda.is_available() or not available(device):
+    if device == "cuda" and not torch.cuda.is_available() or not available(device, device == "cuda"):
         pytest.skip(f"no int8 kernel for {device} here")
     torch.manual_seed(1)
     q = torch.randint(-127, 128, (256, 512), dtype=torch.int8)
     scale = torch.rand(256) * 0.01 + 1e-3
-    layer = Int8Kernel(q.to(device), scale.to(device), None)
+    layer = Int8Kernel(q.to(device), scale.to(device), None, device == "cuda")
     x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
     ref = x.float() @ (q.float() * scale[:, None]).to(device).t()
     assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -13,7 +13,7 @@ from llamactl.errors import InputError  # noqa: E402
 from llamactl.kernels import attention, gemv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-OFF = "cublas" if DEV == "cuda" else "torch"  # what set_kernels(model, False) reports
+OFF = "cublas" if DEV == "cuda" else "torch"  # what prepare reports with the kernels off
 # Triton's CPU interpreter mishandles bf16 matrix products (tl.dot); attention is checked in fp16 there
 ATTN_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 # and it truncates where the GPU rounds bf16 to nearest: results rounded several times are checked in fp16 there
@@ -204,27 +204,16 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
 
 
 def test_programmatic_dependent_launch_is_for_compiled_kernels_on_hopper(monkeypatch):
-    from llamactl import kernels
+    from llamactl.kernels import device
 
-    monkeypatch.setattr(kernels, "interpreted", lambda: False)
-    for capability, env, on in [((9, 0), "1", True), ((10, 0), "1", True), ((8, 0), "1", False), ((9, 0), "0", False),
-                                ((9, 0), None, True)]:
-        monkeypatch.setattr(kernels, "_capability", lambda index, c=capability: c)
-        if env is None:
-            monkeypatch.delenv("LLAMACTL_PDL", raising=False)
-        else:
-            monkeypatch.setenv("LLAMACTL_PDL", env)
-        assert kernels.pdl(torch.device("cuda", 0)) is on, (capability, env)
-    assert not kernels.pdl(torch.device("cpu"))
-    monkeypatch.setattr(kernels, "interpreted", lambda: True)
-    assert not kernels.pdl(torch.device("cuda", 0))
-    monkeypatch.setattr(kernels, "interpreted", lambda: False)
-    monkeypatch.setenv("LLAMACTL_PDL", "on")  # a typo is refused, not read as off
-    with pytest.raises(InputError, match="LLAMACTL_PDL='on' is not 0 or 1"):
-        kernels.pdl(torch.device("cuda", 0))
-    monkeypatch.setenv("LLAMACTL_KERNELS", "off")
-    with pytest.raises(InputError, match="LLAMACTL_KERNELS"):
-        kernels.available(torch.device("cpu"))
+    monkeypatch.setattr(device, "interpreted", lambda: False)
+    for capability, on in [((9, 0), True), ((10, 0), True), ((8, 0), False)]:
+        monkeypatch.setattr(device, "capability", lambda index, c=capability: c)
+        assert device.pdl_supported(torch.device("cuda", 0)) is on, capability
+    assert not device.pdl_supported(torch.device("cpu"))
+    monkeypatch.setattr(device, "interpreted", lambda: True)
+    assert not device.pdl_supported(torch.device("cuda", 0))
+    assert device.pdl_launch(True) == {"PDL": True, "launch_pdl": True} and device.pdl_launch(False) == {"PDL": False}
 
 
 def test_int4_kernels_refuse_partial_groups():
@@ -298,9 +287,9 @@ def _int8_per_32(x: torch.Tensor) -> torch.Tensor:
 def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
     from test_int4 import gptq_layer
 
-    from llamactl.kernels.linear import TritonInt4Linear
-    from llamactl.quantize.gptq_format import dequantize_gptq
-    from llamactl.quantize.int4 import _gptq_codes, sort_by_group
+    from llamactl.layers.int4 import TritonInt4Linear
+    from llamactl.layers.gptq import dequantize_gptq
+    from llamactl.layers.int4 import _gptq_codes, sort_by_group
 
     lin = gptq_layer(act_order=act_order)
     ref = dequantize_gptq(lin.qweight, lin.qzeros, lin.scales.float(), lin.g_idx, 4).double()  # [out, in]
@@ -352,17 +341,16 @@ def test_plan_covers_the_cache_with_few_power_of_two_splits():
 
 
 @pytest.mark.parametrize("swiglu", ["down", "gate_up", None])
-def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch):
-    """The whole model through set_kernels (GEMV linears + decode attention) against cuBLAS/SDPA,
+def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
+    """The whole model through layers.prepare (GEMV linears + decode attention) against cuBLAS/SDPA,
     with SwiGLU folded into down_proj's kernel or into gate_up_proj's (None: the default, gate_up's)."""
     from llamactl.artifact import open_artifact
-    from llamactl.kernels.linear import GemvLinear, set_kernels
+    from llamactl.layers.fused import GemvLinear
+    from llamactl.layers.plan import prepare
     from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
 
-    if swiglu is None:
-        monkeypatch.delenv("LLAMACTL_SWIGLU", raising=False)
-    else:
-        monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
+    options = RuntimeOptions().replace(swiglu=swiglu)
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
     model.fuse_projections()  # as the decoder does: q/k/v and gate/up concatenated
     model.setup_caches(1, 64)
@@ -375,34 +363,34 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu, monkeypatch)
         return torch.stack(out)
 
     ref = run()
-    info = set_kernels(model, True)
-    assert isinstance(model.lm_head, GemvLinear) and info["decode_attention"] == "triton split-kv"
+    plan = prepare(model, options, interpreter=True)
+    assert isinstance(model.lm_head, GemvLinear) and plan.attention == "triton split-kv" and plan.kernels
     assert model.lm_head.norm is not None and model.dtype == torch.float32  # the final norm moved into lm_head
     mlp = model.model.layers[0].mlp
     assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu != "down", swiglu == "down")
-    assert ("SwiGLU before down" in info["gemv"]) == (swiglu == "down")
+    assert plan.swiglu == (swiglu or "gate_up") and ("SwiGLU before down" in plan.label) == (swiglu == "down")
     model.setup_caches(1, 64)
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
-    assert set_kernels(model, False)["gemv"] == OFF and type(model.lm_head) is torch.nn.Linear
+    off = prepare(model, options.replace(kernels=False), interpreter=True)
+    assert off.gemv == OFF and not off.kernels and type(model.lm_head) is torch.nn.Linear
 
 
 def test_a_bad_swiglu_site_is_refused(monkeypatch):
-    from llamactl.kernels.linear import swiglu_site
+    from llamactl.options import RuntimeOptions
 
     monkeypatch.setenv("LLAMACTL_SWIGLU", "up")
     with pytest.raises(InputError, match="LLAMACTL_SWIGLU"):
-        swiglu_site()
+        RuntimeOptions.from_env()
 
 
 def test_quantized_projections_fuse_side_by_side():
     """q/k/v (and gate/up) of int4 and int8 layers concatenate into one wider layer, as 16-bit ones do."""
     from test_int4 import gptq_layer
 
-    from llamactl.kernels.linear import TritonInt4Linear
+    from llamactl.layers.int4 import TritonInt4Linear, _gptq_codes, sort_by_group
     from llamactl.model import _concat
-    from llamactl.quantize.int4 import _gptq_codes, sort_by_group
-    from llamactl.quantize.int8 import Int8Kernel
+    from llamactl.layers.int8 import Int8Kernel
 
     def int4(seed, act_order=False):
         lin = gptq_layer(seed=seed, act_order=act_order)
@@ -419,10 +407,10 @@ def test_quantized_projections_fuse_side_by_side():
 
     w = [torch.randint(-127, 128, (16, 512), dtype=torch.int8) for _ in range(2)]
     s = [torch.rand(16) * 0.01 + 1e-3 for _ in range(2)]
-    mods = [Int8Kernel(wi, si, None) for wi, si in zip(w, s)]
+    mods = [Int8Kernel(wi, si, None, False) for wi, si in zip(w, s)]
     fused8 = _concat(mods)
     assert isinstance(fused8, Int8Kernel) and fused8.out_features == 32
-    from llamactl.quantize.int8 import torch_kernel
+    from llamactl.layers.int8 import torch_kernel
 
     if not torch_kernel("cpu"):
         pytest.skip("this torch has no CPU int8 kernel")
@@ -435,21 +423,21 @@ def test_quantized_projections_fuse_side_by_side():
 def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
     residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8 or
-    int16 inputs (LLAMACTL_QUANT_INPUTS) the decode steps' logits within 2e-2 (prefill unchanged)."""
-    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
-    monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", inputs)
+    int16 inputs the decode steps' logits within 2e-2 (prefill unchanged)."""
     from conftest import make_hf_model
 
-    from llamactl import kernels
     from llamactl.artifact import open_artifact
-    from llamactl.kernels.linear import TritonInt4Linear, set_kernels
+    from llamactl.kernels import check
+    from llamactl.layers.int4 import TritonInt4Linear
+    from llamactl.layers.plan import prepare
     from llamactl.load import load_model
-    from llamactl.quantize import int4 as int4_mod
+    from llamactl.options import RuntimeOptions
+    from llamactl.quantize.rtn import quantize_linears_int4
 
-    monkeypatch.setattr(int4_mod, "_use_triton", lambda device: True)  # CUDA's choice, here via the interpreter
+    options = RuntimeOptions(swiglu=swiglu, quant_inputs=inputs)
     path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2)
     model = load_model(open_artifact(path), torch.device(DEV), torch.float32)
-    assert int4_mod.quantize_linears_int4(model, 32) == 2 * 7
+    assert quantize_linears_int4(model, True, 32) == 2 * 7  # CUDA's choice, here via the interpreter
     model.fuse_projections()
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, TritonInt4Linear)
     model.setup_caches(1, 32)
@@ -461,46 +449,43 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
             out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
         return torch.stack(out)
 
-    assert set_kernels(model, False)["gemv"] == OFF
+    assert prepare(model, options.replace(kernels=False), interpreter=True).gemv == OFF
     ref = run()
-    info = set_kernels(model, True)
+    plan = prepare(model, options, interpreter=True)
     mlp = model.model.layers[0].mlp
     assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu == "gate_up", swiglu == "down")
     assert model.model.layers[0].self_attn.qkv_proj.norm is not None
     chosen = [m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)]
-    assert chosen == [inputs] * 4 * 2 and ("int8 inputs" in info["gemv"]) == (inputs == "int8")
+    assert chosen == [inputs] * 4 * 2 and plan.inputs == inputs and ("int8 inputs" in plan.label) == (inputs == "int8")
     if inputs == "float":
         torch.testing.assert_close(run(), ref, atol=1e-3, rtol=1e-3)
     else:
         out = run()
         torch.testing.assert_close(out[0], ref[0], atol=1e-3, rtol=1e-3)  # prefill: cuBLAS on dequantized weights
         assert 0 < rel(out[1:], ref[1:].double()) < 2e-2
-    if inputs == "int8":  # their check failed: the kernels stay, with float inputs
-        monkeypatch.setattr(kernels, "inputs_available", lambda device, inputs: False)
-        info = set_kernels(model, True)
-        assert info["gemv"].startswith("triton") and "int8 inputs" not in info["gemv"]
+    if inputs == "int8":  # their check failed: the kernels stay, with float inputs, and the plan says why
+        monkeypatch.setattr(check, "passed", lambda device, inputs="float": "broken" if inputs != "float" else None)
+        plan = prepare(model, options, interpreter=True)
+        assert plan.kernels and plan.inputs == "float" and "int8-input GEMVs failed their check" in plan.warnings[0]
         assert {m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)} == {"float"}
-    set_kernels(model, False)
+    prepare(model, options.replace(kernels=False), interpreter=True)
     assert {m.inputs for m in model.modules() if isinstance(m, TritonInt4Linear)} == {"float"}
 
 
 def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch):
-    from llamactl import kernels
+    from llamactl.kernels import check
 
-    assert kernels.self_check(torch.device(DEV)) is None
+    assert check.self_check(torch.device(DEV)) is None
     monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
-    assert "gemv int4" in kernels.self_check(torch.device(DEV))
+    assert "gemv int4" in check.self_check(torch.device(DEV))
 
 
-@pytest.mark.parametrize("min_chunk", [None, "512"], ids=["splits", "one-split"])
-def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps(min_chunk, monkeypatch):
+@pytest.mark.parametrize("min_chunk", [64, 512], ids=["splits", "one-split"])
+def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps(min_chunk):
     """The decode step's attention (RoPE and the cache write folded in), with the default plan and
     with one split over the cache (the split kernel stores the output; no merge)."""
     from llamactl.model import apply_rope
-
-    if min_chunk:
-        monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", min_chunk)
 
     torch.manual_seed(5)
     b, kv, rep, d, max_seq = 2, 2, 4, 64, 300
@@ -512,7 +497,7 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
     for pos in (0, 63, 64, 170):
         kc, vc = k_cache.clone(), v_cache.clone()
         out = attention.decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kc, vc, cos, sin,
-                                              torch.tensor([pos], device=DEV))
+                                              torch.tensor([pos], device=DEV), min_chunk)
         qr = apply_rope(q.double(), cos.double()[None], sin.double()[None])  # [B, KV, R, D]
         kr = apply_rope(k_new.double(), cos.double()[None], sin.double()[None])[:, :, 0]
         assert rel(kc[:, :, pos].cpu(), kr.cpu()) < 2e-3 and torch.equal(vc[:, :, pos], v_new[:, :, 0])
@@ -525,19 +510,18 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
 
 
 @pytest.mark.parametrize("regions,swiglu", [(False, "gate_up"), (True, "gate_up"), (False, "down")])
-def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu, monkeypatch):
+def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
     compilation, which cannot take a mutating op, the model falls back to the plain attention op.
     SwiGLU folded into either kernel traces too (the ops' fake shapes)."""
     from llamactl.artifact import open_artifact
-    from llamactl.kernels.linear import set_kernels, unfold_cache_writes
+    from llamactl.layers.plan import prepare, unfold_cache_writes
     from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
 
-    monkeypatch.setenv("LLAMACTL_SWIGLU", swiglu)
     torch._dynamo.reset()
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
-    model.fuse_projections()
-    set_kernels(model, True)
+    prepare(model, RuntimeOptions(swiglu=swiglu), interpreter=True)
     if regions:
         unfold_cache_writes(model)
     for layer in model.model.layers:
@@ -579,21 +563,23 @@ def test_kernels_compile_for_hopper():
     assert "all compiled" in res.stdout
 
 
-def test_attention_min_chunk_switch_sets_the_plan_and_the_label(monkeypatch):
-    """LLAMACTL_ATTN_MIN_CHUNK: one split where the chunk covers the cache (the same attention,
-    one kernel), named in reports; a value that is no power of two is refused."""
+def test_attention_min_chunk_sets_the_plan_and_the_label(monkeypatch):
+    """attn_min_chunk: one split where the chunk covers the cache (the same attention, one
+    kernel), named in reports; LLAMACTL_ATTN_MIN_CHUNK sets its default, and a value that is no
+    power of two is refused."""
+    from llamactl.options import RuntimeOptions
+
     torch.manual_seed(6)
     q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
     k = torch.randn(1, 2, 300, 64, device=DEV, dtype=ATTN_DTYPE)
     v = torch.randn_like(k)
     pos = torch.tensor([250], device=DEV)
     ref = attention.decode_attention(q, k, v, pos)
+    assert attention.plan(300, 512)[0] == 1
+    assert rel(attention.decode_attention(q, k, v, pos, 512).cpu(), ref.double().cpu()) < 5e-3
+    assert attention.label(512) == "triton split-kv, min chunk 512" and attention.label() == "triton split-kv"
     monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "512")
-    assert attention.plan(300, attention.configured_min_chunk())[0] == 1
-    assert rel(attention.decode_attention(q, k, v, pos).cpu(), ref.double().cpu()) < 5e-3
-    assert attention.label() == "triton split-kv, min chunk 512"
+    assert RuntimeOptions.from_env().attn_min_chunk == 512
     monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "500")
     with pytest.raises(InputError, match="LLAMACTL_ATTN_MIN_CHUNK"):
-        attention.label()
-    monkeypatch.delenv("LLAMACTL_ATTN_MIN_CHUNK")
-    assert attention.label() == "triton split-kv"
+        RuntimeOptions.from_env()

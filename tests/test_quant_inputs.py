@@ -61,7 +61,7 @@ def test_int8_inputs_need_int8_weights_in_32_column_blocks():
 def test_int8_and_fp16_inputs_have_a_check_of_their_own(monkeypatch):
     """The int8-input (DP4A) and fp16 GEMVs are checked on their own (a failure turns off only them: see
     the int4 model test), and not in the kernels' own check."""
-    from llamactl import kernels
+    from llamactl.kernels import check as kernels
 
     assert kernels.self_check(torch.device(DEV), "int8") is None
     assert kernels.self_check(torch.device(DEV), "fp16") is None
@@ -93,11 +93,13 @@ def test_int8_input_autotuning_times_no_twin_twice():
 
 
 def test_a_bad_quant_input_type_is_refused(monkeypatch):
-    from llamactl.kernels.linear import quant_inputs
+    from llamactl.options import RuntimeOptions
 
     monkeypatch.setenv("LLAMACTL_QUANT_INPUTS", "int4")
     with pytest.raises(InputError, match="LLAMACTL_QUANT_INPUTS"):
-        quant_inputs()
+        RuntimeOptions.from_env()
+    with pytest.raises(InputError, match="quant inputs 'int4'"):
+        RuntimeOptions(quant_inputs="int4")
 
 
 @pytest.mark.parametrize("config", gemv._int4_configs()[::6], ids=str)

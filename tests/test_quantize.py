@@ -13,7 +13,7 @@ from conftest import make_hf_model
 from llamactl.artifact import MANIFEST, open_artifact
 from llamactl.cli import app
 from llamactl.load import load_model
-from llamactl.quantize.gptq_format import dequantize_gptq, pack_gptq, pack_rows, unpack_rows
+from llamactl.layers.gptq import dequantize_gptq, pack_gptq, pack_rows, unpack_rows
 from llamactl.quantize.rtn import rtn_quantize
 
 runner = CliRunner()

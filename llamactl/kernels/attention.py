@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.env import choice
-from llamactl.kernels import pdl_launch
+from llamactl.kernels.device import pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 MAX_SPLITS = 64
@@ -117,20 +116,9 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr,
     tl.store(o_ptr + (bh * R + r) * D + d, o.to(o_ptr.dtype.element_ty))
 
 
-CHUNK_CHOICES = tuple(str(2**i) for i in range(4, 15))  # LLAMACTL_ATTN_MIN_CHUNK: 16 .. 16384
-
-
-def configured_min_chunk() -> int:
-    """The plan's smallest chunk: MIN_CHUNK, or LLAMACTL_ATTN_MIN_CHUNK (a power of two). A chunk at
-    least as long as the cache means one split: one kernel a layer, no merge (to time against
-    the default in a bench; slower in the decode step over a 384-position cache, run 31)."""
-    return int(choice("LLAMACTL_ATTN_MIN_CHUNK", str(MIN_CHUNK), CHUNK_CHOICES))
-
-
-def label() -> str:
+def label(min_chunk: int = MIN_CHUNK) -> str:
     """The decode attention in reports, with the smallest chunk where it is not the default."""
-    chunk = configured_min_chunk()
-    return "triton split-kv" + (f", min chunk {chunk}" if chunk != MIN_CHUNK else "")
+    return "triton split-kv" + (f", min chunk {min_chunk}" if min_chunk != MIN_CHUNK else "")
 
 
 def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
@@ -143,22 +131,23 @@ def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-            rope: tuple[torch.Tensor, ...] | None, min_chunk: int | None = None, block_s: int = 64,
-            warps: int = 4) -> torch.Tensor:
+            rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
+            warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q and the rope
-    tensors must be contiguous; the caches are used in place. min_chunk (default: configured_min_chunk()),
-    block_s (positions a tile) and warps: the launch plan (scripts/kernel_probe.py sweeps them)."""
+    tensors must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
+    as the cache means one split: one kernel a layer, no merge), block_s (positions a tile) and
+    warps: the launch plan; pdl: programmatic dependent launch."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
-    splits, chunk = plan(s, min_chunk or configured_min_chunk())
+    splits, chunk = plan(s, min_chunk)
     block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
-    launch = pdl_launch(q.device)
+    launch = pdl_launch(pdl)
     out = torch.empty_like(q)
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
@@ -170,30 +159,32 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
 
 
 @torch.library.custom_op("llamactl::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, min_chunk: int = MIN_CHUNK,
+                     pdl: bool = False) -> torch.Tensor:
     """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] ->
     softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
-    return _attend(q.contiguous(), k.contiguous(), v.contiguous(), pos, None)
+    return _attend(q.contiguous(), k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl)
 
 
 @decode_attention.register_fake
-def _(q, k, v, pos):
+def _(q, k, v, pos, min_chunk=MIN_CHUNK, pdl=False):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("llamactl::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
 def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                          v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                          min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
     """One decode step's attention with RoPE and the cache write folded in: q: [B, H_kv, R, D] and
     k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
     pos), cos/sin: [D] float32 at pos -> [B, H_kv, R, D]. One kernel instead of RoPE, two cache
     writes and the attention."""
     rope = (k_new.contiguous(), v_new.contiguous(), cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q.contiguous(), k_cache, v_cache, pos, rope)
+    return _attend(q.contiguous(), k_cache, v_cache, pos, rope, min_chunk, pdl=pdl)
 
 
 @decode_attention_rope.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos):
+def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
     return torch.empty_like(q)
 
 

@@ -14,7 +14,7 @@ is captured.
   w[n, k] = (code - zero) * scale, with the group g = k // G.
 Act-order checkpoints have their columns sorted by group at load and x gathered in that order.
 
-The int4 and int8 products multiply in one of four ways (kernels.linear.quant_inputs): float32
+The int4 and int8 products multiply in one of four ways (RuntimeOptions.quant_inputs): float32
 (x as it is), int8 inputs with DP4A (A8, kernels.int8_inputs: x rounded to 2^-7 of its block's
 largest), packed fp16 (H16, kernels.half_math: x exact, sums rounded to fp16 within 16-32 columns)
 or 16-bit fixed-point inputs with DP2A (I16, kernels.int16_inputs: x rounded to 2^-15 of its
@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.env import QUANT_INPUTS
-from llamactl.kernels import INPUT_SWITCHES, interpreted, pdl_launch, pinned
+from llamactl.kernels import pinned
+from llamactl.kernels.arith import switches
+from llamactl.kernels.device import interpreted, pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
@@ -246,7 +247,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, HAS_SCALE
 def _prune_gemv(configs, named_args, **kwargs):
     """With int8 inputs (A8), fp16 arithmetic (H16) or int16 inputs (I16) REDUCE_EACH changes
     nothing (the sums are per 16 columns already): its candidates twin plain ones, and only the
-    first of each twin is timed. A shape pinned for this GPU (kernels.pinned) runs its pin untimed."""
+    first of each twin is timed."""
     words = kwargs.get("A8") or kwargs.get("H16") or kwargs.get("I16")
     kept, seen = [], set()
     for c in configs:
@@ -254,7 +255,7 @@ def _prune_gemv(configs, named_args, **kwargs):
         if not words or twin not in seen:
             seen.add(twin)
             kept.append(c)
-    return pinned.choose("gemv", kept, {**named_args, **kwargs})
+    return kept
 
 
 # cache_results: the choice per shape is kept in Triton's cache, so later processes skip the tuning
@@ -286,11 +287,10 @@ def _int4_configs():
 
 def _prune_int4(configs, named_args, **kwargs):
     """Blocks of whole groups (in fp16, H16, which loads x in one piece, the X_CONTIG candidates
-    twin plain ones and are left out); a shape pinned for this GPU (kernels.pinned) runs its pin
-    untimed."""
+    twin plain ones and are left out)."""
     g = named_args["G"]
     kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0 and not (kwargs.get("H16") and c.kwargs["X_CONTIG"])]
-    return pinned.choose("int4", kept, {**named_args, **kwargs}) or [
+    return kept or [
         triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
 
 
@@ -481,51 +481,68 @@ def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOC
     tl.store(w_ptr + rows64[:, None, None] * K + cols[None, :, :], w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
 
 
-FIXED_BLOCKS = False  # set by kernels.self_check: one block size, no autotuning
+FIXED_BLOCKS = False  # tests: the fixed config on the GPU too (no autotuning), as under the interpreter
 GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": False}  # the 16-bit/int8 kernel's fixed config
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
 
 
-def _launch(tuned, kernel, args: tuple, fixed: dict, outputs: int, glu_out: bool, device: torch.device,
-            **flags) -> None:
-    """The autotuned kernel on a GPU; one fixed block size under the CPU interpreter (and in the
-    self-check, which should not pay for tuning). One program per BLOCK_N rows of the weight,
-    which with glu_out give BLOCK_N // 2 of the `outputs`. With kernels.pdl, a programmatic
-    dependent launch (a fixed config's own PDL runs the kernel's PDL code without the launch).
-    flags: more of the kernel's constexpr switches."""
+def _launch(tuned, kernel, args: tuple, fixed_config: dict, outputs: int, glu_out: bool, pdl: bool, pins: str,
+            fixed: bool, pin_key: tuple, **flags) -> None:
+    """The kernel with its pinned config (kernels.pinned: `pins` names the table, pin_key the
+    launch), else autotuned, on a GPU; one fixed config under the CPU interpreter and where
+    `fixed` (the self-check, which should not pay for tuning). One program per BLOCK_N rows of the
+    weight, which with glu_out give BLOCK_N // 2 of the `outputs`. pdl: a programmatic dependent
+    launch (a fixed config's own PDL runs the kernel's PDL code without the launch). flags: more
+    of the kernel's constexpr switches."""
 
     def grid(meta):
         return (triton.cdiv(outputs, meta["BLOCK_N"] // 2 if glu_out else meta["BLOCK_N"]),)
 
-    launch = {"GLU_OUT": glu_out, **flags} | pdl_launch(device)
-    if interpreted() or FIXED_BLOCKS:
-        kernel[grid(fixed)](*args, **(fixed | launch))
+    launch = {"GLU_OUT": glu_out, **flags} | pdl_launch(pdl)
+    if interpreted() or fixed or FIXED_BLOCKS:
+        kernel[grid(fixed_config)](*args, **(launch | fixed_config))
+        return
+    config = pinned.pick(pins, "int4" if tuned is _gemv_int4_tuned else "gemv", pin_key, tuned.configs)
+    if config is not None:
+        kernel[grid(config.kwargs)](*args, **config.all_kwargs(), **launch)
     else:
         tuned[grid](*args, **launch)
+
+
+def run_gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+             glu: bool = False, glu_out: bool = False, inputs: str = "float", pdl: bool = False, pins: str = "",
+             fixed: bool = False) -> torch.Tensor:
+    """`gemv` as a plain function; fixed: one fixed config, no autotuning (the self-check)."""
+    n, k = w.shape
+    arith = switches(inputs)
+    if inputs != "float" and (w.dtype != torch.int8 or k % 32):
+        raise ValueError(f"{inputs} inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
+    y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
+    key = (n, k, scales is not None, norm_weight is not None, glu, residual is not None, glu_out, pdl, inputs,
+           str(x.dtype).removeprefix("torch."))
+    _launch(_gemv_tuned, _gemv_kernel,
+            (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
+             x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
+             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, pdl, pins, fixed, key, **arith)
+    return y
 
 
 @torch.library.custom_op("llamactl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
          eps: float = 1e-6, residual: torch.Tensor | None = None, glu: bool = False,
-         glu_out: bool = False, inputs: str = "float") -> torch.Tensor:
+         glu_out: bool = False, inputs: str = "float", pdl: bool = False, pins: str = "") -> torch.Tensor:
     """w: [N, K] (16-bit, or int8 with scales [N]) times x: [K] ([2K] with glu) -> y: [N] in x's dtype,
     with the RMSNorm of x (norm_weight [K], eps), SwiGLU (glu) and a residual [N] folded in; glu_out:
     w is a fused [gate; up] and y: [N // 2] = silu(gate) * up; inputs (int8 w, K % 32 == 0 for all
-    but "float"): what x is multiplied as, see _arithmetic."""
-    n, k = w.shape
-    arith = _arithmetic(inputs)
-    if inputs != "float" and (w.dtype != torch.int8 or k % 32):
-        raise ValueError(f"{inputs} inputs need int8 weights with whole 32-column blocks, not {w.dtype} [{n}, {k}]")
-    y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
-    _launch(_gemv_tuned, _gemv_kernel,
-            (x, w, w if scales is None else scales, x if norm_weight is None else norm_weight,
-             x if residual is None else residual, y, n, k, eps, scales is not None, norm_weight is not None, glu,
-             residual is not None, not interpreted()), GEMV_FIXED, y.numel(), glu_out, x.device, **arith)
-    return y
+    but "float"): what x is multiplied as (kernels.arith); pdl: launch with programmatic dependent
+    launch; pins: the id of a kernels.pinned table ("": autotune)."""
+    return run_gemv(x, w, scales, norm_weight, eps, residual, glu, glu_out, inputs, pdl, pins)
 
 
 @gemv.register_fake
-def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, inputs="float"):
+def _(x, w, scales=None, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False, inputs="float",
+      pdl=False, pins=""):
     return x.new_empty(w.shape[0] // 2 if glu_out else w.shape[0])
 
 
@@ -539,38 +556,45 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
     return gemv(x, w, scales)
 
 
-@torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
-def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
-              glu: bool = False, glu_out: bool = False, inputs: str = "float") -> torch.Tensor:
-    """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
-    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; inputs:
-    what x (after the folded RMSNorm/SwiGLU) is multiplied as, see _arithmetic."""
+def run_gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                  glu: bool = False, glu_out: bool = False, inputs: str = "float", pdl: bool = False, pins: str = "",
+                  fixed: bool = False) -> torch.Tensor:
+    """`gemv_int4` as a plain function; fixed: one fixed config, no autotuning (the self-check)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
-    arith = _arithmetic(inputs)
+    arith = switches(inputs)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
+    key = (n, k, group_size, norm_weight is not None, glu, residual is not None, glu_out, pdl, inputs,
+           str(x.dtype).removeprefix("torch."))
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
             (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
              y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, x.device, **arith)
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, pdl, pins, fixed, key, **arith)
     return y
+
+
+@torch.library.custom_op("llamactl::gemv_int4", mutates_args=())
+def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+              glu: bool = False, glu_out: bool = False, inputs: str = "float", pdl: bool = False,
+              pins: str = "") -> torch.Tensor:
+    """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
+    this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; inputs,
+    pdl and pins as in `gemv`."""
+    return run_gemv_int4(x, qweight, scales, zeros, group_size, norm_weight, eps, residual, glu, glu_out, inputs,
+                         pdl, pins)
 
 
 @gemv_int4.register_fake
 def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
-      inputs="float"):
+      inputs="float", pdl=False, pins=""):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 
 def _arithmetic(inputs: str) -> dict[str, bool]:
-    """The kernels' switches for what a low-bit GEMV multiplies its weights with (env.QUANT_INPUTS):
-    "float" (x in float32), "int8" (A8: x rounded to int8 per 32 columns, DP4A), "fp16" (H16: x
-    scaled per 32 columns to fp16, packed fp16 arithmetic) or "int16" (I16: x in 16-bit fixed point
-    per 32 columns, DP2A)."""
-    if inputs not in QUANT_INPUTS:
-        raise ValueError(f"GEMV inputs {inputs!r}: not one of {', '.join(QUANT_INPUTS)}")
-    return {switch: inputs == kind for kind, switch in INPUT_SWITCHES.items()}
+    """The kernels' switches for what a low-bit GEMV multiplies its weights with (kernels.arith)."""
+    return switches(inputs)
 
 
 def _whole_groups(k: int, group_size: int) -> None:

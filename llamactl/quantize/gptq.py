@@ -26,8 +26,8 @@ import torch
 def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
     """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
     from llamactl.calib import build_samples, resolve_spec
-    from llamactl.load import load_tokenizer
-    from llamactl.quantize import target_linears
+    from llamactl.checkpoint import load_tokenizer
+    from llamactl.quantize.options import target_linears
 
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     tok = load_tokenizer(art)

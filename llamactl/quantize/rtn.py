@@ -68,9 +68,9 @@ def write_rtn(art, opts, folder, progress) -> dict:
 
     from llamactl import __version__
     from llamactl.artifact import save_weights
-    from llamactl.load import iter_checkpoint
-    from llamactl.quantize import target_linears
-    from llamactl.quantize.gptq_format import pack_gptq
+    from llamactl.checkpoint import iter_checkpoint
+    from llamactl.layers.gptq import pack_gptq
+    from llamactl.quantize.options import target_linears
 
     targets = target_linears(art, opts.lm_head)
     state: dict[str, torch.Tensor] = {}
@@ -106,3 +106,45 @@ def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = Non
         "pack_dtype": "int32", "true_sequential": True, "static_groups": False,
         "meta": {"quantizer": [quantizer], "method": method, **(extra_meta or {})},
     }
+
+
+@torch.no_grad()
+def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool = True) -> int:
+    """RTN-quantize every decoder linear of an in-memory model to 4 bits (synthetic benchmarks):
+    llamactl's int4 layers where `triton`, else tinygemm's where its shapes allow."""
+    from torch import nn
+
+    from llamactl.layers.int4 import int4_linear, supported, triton_supported
+
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or ".layers." not in f".{name}":
+            continue
+        fits = triton_supported(mod.in_features, group_size) if triton else supported(
+            mod.in_features, mod.out_features, group_size)
+        if fits:
+            codes, zeros, scales, g_idx = rtn_quantize(mod.weight.float(), 4, group_size, sym)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, int4_linear(codes, zeros, scales, g_idx.to(codes.device),
+                                                                    group_size, mod.bias, mod.weight.device, triton))
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def quantize_linears_int8(model, triton: bool) -> int:
+    """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic benchmarks)."""
+    from torch import nn
+
+    from llamactl.layers.int8 import Int8Kernel
+
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is nn.Linear and ".layers." in f".{name}":
+            w = mod.weight.float()  # [out, in]
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias, triton))
+            n += 1
+    return n

@@ -1,7 +1,7 @@
-"""int4 weight-only matmuls: llamactl's Triton kernels on CUDA, PyTorch's tinygemm elsewhere.
+"""int4 weight-only layers: llamactl's Triton kernels on CUDA, PyTorch's tinygemm elsewhere.
 
-On CUDA with Triton, 4-bit layers become kernels.linear.TritonInt4Linear (a GEMV that reads the
-4-bit codes near memory bandwidth at batch 1). Otherwise they use PyTorch's tinygemm kernels
+Where llamactl's kernels run, 4-bit layers become TritonInt4Linear (a GEMV that reads the 4-bit
+codes near memory bandwidth at batch 1). Otherwise they use PyTorch's tinygemm kernels
 (`_weight_int4pack_mm`), which the rest of this docstring describes.
 
 GPTQ/RTN checkpoints are repacked at load: tinygemm computes w = (q - 8) * scale + zero per group
@@ -15,7 +15,11 @@ torch 2.11); the CPU kernel takes them unpacked as int32.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from llamactl.layers.fused import FusedIO
+from llamactl.layers.gptq import GPTQLinear, unpack_rows
 
 INNER_K_TILES = 8
 
@@ -29,12 +33,6 @@ def triton_supported(in_features: int, group_size: int) -> bool:
     return in_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0
 
 
-def _use_triton(device: torch.device) -> bool:
-    from llamactl import kernels
-
-    return kernels.on_gpu(device)
-
-
 def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):
     """codes: [out, in], g_idx: [in] -> (codes with columns in group order, perm [in] or None)."""
     g = g_idx.long()
@@ -46,11 +44,10 @@ def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):
     return codes[:, perm], perm
 
 
-def int4_linear(codes, zeros, scales, g_idx, group_size: int, bias, device: torch.device) -> nn.Module:
-    """The fastest 4-bit layer for `device` from GPTQ-style codes [out, in], zeros/scales [groups, out]."""
-    if _use_triton(device):
-        from llamactl.kernels.linear import TritonInt4Linear
-
+def int4_linear(codes, zeros, scales, g_idx, group_size: int, bias, device: torch.device, triton: bool) -> nn.Module:
+    """The 4-bit layer for `device` from GPTQ-style codes [out, in], zeros/scales [groups, out]:
+    llamactl's kernels where `triton` (layers.plan.kernels_run), else tinygemm."""
+    if triton:
         codes, perm = sort_by_group(codes, g_idx, group_size)
         return TritonInt4Linear(codes, zeros, scales, perm, group_size, bias, device)
     q, sz, perm = tinygemm_params(codes, zeros, scales, g_idx, group_size)
@@ -124,8 +121,6 @@ def _group(lin, group_size: int) -> int:
 
 def _gptq_codes(lin):
     """A 4-bit GPTQLinear -> (codes [out, in], zeros [groups, out], scales [groups, out])."""
-    from llamactl.quantize.gptq_format import unpack_rows
-
     codes = unpack_rows(lin.qweight, 4).t()  # [out, in]
     zeros = unpack_rows(lin.qzeros.t().contiguous(), 4).t()  # [groups, out]
     if lin.v1:
@@ -134,34 +129,87 @@ def _gptq_codes(lin):
 
 
 @torch.no_grad()
-def use_int4_kernels(model, group_size: int) -> int:
-    """Swap every 4-bit GPTQLinear a kernel supports for a fast int4 layer; returns how many."""
-    from llamactl.quantize.gptq_format import GPTQLinear
-
+def use_int4_kernels(model, group_size: int, triton: bool) -> int:
+    """Swap every 4-bit GPTQLinear a kernel supports for a fast int4 layer (llamactl's kernels
+    where `triton`, else tinygemm); returns how many."""
     swapped = 0
     for name, mod in list(model.named_modules()):
         if not (isinstance(mod, GPTQLinear) and mod.bits == 4):
             continue
         g, device = _group(mod, group_size), mod.qweight.device
-        ok = triton_supported(mod.in_features, g) if _use_triton(device) else supported(mod.in_features, mod.out_features, g)
+        ok = triton_supported(mod.in_features, g) if triton else supported(mod.in_features, mod.out_features, g)
         if ok:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, int4_linear(*_gptq_codes(mod), mod.g_idx, g, mod.bias, device))
+            setattr(model.get_submodule(parent), child,
+                    int4_linear(*_gptq_codes(mod), mod.g_idx, g, mod.bias, device, triton))
             swapped += 1
     return swapped
 
 
-@torch.no_grad()
-def quantize_linears_int4(model, group_size: int = 128, sym: bool = True) -> int:
-    """RTN-quantize every decoder linear of an in-memory model to Int4Linear (synthetic benchmarks)."""
-    from llamactl.quantize.rtn import rtn_quantize
+class TritonInt4Linear(nn.Module, FusedIO):
+    """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
-    n = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and ".layers." in f".{name}" and supported(mod.in_features, mod.out_features, group_size):
-            codes, zeros, scales, g_idx = rtn_quantize(mod.weight.float(), 4, group_size, sym)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, int4_linear(codes, zeros, scales, g_idx.to(codes.device),
-                                                                    group_size, mod.bias, mod.weight.device))
-            n += 1
-    return n
+    Single rows run the int4 GEMV (reads 4 bits a weight); longer inputs (prefill) dequantize the
+    layer to 16 bits with a Triton kernel and use cuBLAS.
+    """
+
+    def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None, device: torch.device):
+        """codes: [out, in] in group order, zeros/scales: [groups, out], perm: [in] or None."""
+        super().__init__()
+        from llamactl.kernels.gemv import pack_int4
+
+        self._set(pack_int4(codes.to(device)), scales.t().to(device=device, dtype=torch.float16),
+                  zeros.t().to(device=device, dtype=torch.uint8), None if perm is None else perm.to(device), group_size,
+                  None if bias is None else bias.to(device=device, dtype=torch.bfloat16))
+
+    def _set(self, qweight, scales, zeros, perm, group_size: int, bias) -> None:
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.contiguous())  # [out, in // 8] int32
+        self.register_buffer("scales", scales.contiguous())  # [out, groups] fp16
+        self.register_buffer("zeros", zeros.contiguous())  # [out, groups] uint8
+        self.register_buffer("perm", perm)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
+        self._init_fused_io()
+
+    def can_fuse(self) -> bool:
+        return self.bias is None and self.perm is None  # act-order layers gather x first: not fused
+
+    @classmethod
+    def concat(cls, mods: list["TritonInt4Linear"]) -> "TritonInt4Linear | None":
+        """One layer computing the outputs of `mods` (same input) side by side, or None when their
+        input orders (act-order permutations) or group sizes differ."""
+        first = mods[0]
+        if any(m.group_size != first.group_size or m.perm is not None or (m.bias is None) != (first.bias is None)
+               for m in mods):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        bias = None if first.bias is None else torch.cat([m.bias for m in mods])
+        fused._set(torch.cat([m.qweight for m in mods]), torch.cat([m.scales for m in mods]),
+                   torch.cat([m.zeros for m in mods]), None, first.group_size, bias)
+        return fused
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
+        from llamactl.kernels.gemv import dequantize_int4, gemv_int4
+
+        if x.numel() == self._input_width() and self.can_fuse():
+            y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
+                          None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.inputs,
+                          self.pdl, self.pins)
+            return y.view(*x.shape[:-1], self._output_width())
+        x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
+        if self.perm is not None:
+            x2 = x2[:, self.perm]
+        if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
+            y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
+                                       inputs=self.inputs, pdl=self.pdl, pins=self.pins) for row in x2])
+        else:
+            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
+        return y if residual is None else residual + y

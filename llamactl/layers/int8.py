@@ -1,6 +1,6 @@
-"""int8 weight-only matmuls through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
+"""int8 weight-only layers through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
 
-On CUDA with Triton, batch-1 rows go through llamactl's int8 GEMV (kernels.gemv) instead.
+Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead.
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
@@ -15,14 +15,15 @@ import functools
 import torch
 from torch import nn
 
-from llamactl.kernels.linear import FusedIO
+from llamactl.layers.bnb import Int8Linear
+from llamactl.layers.fused import FusedIO
+from llamactl.layers.gptq import GPTQLinear, unpack_rows
 
 
-def available(device_type: str) -> bool:
-    """Whether int8 layers have a fast path on this device type: torch's kernel or llamactl's GEMV."""
-    from llamactl import kernels
-
-    return torch_kernel(device_type) or kernels.on_gpu(torch.device(device_type))
+def available(device_type: str, triton: bool) -> bool:
+    """Whether int8 layers have a fast path: torch's kernel on this device type, or llamactl's GEMV
+    (`triton`: layers.plan.kernels_run)."""
+    return triton or torch_kernel(device_type)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +40,7 @@ def torch_kernel(device_type: str) -> bool:
 class Int8Kernel(nn.Module, FusedIO):
     """y = (x W^T) * scale with W int8 [out, in] and scale [out]; bf16 activations."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, triton: bool):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # fresh, aligned allocations: the CPU kernel crashed on an int8 tensor read straight from a
@@ -47,10 +48,8 @@ class Int8Kernel(nn.Module, FusedIO):
         self.register_buffer("weight", weight.to(torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.to(torch.bfloat16).clone(memory_format=torch.contiguous_format))
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
-        from llamactl import kernels
-
-        self.triton = kernels.on_gpu(self.weight.device)
-        self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (see kernels.linear.quant_inputs)
+        self.triton = triton  # batch-1 rows through llamactl's GEMV
+        self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
@@ -62,7 +61,7 @@ class Int8Kernel(nn.Module, FusedIO):
         if any((m.bias is None) != (mods[0].bias is None) for m in mods):
             return None
         bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
-        return cls(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]), bias)
+        return cls(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].triton)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
@@ -71,7 +70,7 @@ class Int8Kernel(nn.Module, FusedIO):
 
             y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.scales, *self._norm_args(),
                      None if residual is None else residual.reshape(-1).to(torch.bfloat16), self.glu,
-                     self.glu_out, self.inputs)  # batch-1 decode
+                     self.glu_out, self.inputs, self.pdl, self.pins)  # batch-1 decode
             y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         shape, dtype = x.shape, x.dtype
@@ -86,12 +85,9 @@ class Int8Kernel(nn.Module, FusedIO):
         return y if residual is None else residual + y
 
 
-def _from_module(mod) -> Int8Kernel | None:
-    from llamactl.quantize.bnb import Int8Linear
-    from llamactl.quantize.gptq_format import GPTQLinear, unpack_rows
-
+def _from_module(mod, triton: bool) -> Int8Kernel | None:
     if isinstance(mod, Int8Linear):
-        return Int8Kernel(mod.weight, mod.SCB.float() / 127.0, mod.bias)
+        return Int8Kernel(mod.weight, mod.SCB.float() / 127.0, mod.bias, triton)
     if isinstance(mod, GPTQLinear) and mod.bits == 8 and mod.scales.shape[0] == 1:
         zeros = unpack_rows(mod.qzeros.t().contiguous(), 8).t()  # [1, out]
         if mod.v1:
@@ -99,35 +95,21 @@ def _from_module(mod) -> Int8Kernel | None:
         if not bool((zeros == 128).all()):
             return None  # asymmetric: zero points are not expressible here
         codes = unpack_rows(mod.qweight, 8).t()  # [out, in], in 0..255
-        return Int8Kernel(codes - 128, mod.scales[0].float(), mod.bias)
+        return Int8Kernel(codes - 128, mod.scales[0].float(), mod.bias, triton)
     return None
 
 
 @torch.no_grad()
-def use_int8_kernels(model) -> int:
-    """Swap per-channel int8 layers for Int8Kernel where the device has the kernel; returns how many."""
-    if not available(model.device.type):
+def use_int8_kernels(model, triton: bool) -> int:
+    """Swap per-channel int8 layers for Int8Kernel where there is a kernel for them (llamactl's
+    where `triton`, else torch's); returns how many."""
+    if not available(model.device.type, triton):
         return 0
     n = 0
     for name, mod in list(model.named_modules()):
-        fast = _from_module(mod)
+        fast = _from_module(mod, triton)
         if fast is not None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, fast)
-            n += 1
-    return n
-
-
-@torch.no_grad()
-def quantize_linears_int8(model) -> int:
-    """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic benchmarks)."""
-    n = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and ".layers." in f".{name}":
-            w = mod.weight.float()  # [out, in]
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
-            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias))
             n += 1
     return n

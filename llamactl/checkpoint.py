@@ -1,0 +1,62 @@
+"""Reading a model folder's tensors, dtype and tokenizer: what the loader and the quantization
+writers share (below both, so neither imports the other)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from llamactl.artifact import Artifact
+from llamactl.errors import CheckpointError
+
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def checkpoint_dtype(art: Artifact) -> torch.dtype:
+    name = art.config.get("dtype") or art.config.get("torch_dtype") or "float32"
+    return DTYPES.get(str(name).replace("torch.", ""), torch.float32) or torch.float32
+
+
+def iter_checkpoint(art: Artifact) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every weight file, memory-mapped where the format allows."""
+    if art.weight_format == "safetensors":
+        from safetensors import safe_open
+
+        for f in art.weight_files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+    else:
+        for f in art.weight_files:
+            try:
+                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # a pickle that weights_only refuses, or a corrupt file
+                raise CheckpointError(f"{f} could not be loaded safely ({_refusal(e)})",
+                                      "only plain tensor files load; convert it to safetensors with the tool that made it")
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise CheckpointError(f"{f} is not a plain dict of tensors", "convert it to safetensors")
+            yield from sd.items()
+
+
+def load_tokenizer(art: Artifact):
+    """The folder's tokenizer through transformers' AutoTokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    if not any((art.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        raise CheckpointError(f"{art.path} is missing the files: ['tokenizer.json' or 'tokenizer.model']",
+                              "copy the tokenizer files from the original checkpoint into this folder")
+    try:
+        return AutoTokenizer.from_pretrained(str(art.path), local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{art.path}: the tokenizer could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                              "check tokenizer.json / tokenizer_config.json, or copy them from the original checkpoint")
+
+
+def _refusal(e: Exception) -> str:
+    """Why torch refused a pickle, without torch's advice to load it unsafely."""
+    import re
+
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return f"it needs {found.group(1)}, which is not a tensor" if found else type(e).__name__

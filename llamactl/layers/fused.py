@@ -1,0 +1,110 @@
+"""The 16-bit GEMV linear and the folding of RMSNorm, SwiGLU and the residual add into the
+projections around them (the int4/int8 layers share FusedIO)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llamactl.model import swiglu
+
+
+class FusedIO:
+    """Mixin for projections whose batch-1 kernel can fold in the RMSNorm before them (`norm`), the
+    SwiGLU of a fused gate/up input (`glu`, on down_proj) and the residual add after them: one kernel
+    instead of three or four. layers.prepare arranges it; longer inputs apply the same steps unfused.
+`pdl` and `pins` are the launch settings of the plan (programmatic dependent launch, the id of
+a kernels.pinned table)."""
+
+    fuses_residual = True
+
+    def _init_fused_io(self) -> None:
+        self.norm: nn.Module | None = None  # an instance attribute: a class one would hide the submodule
+        self.glu = False  # down_proj: the input is a fused [gate; up] output, SwiGLU applied on reading it
+        self.glu_out = False  # gate_up_proj: return silu(gate) * up of its own output instead
+        self.pdl = False
+        self.pins = ""
+
+    def can_fuse(self) -> bool:
+        return getattr(self, "bias", None) is None
+
+    def _norm_args(self) -> tuple[torch.Tensor | None, float]:
+        return (None, 1e-6) if self.norm is None else (self.norm.weight, self.norm.eps)
+
+    def _unfused_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
+        return swiglu(x) if self.glu else x
+
+    def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
+        return swiglu(y) if self.glu_out else y
+
+    def _input_width(self) -> int:
+        return self.in_features * (2 if self.glu else 1)
+
+    def _output_width(self) -> int:
+        return self.out_features // (2 if self.glu_out else 1)
+
+
+class GemvLinear(nn.Linear, FusedIO):
+    """nn.Linear whose single-row inputs go through the Triton GEMV (with FusedIO's folded steps);
+    more rows go to cuBLAS."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused_io()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
+        if x.numel() == self._input_width() and self.bias is None:
+            from llamactl.kernels.gemv import gemv
+
+            y = gemv(x.reshape(-1), self.weight, None, *self._norm_args(),
+                     None if residual is None else residual.reshape(-1), self.glu, self.glu_out, "float",
+                     self.pdl, self.pins)
+            return y.view(*x.shape[:-1], self._output_width())
+        y = self._unfused_output(F.linear(self._unfused_input(x), self.weight, self.bias))
+        return y if residual is None else residual + y
+
+
+def swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:
+    new = cls(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+    new.weight = mod.weight
+    if mod.bias is not None:
+        new.bias = mod.bias
+    return new
+
+
+def norm_sites(model) -> list[tuple[nn.Module, str, nn.Module | None]]:
+    """(owner, attribute of the RMSNorm, the one projection that reads its output)."""
+    sites = [(l, "input_layernorm", l.self_attn.qkv_proj) for l in model.model.layers]
+    sites += [(l, "post_attention_layernorm", l.mlp.gate_up_proj) for l in model.model.layers]
+    return sites + [(model.model, "norm", model.lm_head)]
+
+
+def unfuse(model) -> None:
+    """Put every RMSNorm folded into a projection back in its place, and clear glu/glu_out."""
+    for owner, attr, lin in norm_sites(model):
+        if isinstance(lin, FusedIO) and lin.norm is not None:
+            setattr(owner, attr, lin.norm)
+            lin.norm = None
+    for layer in model.model.layers:
+        for lin in (layer.mlp.down_proj, layer.mlp.gate_up_proj):
+            if isinstance(lin, FusedIO):
+                lin.glu = lin.glu_out = False
+
+
+def fuse(model, swiglu_at: str) -> None:
+    """Fold each RMSNorm into the one projection that reads it, and SwiGLU into down_proj or
+    gate_up_proj (swiglu_at: RuntimeOptions.swiglu)."""
+    for owner, attr, lin in norm_sites(model):
+        if isinstance(lin, FusedIO) and lin.can_fuse():
+            lin.norm = getattr(owner, attr)
+            setattr(owner, attr, nn.Identity())
+    for layer in model.model.layers:
+        gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
+        if swiglu_at == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse():
+            gate_up.glu_out = True
+        elif gate_up is not None and isinstance(down, FusedIO) and down.can_fuse():
+            down.glu = True

@@ -1,0 +1,150 @@
+"""prepare(model, options): put the decode step's kernels into a model once and say what runs.
+
+The Plan has a field for each choice that ran (kernels, PDL, the int4/int8 GEMVs' inputs, the
+SwiGLU site, the decode attention, the pinned configs); code compares the fields, `label` is for
+people. Preparing changes the model's modules (fused projections, folded norms), never its
+outputs beyond the kernels' rounding, and no process-wide setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from llamactl.kernels import check, pinned
+from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.kernels.device import pdl_supported, runs_on, triton_version
+from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
+from llamactl.layers.int4 import TritonInt4Linear
+from llamactl.layers.int8 import Int8Kernel
+from llamactl.options import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the decode step runs. gemv: "triton", "cublas" or "torch"; inputs: what the int4/int8
+    GEMVs multiply with ("float" where there are none); swiglu: the kernel that applies SwiGLU
+    (None: unfused); attention: "triton split-kv" or "sdpa"; pins: where the pinned configs came
+    from (None: autotuned); warnings: kernels that failed their self-check and were left out."""
+
+    gemv: str
+    triton: str | None = None
+    pdl: bool = False
+    inputs: str = "float"
+    swiglu: str | None = None
+    attention: str = "sdpa"
+    attn_min_chunk: int | None = None
+    pins: str | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def kernels(self) -> bool:
+        return self.gemv == "triton"
+
+    @property
+    def label(self) -> str:
+        """The GEMV for people: "triton 3.6.0, PDL, int16 inputs, pinned configs", or "cublas"."""
+        if not self.kernels:
+            return self.gemv
+        return (f"triton {self.triton}" + (", SwiGLU before down" if self.swiglu == "down" else "")
+                + (", PDL" if self.pdl else "") + (f", {QUANT_INPUT_LABELS[self.inputs]}" if self.inputs != "float" else "")
+                + (", pinned configs" if self.pins else ""))
+
+    @property
+    def attention_label(self) -> str:
+        if self.attention == "sdpa":
+            return "sdpa"
+        from llamactl.kernels.attention import label
+
+        return label(self.attn_min_chunk)
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def kernels_run(device: torch.device, options: RuntimeOptions, interpreter: bool = False) -> tuple[bool, str | None]:
+    """Whether llamactl's kernels run the model on `device` (CUDA with Triton, the self-check
+    passed; the CPU only through Triton's interpreter when `interpreter`), and the warning when
+    they were wanted and failed their check. The loader and prepare both ask this."""
+    if not options.kernels or not runs_on(device) or (device.type == "cpu" and not interpreter):
+        return False, None
+    problem = check.passed(device)
+    if problem:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        return False, (f"llamactl's Triton kernels failed their check on {name} ({problem}); "
+                       "using cuBLAS/SDPA/tinygemm instead (--kernels off silences this)")
+    return True, None
+
+
+def quant_input_layers(model) -> list[nn.Module]:
+    """The layers whose batch-1 GEMV takes RuntimeOptions.quant_inputs: the int4 ones, and the
+    int8 ones with whole 32-column blocks."""
+    return [m for m in model.modules()
+            if isinstance(m, TritonInt4Linear) or (isinstance(m, Int8Kernel) and m.in_features % 32 == 0)]
+
+
+@torch.no_grad()
+def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = False) -> Plan:
+    """Route the model's linears and decode attention through llamactl's kernels where they run
+    (options.kernels), else through cuBLAS/SDPA, with the options' launch settings; returns the
+    Plan of what runs. May be called again with other options. interpreter: on the CPU, run the
+    kernels through Triton's interpreter (tests)."""
+    options = options or RuntimeOptions()
+    device = model.device
+    model.fuse_projections()
+    on, warning = kernels_run(device, options, interpreter)
+    warnings = [warning] if warning else []
+    unfuse(model)
+    for name, mod in list(model.named_modules()):
+        if type(mod) in (nn.Linear, GemvLinear) and mod.weight.is_floating_point():
+            cls = GemvLinear if on else nn.Linear
+            if type(mod) is not cls:
+                parent, _, child = name.rpartition(".")
+                owner = model.get_submodule(parent) if parent else model
+                setattr(owner, child, swap_linear(mod, cls))
+    layers = quant_input_layers(model)
+    inputs = options.quant_inputs if on and layers else "float"
+    if inputs != "float":
+        problem = check.passed(device, inputs)
+        if problem:
+            warnings.append(f"llamactl's {inputs}-input GEMVs failed their check on {device} ({problem}); using float inputs")
+            inputs = "float"
+    for mod in layers:
+        mod.inputs = inputs
+    pdl = on and options.pdl and pdl_supported(device)
+    pins = pinned.resolve(device, options.pins, options.pins_file) if on else pinned.NONE
+    for mod in model.modules():
+        if isinstance(mod, FusedIO):
+            mod.pdl, mod.pins = pdl, pins.id
+    if on:
+        fuse(model, options.swiglu)
+    hd = model.args.head_dim
+    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
+    for layer in model.model.layers:
+        at = layer.self_attn
+        at.decode_kernel, at.attn_min_chunk, at.pdl = attn, options.attn_min_chunk, pdl
+    if not on:
+        return Plan(gemv="cublas" if device.type == "cuda" else "torch", warnings=tuple(warnings))
+    return Plan(gemv="triton", triton=triton_version(), pdl=pdl, inputs=inputs,
+                swiglu=_swiglu_site(model), attention="triton split-kv" if attn else "sdpa",
+                attn_min_chunk=options.attn_min_chunk if attn else None, pins=pins.source, warnings=tuple(warnings))
+
+
+def _swiglu_site(model) -> str | None:
+    """Which kernel applies SwiGLU after fuse: "gate_up" (its output), "down" (its input) or None."""
+    mlp = model.model.layers[0].mlp if len(model.model.layers) else None
+    if mlp is None:
+        return None
+    if getattr(mlp.gate_up_proj, "glu_out", False):
+        return "gate_up"
+    return "down" if getattr(mlp.down_proj, "glu", False) else None
+
+
+def unfold_cache_writes(model) -> None:
+    """Use the attention kernel without the folded RoPE/cache write: torch.compile's regional
+    compilation cannot functionalize a custom op that mutates its inputs (the KV cache)."""
+    for layer in model.model.layers:
+        if layer.self_attn.decode_kernel == "rope":
+            layer.self_attn.decode_kernel = "plain"

@@ -1,0 +1,121 @@
+"""One object per quantized checkpoint format: how a method writes it, how the loader swaps its
+modules in before the weights are assigned, and which kernels then run it. The loader looks a
+format up by config.json's quant_method; the quantize stage by --method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from llamactl.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Format:
+    quant_method: str  # config.json's quantization_config.quant_method
+    methods: tuple[str, ...]  # the quantize --method values that write it
+    writers: dict[str, Callable]  # method -> write(art, opts, folder, device, progress, log) -> engine info
+    swap: Callable  # (artifact, model on the meta device) -> None: quantized modules in place of nn.Linear
+    rename: Callable[[str], str | None]  # checkpoint tensor name -> the runtime's (None: dropped)
+    finish: Callable  # (artifact, model, dtype, triton) -> kernels: fast layers in place of the portable ones
+
+    def write(self, art, opts, folder, device, progress, log) -> dict[str, Any]:
+        return self.writers[opts.method](art, opts, folder, device, progress, log)
+
+
+def _write_rtn(art, opts, folder, device, progress, log):
+    from llamactl.quantize.rtn import write_rtn
+
+    return write_rtn(art, opts, folder, progress)
+
+
+def _write_gptq(art, opts, folder, device, progress, log):
+    from llamactl.quantize.gptq import write_gptq
+
+    return write_gptq(art, opts, folder, device, progress, log)
+
+
+def _write_bnb(art, opts, folder, device, progress, log):
+    from llamactl.quantize.bnb import write_bnb
+
+    return write_bnb(art, opts, folder, progress, log)
+
+
+def _gptq_swap(art, model) -> None:
+    from llamactl.layers.gptq import GPTQLinear, swap_linears
+
+    q = art.quantization
+    bits, group = int(q["bits"]), int(q.get("group_size", 128))
+    fmt = q.get("checkpoint_format", q.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported", "use gptq (v1) or gptq_v2")
+    if bits not in (2, 4, 8):
+        raise CheckpointError(f"{art.path}: {bits}-bit GPTQ is not supported by the runtime", "use 2, 4 or 8 bits")
+    names = sorted(n[: -len(".qweight")] for n in art.tensor_index() if n.endswith(".qweight"))
+    if not names:
+        raise CheckpointError(f"{art.path}: config.json says GPTQ but no tensor ends in .qweight")
+
+    def make(lin: torch.nn.Linear) -> GPTQLinear:
+        with torch.device("meta"):
+            return GPTQLinear(lin.in_features, lin.out_features, bits, group, lin.bias is not None, v1=fmt == "gptq")
+
+    swap_linears(model, names, make)
+
+
+def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
+    """bf16 compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
+    dequantizing per call; 8-bit layers with one group per row on the int8 kernels."""
+    from llamactl.layers.int4 import use_int4_kernels
+    from llamactl.layers.int8 import use_int8_kernels
+
+    if dtype != torch.bfloat16:
+        return []
+    q = art.quantization
+    done = []
+    if int(q.get("bits", 0)) == 4 and use_int4_kernels(model, int(q.get("group_size", 128)), triton):
+        done.append("int4 triton" if triton else "int4 tinygemm")
+    if use_int8_kernels(model, triton):
+        done.append("int8 triton" if triton else "int8 torch")
+    return done
+
+
+def _bnb_swap(art, model) -> None:
+    from llamactl.layers.bnb import swap_bnb_linears
+
+    swap_bnb_linears(art, model)
+
+
+def _bnb_rename(name: str) -> str | None:
+    from llamactl.layers.bnb import rename_bnb_key
+
+    return rename_bnb_key(name)
+
+
+def _bnb_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
+    """bf16 compute: LLM.int8 layers on the int8 kernels; NF4 dequantizes per call."""
+    from llamactl.layers.int8 import use_int8_kernels
+
+    return (["int8 triton" if triton else "int8 torch"] if dtype == torch.bfloat16 and use_int8_kernels(model, triton)
+            else [])
+
+
+GPTQ = Format("gptq", ("gptq", "rtn"), {"gptq": _write_gptq, "rtn": _write_rtn}, _gptq_swap, lambda n: n, _gptq_finish)
+BITSANDBYTES = Format("bitsandbytes", ("nf4", "int8"), {"nf4": _write_bnb, "int8": _write_bnb}, _bnb_swap, _bnb_rename,
+                      _bnb_finish)
+FORMATS = {f.quant_method: f for f in (GPTQ, BITSANDBYTES)}
+
+
+def for_checkpoint(art) -> Format:
+    """The format of a quantized folder (config.json's quant_method); raises CheckpointError."""
+    method = art.quantization.get("quant_method")
+    if method not in FORMATS:
+        raise CheckpointError(f"{art.path}: quantization method {method!r} is not supported by this runtime",
+                              f"llamactl reads {', '.join(FORMATS)} checkpoints")
+    return FORMATS[method]
+
+
+def for_method(method: str) -> Format:
+    """The format a quantize --method writes."""
+    return next(f for f in FORMATS.values() if method in f.methods)

@@ -1,0 +1,47 @@
+"""The quantize stage's options and the layers it quantizes (shared by the writers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llamactl.artifact import Artifact
+
+GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
+BITS = {"gptq": (4, 8), "rtn": (4, 8), "nf4": (4,), "int8": (8,)}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 128  # -1: one group per output channel (the whole input row)
+    sym: bool = True
+    desc_act: bool = False
+    damp: float = 0.01
+    clip_search: bool = False
+    gptq_variant: str = "gptq"  # gptq, gptaq (asymmetric calibration) or foem, from GPTQModel
+    lm_head: bool = False
+    calib: str = "docs"
+    n_samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+
+
+def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
+    """name -> (in_features, out_features) of every linear layer the stage quantizes."""
+    a = art.args
+    shapes = {
+        "self_attn.q_proj": (a.hidden_size, a.num_attention_heads * a.head_dim),
+        "self_attn.k_proj": (a.hidden_size, a.num_key_value_heads * a.head_dim),
+        "self_attn.v_proj": (a.hidden_size, a.num_key_value_heads * a.head_dim),
+        "self_attn.o_proj": (a.num_attention_heads * a.head_dim, a.hidden_size),
+        "mlp.gate_proj": (a.hidden_size, a.intermediate_size),
+        "mlp.up_proj": (a.hidden_size, a.intermediate_size),
+        "mlp.down_proj": (a.intermediate_size, a.hidden_size),
+    }
+    out = {f"model.layers.{i}.{n}": s for i in range(a.num_hidden_layers) for n, s in shapes.items()}
+    if lm_head:
+        out["lm_head"] = (a.hidden_size, a.vocab_size)
+    return out

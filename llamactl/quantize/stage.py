@@ -1,0 +1,107 @@
+"""The quantize stage: validation, the method's writer and the quality report.
+
+Each method writes a Hugging Face folder into a staging directory; this module adds the side files,
+measures quality against the parent with llamactl's runtime, writes the manifest and renames the
+folder into place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
+from llamactl.errors import InputError
+from llamactl.quality import measure, no_progress
+
+from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, target_linears  # noqa: F401
+
+
+def validate(art: Artifact, opts: QuantOptions) -> None:
+    """Raise InputError for anything that would fail after work has started."""
+    if opts.method not in BITS:
+        raise InputError(f"--method {opts.method!r} is not known", f"use one of {', '.join(BITS)}")
+    if opts.bits not in BITS[opts.method]:
+        raise InputError(f"--bits {opts.bits} is not supported by --method {opts.method}",
+                         f"{opts.method} supports {', '.join(map(str, BITS[opts.method]))} bits")
+    if art.quantization:
+        method = art.quantization.get("quant_method", "?")
+        raise InputError(f"{art.path} is already quantized ({method})",
+                         "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
+    if opts.method in ("gptq", "rtn"):
+        if opts.group_size not in (-1,) and opts.group_size < 1:
+            raise InputError(f"--group-size {opts.group_size} is not valid", "use a positive size such as 128, or -1")
+        if opts.group_size > 0:
+            for name, (fin, _) in target_linears(art, opts.lm_head).items():
+                if fin % opts.group_size:
+                    raise InputError(f"--group-size {opts.group_size} does not divide the {fin} input features of {name}",
+                                     "choose a divisor, for example 32, 64 or 128, or -1 for one group per row")
+    if opts.method == "gptq" and not 0 < opts.damp < 1:
+        raise InputError(f"--damp {opts.damp} is outside (0, 1)", "the usual value is 0.01")
+    if opts.gptq_variant not in GPTQ_VARIANTS:
+        raise InputError(f"--gptq-variant {opts.gptq_variant!r} is not known", f"use one of {', '.join(GPTQ_VARIANTS)}")
+    if opts.method != "gptq" and opts.gptq_variant != "gptq":
+        raise InputError("--gptq-variant applies to --method gptq only")
+    if opts.method != "gptq" and opts.desc_act:
+        raise InputError("--desc-act applies to --method gptq only")
+    if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head):
+        raise InputError(f"--clip-search and --quantize-lm-head are not available with --method {opts.method}")
+    _require_engine(opts.method)
+    if opts.method == "gptq":
+        from llamactl.calib import check_spec, resolve_spec
+
+        spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
+        check_spec(spec)
+        if spec.seq_len > art.args.max_position_embeddings:
+            raise InputError(f"--seq-len {spec.seq_len} is longer than the model's context "
+                             f"({art.args.max_position_embeddings})", "lower --seq-len")
+
+
+def _require_engine(method: str) -> None:
+    from importlib.util import find_spec
+
+    from llamactl.errors import MissingDependencyError
+
+    if method == "gptq" and find_spec("gptqmodel") is None:
+        raise MissingDependencyError("gptqmodel", "gptq", "--method gptq")
+    if method in ("nf4", "int8") and find_spec("bitsandbytes") is None:
+        raise MissingDependencyError("bitsandbytes", "bnb", f"--method {method}")
+
+
+def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: bool = False,
+             eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
+             progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Quantize the model folder `model` into `out`; returns the manifest written.
+
+    Raises InputError/CheckpointError/MissingDependencyError before anything is written.
+    """
+    from llamactl.load import resolve_device
+
+    art = open_artifact(model)
+    validate(art, opts)
+    out = Path(out)
+    check_output(out, force, [art.path])
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    with staged_output(out, force, log) as tmp:
+        engine = _run_method(art, opts, tmp, dev, progress, log)
+        copy_side_files(art.path, tmp)
+        seconds = time.perf_counter() - t0
+        metrics: dict[str, Any] = {"quantize_seconds": round(seconds, 2)}
+        child = open_artifact(tmp)
+        metrics["weight_bytes"] = child.disk_bytes
+        metrics["parent_weight_bytes"] = art.disk_bytes
+        metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
+        if eval_tokens > 0:
+            log("measuring quality against the parent")
+            metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
+        params = asdict(opts) | {"engine": engine}
+        return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
+
+
+def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
+    from llamactl.quantize.formats import for_method
+
+    return for_method(opts.method).write(art, opts, tmp, dev, progress, log)
