@@ -40,6 +40,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain usage errors and help: one line a problem, readable when piped
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -58,9 +59,10 @@ def _check_dtype(value: str) -> str:
 
 # Shared option types.
 ModelArg = Annotated[Optional[str], typer.Argument(
-    help="Model folder (Hugging Face format, with or without a llamactl manifest). Default: the embedded model.",
-    show_default=False)]
-ModelReq = Annotated[str, typer.Argument(help="Model folder (Hugging Face format).")]
+    help="Model folder (Hugging Face format, with or without a llamactl manifest); `embedded` or none: the embedded model.",
+    show_default=False, metavar="MODEL")]
+ModelReq = Annotated[str, typer.Argument(help="Model folder (Hugging Face format); `embedded`: the embedded model.",
+                                         metavar="MODEL")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", callback=_check_device)]
 DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_check_dtype,
     help="auto, float32, bfloat16 or float16; auto = the checkpoint's on a GPU, float32 on the CPU for small models.")]
@@ -333,13 +335,13 @@ def _report(manifest: dict, json_out: bool) -> None:
 
 def _check_quant_inputs(value: str | None) -> str | None:
     if value is not None and value not in QUANT_INPUTS:
-        raise typer.BadParameter(f"--quant-inputs {value!r}: use {', '.join(QUANT_INPUTS[:-1])} or {QUANT_INPUTS[-1]}")
+        raise typer.BadParameter(f"{value!r}: use {', '.join(QUANT_INPUTS[:-1])} or {QUANT_INPUTS[-1]}")
     return value
 
 
 def _check_on_off(option: str, value: str | None) -> str | None:
     if value is not None and value not in ("on", "off"):
-        raise typer.BadParameter(f"{option} {value!r}: use on or off")
+        raise typer.BadParameter(f"{value!r}: use on or off")
     return value
 
 

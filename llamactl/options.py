@@ -60,25 +60,21 @@ class RuntimeOptions:
         that is not one of a variable's choices is refused: a typo such as `on` would otherwise
         silently mean off."""
         env = os.environ if environ is None else environ
-        chunk = _choice(env, "LLAMACTL_ATTN_MIN_CHUNK", tuple(map(str, CHUNKS)))
         return cls(
             kernels=_flag(env, "LLAMACTL_KERNELS", True),
             pdl=_flag(env, "LLAMACTL_PDL", True),
             quant_inputs=_choice(env, "LLAMACTL_QUANT_INPUTS", QUANT_INPUTS) or "int16",
-            swiglu=_choice(env, "LLAMACTL_SWIGLU", SWIGLU_SITES) or "gate_up",
-            attn_min_chunk=int(chunk) if chunk else 64,
             pins=_flag(env, "LLAMACTL_PIN_CONFIGS", True),
             pins_file=env.get("LLAMACTL_PINS_FILE") or None,
-            compile_regions=_flag(env, "LLAMACTL_COMPILE_REGIONS", None),
         )
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-# the variables from_env reads, for the README and the tests
-VARIABLES = ("LLAMACTL_KERNELS", "LLAMACTL_PDL", "LLAMACTL_QUANT_INPUTS", "LLAMACTL_SWIGLU",
-             "LLAMACTL_ATTN_MIN_CHUNK", "LLAMACTL_PIN_CONFIGS", "LLAMACTL_PINS_FILE", "LLAMACTL_COMPILE_REGIONS")
+# the variables from_env reads (each has a flag too). swiglu, attn_min_chunk and compile_regions
+# were experiments, decided (docs/bench/README.md): arguments for library users and tests only.
+VARIABLES = ("LLAMACTL_KERNELS", "LLAMACTL_PDL", "LLAMACTL_QUANT_INPUTS", "LLAMACTL_PIN_CONFIGS", "LLAMACTL_PINS_FILE")
 
 
 def _flag(env, name: str, default: bool | None) -> bool | None:

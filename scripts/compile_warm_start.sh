@@ -25,7 +25,3 @@ warm1t=$(TORCHINDUCTOR_COMPILE_THREADS=1 t python -m llamactl generate "$out/com
 echo "generate -n 32, whole process: eager with built kernels ${eager}s, cold compile ${cold}s, warm start from artifacts ${warm}s, again ${warm2}s, with TORCHINDUCTOR_COMPILE_THREADS=1 ${warm1t}s"
 python -c "c, w, e = $cold, $warm2, $eager; print(f'with the second warm start: cold/warm {c / w:.2f}x; above the eager floor ratio {(c - e) / max(w - e, 1e-3):.1f}x')"
 python -c "c, w, e = $cold, $warm, $eager; print(f'whole process: cold/warm {c / w:.2f}x; above the eager floor: cold {c - e:.1f}s, warm {w - e:.1f}s, ratio {(c - e) / max(w - e, 1e-3):.1f}x')"
-# where a warm start's compile work goes: the same warm start once more (fresh caches), with torch.compile's phase timers
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
-python "$(dirname "$0")/compile_times.py" --min 0.2 -- generate "$out/compiled" --compile --device "$dev" -p "The kernel" \
-  -n 32 --temperature 0 2>&1 >/dev/null | grep -A40 "^whole command"

@@ -13,7 +13,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from llamactl.quantize import QuantOptions, quantize
+from llamactl.quantize.stage import QuantOptions, quantize
 
 CALIB = dict(calib="docs", n_samples=128, seq_len=512)
 CONFIGS = [

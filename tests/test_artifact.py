@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -31,10 +32,54 @@ def test_staged_output_refuses_existing_without_force(tmp_path):
         with staged_output(out, force=False):
             pass
     assert (out / "keep").read_text() == "old"
+    with pytest.raises(OutputExistsError, match="llamactl did not write"):  # --force replaces llamactl's outputs only
+        with staged_output(out, force=True):
+            pass
+    assert (out / "keep").read_text() == "old"
+    (out / "llamactl.json").write_text("{}")
     with staged_output(out, force=True) as tmp:
         (tmp / "new").write_text("new")
     assert sorted(p.name for p in out.iterdir()) == ["new"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_force_never_deletes_an_input_or_a_file(tmp_path):
+    """quantize MODEL -o PARENT --force, PARENT holding MODEL, deleted the input (issue 19); a path
+    that is no folder was renamed aside."""
+    parent = tmp_path / "parent"
+    (parent / "model").mkdir(parents=True)
+    (parent / "llamactl.json").write_text("{}")
+    with pytest.raises(InputError, match="contains the input"):
+        check_output(parent, True, [parent / "model"])
+    f = tmp_path / "file"
+    f.write_text("data")
+    with pytest.raises(OutputExistsError, match="not a folder"):
+        check_output(f, True)
+    assert f.read_text() == "data" and (parent / "model").is_dir()
+
+
+def test_a_second_writer_of_the_same_output_is_refused(tmp_path):
+    out = tmp_path / "out"
+    with staged_output(out, force=False):
+        with pytest.raises(OutputExistsError, match="being written by another llamactl run"):
+            with staged_output(out, force=False):
+                pass
+    assert out.is_dir() and not (tmp_path / ".out.lock").exists()
+
+
+def test_staging_folders_of_killed_runs_are_cleaned_and_said(tmp_path):
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f".out.tmp-{dead.pid}-abc").mkdir()
+    (tmp_path / ".out.lock").write_text(str(dead.pid))
+    (tmp_path / f".out.tmp-{os.getpid()}-live").mkdir()  # a live process's: kept
+    said = []
+    with staged_output(tmp_path / "out", force=False, log=said.append) as tmp:
+        (tmp / "x").write_text("1")
+    assert len(said) == 2 and all("killed" in m for m in said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".out.tmp-{os.getpid()}-live", "out"]
 
 
 def test_output_may_not_be_the_input(tmp_path):

@@ -164,22 +164,16 @@ def test_bad_compile_options(trained_model, tmp_path, args):
     assert not (tmp_path / "o").exists()
 
 
-def test_regional_compilation_defaults_and_override(monkeypatch):
+def test_regional_compilation_defaults_and_override():
     import torch
 
     from llamactl.decode import compile_regions
     from llamactl.options import RuntimeOptions
 
-    monkeypatch.delenv("LLAMACTL_COMPILE_REGIONS", raising=False)
-    default = RuntimeOptions.from_env()
+    default = RuntimeOptions()
     assert compile_regions(torch.device("cpu"), default) and not compile_regions(torch.device("cuda"), default)
-    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "1")
-    assert compile_regions(torch.device("cuda"), RuntimeOptions.from_env())
-    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "0")
-    assert not compile_regions(torch.device("cpu"), RuntimeOptions.from_env())
-    monkeypatch.setenv("LLAMACTL_COMPILE_REGIONS", "yes")  # a typo is refused, not read as off
-    with pytest.raises(InputError, match="LLAMACTL_COMPILE_REGIONS='yes' is not 0 or 1"):
-        RuntimeOptions.from_env()
+    assert compile_regions(torch.device("cuda"), RuntimeOptions(compile_regions=True))
+    assert not compile_regions(torch.device("cpu"), RuntimeOptions(compile_regions=False))
 
 
 def test_triton_cache_entries_of_llamactl_kernels_travel(tmp_path, monkeypatch):

@@ -376,12 +376,18 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
     assert off.gemv == OFF and not off.kernels and type(model.lm_head) is torch.nn.Linear
 
 
-def test_a_bad_swiglu_site_is_refused(monkeypatch):
+def test_bad_runtime_options_are_refused(monkeypatch):
     from llamactl.options import RuntimeOptions
 
-    monkeypatch.setenv("LLAMACTL_SWIGLU", "up")
-    with pytest.raises(InputError, match="LLAMACTL_SWIGLU"):
+    with pytest.raises(InputError, match="SwiGLU site 'up'"):
+        RuntimeOptions(swiglu="up")
+    with pytest.raises(InputError, match="attention chunk 500"):
+        RuntimeOptions(attn_min_chunk=500)
+    monkeypatch.setenv("LLAMACTL_PDL", "on")  # a typo is refused, not read as off
+    with pytest.raises(InputError, match="LLAMACTL_PDL='on' is not 0 or 1"):
         RuntimeOptions.from_env()
+    monkeypatch.setenv("LLAMACTL_PDL", "0")
+    assert RuntimeOptions.from_env() == RuntimeOptions(pdl=False)
 
 
 def test_quantized_projections_fuse_side_by_side():
@@ -563,12 +569,9 @@ def test_kernels_compile_for_hopper():
     assert "all compiled" in res.stdout
 
 
-def test_attention_min_chunk_sets_the_plan_and_the_label(monkeypatch):
+def test_attention_min_chunk_sets_the_plan_and_the_label():
     """attn_min_chunk: one split where the chunk covers the cache (the same attention, one
-    kernel), named in reports; LLAMACTL_ATTN_MIN_CHUNK sets its default, and a value that is no
-    power of two is refused."""
-    from llamactl.options import RuntimeOptions
-
+    kernel), named in reports."""
     torch.manual_seed(6)
     q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
     k = torch.randn(1, 2, 300, 64, device=DEV, dtype=ATTN_DTYPE)
@@ -578,8 +581,3 @@ def test_attention_min_chunk_sets_the_plan_and_the_label(monkeypatch):
     assert attention.plan(300, 512)[0] == 1
     assert rel(attention.decode_attention(q, k, v, pos, 512).cpu(), ref.double().cpu()) < 5e-3
     assert attention.label(512) == "triton split-kv, min chunk 512" and attention.label() == "triton split-kv"
-    monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "512")
-    assert RuntimeOptions.from_env().attn_min_chunk == 512
-    monkeypatch.setenv("LLAMACTL_ATTN_MIN_CHUNK", "500")
-    with pytest.raises(InputError, match="LLAMACTL_ATTN_MIN_CHUNK"):
-        RuntimeOptions.from_env()

@@ -17,9 +17,18 @@ from llamactl.layers.gptq import dequantize_gptq, pack_gptq, pack_rows, unpack_r
 from llamactl.quantize.rtn import rtn_quantize
 
 runner = CliRunner()
-needs_gptq = pytest.mark.skipif(find_spec("gptqmodel") is None or find_spec("optimum") is None,
-                                reason="pip install 'llamactl[gptq]'")
-needs_bnb = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="pip install 'llamactl[bnb]'")
+_gptq = pytest.mark.skipif(find_spec("gptqmodel") is None or find_spec("optimum") is None,
+                           reason="pip install -e '.[gptq]'")
+_bnb = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="pip install -e '.[bnb]'")
+
+
+def needs_gptq(test):
+    """A test of GPTQModel's path: skipped without it, selected by `-m quant`."""
+    return pytest.mark.quant(_gptq(test))
+
+
+def needs_bnb(test):
+    return pytest.mark.quant(_bnb(test))
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +240,12 @@ def test_existing_output_needs_force(tiny128, tmp_path):
     assert r.exit_code == 1 and "already exists" in r.stderr and "--force" in r.stderr
     assert (out / "mine.txt").read_text() == "keep"
     r = quantize_cli(tiny128, "-o", out, "--method", "rtn", "--eval-tokens", "0", "--force")
-    assert r.exit_code == 0 and not (out / "mine.txt").exists() and (out / MANIFEST).is_file()
+    assert r.exit_code == 1 and "llamactl did not write" in r.stderr and (out / "mine.txt").read_text() == "keep"
+    (out / "mine.txt").unlink()
+    r = quantize_cli(tiny128, "-o", out, "--method", "rtn", "--eval-tokens", "0", "--force")
+    assert r.exit_code == 0 and (out / MANIFEST).is_file()
+    r = quantize_cli(tiny128, "-o", out, "--method", "rtn", "--eval-tokens", "0", "--force")  # its own output
+    assert r.exit_code == 0 and (out / MANIFEST).is_file()
 
 
 @needs_gptq

@@ -64,7 +64,7 @@ def resolve(device: torch.device, on: bool = True, extra: str | None = None) -> 
     table = {(r["kernel"], tuple(r["key"][f] for f in KEY_FIELDS[r["kernel"]])): r["config"] for r in rows}
     pins_id = hashlib.sha256(json.dumps(sorted(map(repr, table.items()))).encode()).hexdigest()[:12]
     _TABLES[pins_id] = table
-    names = [f"kernels/configs/{packaged.name}"] * packaged.is_file() + [Path(extra).name] * bool(extra)
+    names = ([f"kernels/configs/{packaged.name}"] if packaged.is_file() else []) + ([Path(extra).name] if extra else [])
     return Pins(pins_id, " + ".join(names), len(table))
 
 

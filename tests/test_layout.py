@@ -1,0 +1,109 @@
+"""The house rules a test can hold: no import cycles; kernels/ a leaf; LLAMACTL_* read in one module."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "llamactl"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every llamactl module each module imports, at the top or inside a function, with the
+    packages an import runs (importing a.b.c runs a/__init__ and a/b/__init__)."""
+    mods = _modules()
+    graph = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                graph[m].update(".".join(parts[:i]) for i in range(2, len(parts) + 1) if ".".join(parts[:i]) in mods)
+        graph[m].discard(m)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_there_are_no_import_cycles():
+    assert _cycles(_imports()) == []
+
+
+def test_a_cycle_would_be_found():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_kernels_are_a_leaf_and_layers_sit_on_them():
+    graph = _imports()
+    allowed = {"llamactl.errors"}
+    for m, deps in graph.items():
+        if m.startswith("llamactl.kernels"):
+            outside = {d for d in deps if not d.startswith("llamactl.kernels") and d != "llamactl"}
+            assert outside <= allowed, (m, outside)
+        if m.startswith("llamactl.layers"):
+            assert not {d for d in deps if d.startswith(("llamactl.quantize", "llamactl.ui", "llamactl.cli",
+                                                         "llamactl.load", "llamactl.decode"))}, m
+
+
+def test_only_options_reads_llamactl_variables():
+    readers = [str(f.relative_to(PACKAGE.parent)) for f in PACKAGE.rglob("*.py")
+               if '"LLAMACTL_' in f.read_text() and f.name != "options.py"]
+    assert readers == []
+    for f in PACKAGE.rglob("*.py"):  # no module sets os.environ for llamactl's switches
+        assert "os.environ[\"LLAMACTL" not in f.read_text() and "setenv(\"LLAMACTL" not in f.read_text(), f
+
+
+def test_building_a_decoder_changes_no_inductor_setting(tiny_gqa):
+    import torch._inductor.config as inductor_config
+    import torch
+
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+
+    before = dict(inductor_config.get_config_copy())
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    Decoder(model, 1, 32, "compile")
+    assert dict(inductor_config.get_config_copy()) == before
