@@ -232,12 +232,7 @@ def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float) 
 
 
 def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict[str, Any]:
-    commit = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
+    commit = source_commit()
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -257,6 +252,22 @@ def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> d
             "cpu_threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
             "copy_bandwidth_gbs": round(bandwidth / 1e9, 2), "host": platform.node(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def source_commit() -> str | None:
+    """The git commit of llamactl's source, "+dirty" when its tracked files differ from it (a copy
+    of a working tree carried to another machine), None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "llamactl")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) or None
 
 
 def profile_decode(dec: Decoder, ids: torch.Tensor, gen_len: int, out_dir: Path) -> None:

@@ -8,7 +8,6 @@ bench command; `--pins-file FILE` runs it, copying it to llamactl/kernels/config
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import torch
@@ -38,11 +37,8 @@ def picks() -> list[dict]:
 
 def write_pins(path: Path, device: torch.device, command: str) -> int:
     """Write this process's autotune picks for `device`'s GPU to `path`; returns how many."""
+    from llamactl.bench import source_commit
+
     rows = picks()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    pinned.write(path, torch.cuda.get_device_name(device), rows, commit, command)
+    pinned.write(path, torch.cuda.get_device_name(device), rows, source_commit(), command)
     return len(rows)
