@@ -48,7 +48,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from compile' -F
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l output -s o -r -d 'Output folder (written atomically).'
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l kv-heads -r -d 'KV heads after conversion (divides the query heads, below the current KV heads).'
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l grouping -r -d 'contiguous (consecutive heads) or similarity (from calibration activations).'
-complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l merge -r -d 'mean (average K/V, the GQA paper) or fit (fitted to calibration statistics; changes q/o too).'
+complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l merge -r -d 'fit (fitted to calibration statistics; changes q/o too; the measured best) or mean (average K/V, the GQA paper).'
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l calib -r -d 'Calibration set for similarity/fit/distillation (see quantize --calib).'
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l n-samples -r -d 'Calibration samples.'
 complete -c llamactl -n '__fish_seen_subcommand_from convert-heads' -l seq-len -r -d 'Tokens per calibration sample.'
@@ -85,7 +85,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from inspect' -l help -s h -d 'S
 complete -c llamactl -n '__fish_seen_subcommand_from inspect' -F
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l output -s o -r -d 'Output folder (written atomically).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l method -r -d 'gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes).'
-complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l bits -r -d 'Bits per weight: 4 or 8 (gptq, rtn); nf4 is 4, int8 is 8.'
+complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l bits -r -d 'Bits per weight: 4 or 8 for gptq and rtn (default 4); nf4 is 4, int8 is 8 (their defaults).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l group-size -r -d 'Columns per quantization group; -1 = one group per output channel.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l sym -l asym -d 'Symmetric (zero point fixed) or asymmetric groups.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l desc-act -l no-desc-act -d 'GPTQ act-order: quantize columns by decreasing activation.'

@@ -145,7 +145,7 @@ def build_samples(spec: CalibSpec, tokenizer, progress: Callable[[int], None] | 
     need = spec.n_samples * spec.seq_len
     stream: list[int] = []
     for text in texts:
-        stream.extend(tokenizer(text).input_ids)
+        stream.extend(tokenizer(text, verbose=False).input_ids)  # cut into samples below: no length warning
         if progress:
             progress(len(stream))
         if len(stream) >= need:

@@ -192,6 +192,7 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
     ])
 
 
+LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
 QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", callback=lambda v: _check_quant_inputs(v), help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
@@ -206,7 +207,7 @@ def quantize(
     model: ModelReq,
     output: OutOpt,
     method: Annotated[str, typer.Option(help="gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes).")] = "gptq",
-    bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8 (gptq, rtn); nf4 is 4, int8 is 8.")] = 4,
+    bits: Annotated[Optional[int], typer.Option(help="Bits per weight: 4 or 8 for gptq and rtn (default 4); nf4 is 4, int8 is 8 (their defaults).", show_default=False)] = None,
     group_size: Annotated[int, typer.Option("--group-size", min=-1, help="Columns per quantization group; -1 = one group per output channel.")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (zero point fixed) or asymmetric groups.")] = True,
     desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="GPTQ act-order: quantize columns by decreasing activation.")] = False,
@@ -226,6 +227,9 @@ def quantize(
     """Quantize a 16-bit model to 4 or 8 bits and report what it cost in quality."""
     from llamactl.quantize.stage import QuantOptions, quantize as run
 
+    from llamactl.quantize.options import BITS
+
+    bits = bits if bits is not None else BITS.get(method, (4,))[0]
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
                         clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, calib=calib, n_samples=n_samples, seq_len=seq_len)
     manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
@@ -239,7 +243,7 @@ def convert_heads(
     output: OutOpt,
     kv_heads: Annotated[int, typer.Option("--kv-heads", help="KV heads after conversion (divides the query heads, below the current KV heads).")],
     grouping: Annotated[str, typer.Option(help="contiguous (consecutive heads) or similarity (from calibration activations).")] = "contiguous",
-    merge: Annotated[str, typer.Option(help="mean (average K/V, the GQA paper) or fit (fitted to calibration statistics; changes q/o too).")] = "mean",
+    merge: Annotated[str, typer.Option(help="fit (fitted to calibration statistics; changes q/o too; the measured best) or mean (average K/V, the GQA paper).")] = "fit",
     calib: Annotated[str, typer.Option(help="Calibration set for similarity/fit/distillation (see quantize --calib).")] = "docs",
     n_samples: Annotated[int, typer.Option("--n-samples", min=1, help="Calibration samples.")] = 64,
     seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="Tokens per calibration sample.")] = 512,
@@ -278,6 +282,11 @@ def convert_heads(
     if m.get("distill"):
         rows.append(("distillation KL (train)", f"{m['distill']['kl_first']:.4f}", f"{m['distill']['kl_last']:.4f}"))
     ui.table(f"convert-heads ({grouping}, {merge}) -> {manifest['output']}", ["", "parent", "child"], rows)
+    if q and q["kl_mean"] > LARGE_KL:
+        repair = [] if merge == "fit" else ["--merge fit"]
+        repair += [] if distill_steps >= 200 else ["--distill-steps 200"]
+        ui.warn(f"the child lost much quality (KL {q['kl_mean']:.3f} nats a token, top-1 agreement "
+                f"{q['top1_agreement'] * 100:.0f}%)" + (f"; {' and '.join(repair)} {'repair' if len(repair) > 1 else 'repairs'} most of it" if repair else ""))
 
 
 @app.command("compile")
@@ -448,6 +457,10 @@ def bench(
         from llamactl.artifact import check_writable_file
 
         check_writable_file(Path(output), "--output")
+    if quality and eval_tokens > 0:
+        from llamactl.quality import check_eval_file
+
+        check_eval_file(eval_file)
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
                               ui.warn if "compile" in modes else None, options)
     dt = targets[0].model.dtype

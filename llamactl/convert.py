@@ -14,14 +14,14 @@ import torch
 from llamactl.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.heads import GROUPINGS, MERGES, convert_state, layer_stats
-from llamactl.quality import measure, no_progress
+from llamactl.quality import check_eval_file, measure, no_progress
 
 
 @dataclass(frozen=True)
 class HeadsOptions:
     kv_heads: int
     grouping: str = "contiguous"
-    merge: str = "mean"
+    merge: str = "fit"  # the measured best without distillation (docs/convert-heads.md)
     calib: str = "docs"
     n_samples: int = 64
     seq_len: int = 512
@@ -41,13 +41,12 @@ def validate(art, opts: HeadsOptions) -> None:
     if opts.merge not in MERGES:
         raise InputError(f"--merge {opts.merge!r} is not known", f"use one of {', '.join(MERGES)}")
     g, h, kv = opts.kv_heads, a.num_attention_heads, a.num_key_value_heads
-    if g < 1 or h % g:
-        raise InputError(f"--kv-heads {g} does not divide the {h} query heads of {art.path}",
-                         f"choose a divisor of {h} below {kv}")
-    if g >= kv:
-        raise InputError(f"--kv-heads {g} is not below the model's {kv} KV heads", f"choose a divisor of {kv} below {kv}")
-    if kv % g:
-        raise InputError(f"--kv-heads {g} does not divide the model's {kv} KV heads", f"choose a divisor of {kv}")
+    valid = [d for d in range(1, kv) if kv % d == 0]
+    hint = (f"valid values for {art.path}: {', '.join(map(str, valid))}" if valid
+            else f"{art.path} has {kv} KV head: there is nothing to merge")
+    if g < 1 or h % g or g >= kv or kv % g:
+        why = ("is not below the model's" if g >= kv else "does not divide the model's") + f" {kv} KV heads"
+        raise InputError(f"--kv-heads {g} {why}", hint)
     if opts.merge == "fit" and a.attention_bias:
         raise InputError("--merge fit does not support attention biases", "use --merge mean")
 
@@ -56,11 +55,13 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
                   eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
                   progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `model` to opts.kv_heads KV heads into `out`; returns the manifest written."""
-    from llamactl.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device
+    from llamactl.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device, resolve_model_path
 
-    art = open_artifact(model)
+    art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
     out = Path(out)
+    if eval_tokens > 0:
+        check_eval_file(eval_file)
     check_output(out, force, [art.path])
     dev = resolve_device(device)
     t0 = time.perf_counter()

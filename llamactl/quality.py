@@ -38,15 +38,31 @@ class Quality:
         return asdict(self)
 
 
+def check_eval_file(path: str | Path | None) -> Path:
+    """The eval text's path (the packaged one for None); InputError, before any work, when it is
+    not a readable file."""
+    path = Path(path) if path else DEFAULT_EVAL
+    if path.is_dir():
+        raise InputError(f"--eval {path} is a folder", "pass --eval FILE with plain text")
+    if not path.is_file():
+        raise InputError(f"--eval {path} does not exist", "pass --eval FILE with plain text")
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as e:
+        raise InputError(f"--eval {path} cannot be read ({e.strerror})", "pass --eval FILE with plain text") from None
+    return path
+
+
 def eval_windows(tokenizer, path: Path | None, window: int, max_tokens: int) -> torch.Tensor:
     """Non-overlapping token windows [n, window] from the start of the eval text."""
-    path = Path(path) if path else DEFAULT_EVAL
-    if not path.is_file():
-        raise InputError(f"eval file {path} does not exist", "pass --eval FILE with plain text")
+    path = check_eval_file(path)
     text = path.read_text(errors="replace")
     if not text.strip():
         raise InputError(f"eval file {path} is empty", "pass --eval FILE with plain text")
-    ids = tokenizer(text[: max_tokens * 12]).input_ids  # ~4 chars a token; 12 leaves room
+    # ~4 chars a token; 12 leaves room. verbose=False: the text is windowed below, so transformers'
+    # "longer than the maximum sequence length" warning does not apply
+    ids = tokenizer(text[: max_tokens * 12], verbose=False).input_ids
     n = min(len(ids) // window, max(1, max_tokens // window))
     if n == 0:
         raise InputError(f"eval file {path} has {len(ids)} tokens, fewer than one window of {window}")

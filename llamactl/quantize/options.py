@@ -45,3 +45,18 @@ def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
     if lm_head:
         out["lm_head"] = (a.hidden_size, a.vocab_size)
     return out
+
+
+# the options each method uses: the manifest records these and nothing else
+USED = {
+    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head"),
+    "gptq": ("method", "bits", "group_size", "sym", "desc_act", "damp", "clip_search", "gptq_variant", "lm_head",
+             "calib", "n_samples", "seq_len", "seed"),
+    "nf4": ("method", "bits"),
+    "int8": ("method", "bits"),
+}
+
+
+def used_params(opts: QuantOptions) -> dict:
+    """The options `opts.method` uses, by name."""
+    return {name: getattr(opts, name) for name in USED[opts.method]}

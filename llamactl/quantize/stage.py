@@ -8,15 +8,14 @@ folder into place.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
-from llamactl.quality import measure, no_progress
+from llamactl.quality import check_eval_file, measure, no_progress
 
-from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, target_linears  # noqa: F401
+from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, target_linears, used_params  # noqa: F401
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -27,7 +26,8 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         raise InputError(f"--bits {opts.bits} is not supported by --method {opts.method}",
                          f"{opts.method} supports {', '.join(map(str, BITS[opts.method]))} bits")
     if art.quantization:
-        method = art.quantization.get("quant_method", "?")
+        meta = art.quantization.get("meta") or {}
+        method = meta.get("method") if meta.get("method") in BITS else art.quantization.get("quant_method", "?")
         raise InputError(f"{art.path} is already quantized ({method})",
                          "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
     if opts.method in ("gptq", "rtn"):
@@ -44,6 +44,9 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         raise InputError(f"--gptq-variant {opts.gptq_variant!r} is not known", f"use one of {', '.join(GPTQ_VARIANTS)}")
     if opts.method != "gptq" and opts.gptq_variant != "gptq":
         raise InputError("--gptq-variant applies to --method gptq only")
+    if opts.method != "gptq" and (opts.calib != "docs" or opts.n_samples or opts.seq_len or opts.seed is not None):
+        raise InputError(f"--calib, --n-samples, --seq-len and --seed apply to --method gptq only; {opts.method} uses no calibration",
+                         "drop them, or use --method gptq")
     if opts.method != "gptq" and opts.desc_act:
         raise InputError("--desc-act applies to --method gptq only")
     if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head):
@@ -77,10 +80,12 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
 
     Raises InputError/CheckpointError/MissingDependencyError before anything is written.
     """
-    from llamactl.load import resolve_device
+    from llamactl.load import resolve_device, resolve_model_path
 
-    art = open_artifact(model)
+    art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
+    if eval_tokens > 0:
+        check_eval_file(eval_file)
     out = Path(out)
     check_output(out, force, [art.path])
     dev = resolve_device(device)
@@ -97,7 +102,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         if eval_tokens > 0:
             log("measuring quality against the parent")
             metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
-        params = asdict(opts) | {"engine": engine}
+        params = used_params(opts) | {"engine": engine}
         return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
 
 
