@@ -11,10 +11,10 @@ _llamactl() {
         return
     fi
     case "$cmd" in
-        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --tune --help -h" ;;
+        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
-        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --ignore-eos --compile --quant-inputs --kernels --pins-file --json --allow-pickle --help -h" ;;
+        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --ignore-eos --compile --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
         quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --calib --n-samples --seq-len --eval --eval-tokens --device --force --json --help -h" ;;
         *) opts="" ;;

@@ -10,6 +10,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -67,39 +68,109 @@ class Artifact:
         return index
 
 
+ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file; raises CheckpointError if the file is truncated or corrupt."""
+    """The JSON header of a safetensors file, checked entry by entry (dtype, shape, offsets that
+    tile the data exactly); raises CheckpointError naming the file and the entry at fault."""
+    check_regular_file(path)
     size = path.stat().st_size
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path} is truncated or corrupt: {what}", "re-download or re-export it")
+
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) < 8:
             raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)", "re-download or re-export it")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8 or n > 100_000_000:
-            raise CheckpointError(f"{path} is truncated or corrupt (header length {n}, file {size} bytes)",
-                                  "re-download or re-export it")
+            raise bad(f"header length {n}, file {size} bytes")
         try:
             header = json.loads(fh.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} has a corrupt safetensors header ({e})", "re-download or re-export it")
-    end = max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
+            raise bad(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad(f"its header is a {type(header).__name__}, not an object")
+    spans = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(meta, dict):
+            raise bad(f"entry {name!r} is not an object")
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        if dtype not in ST_DTYPES:
+            raise bad(f"entry {name!r} has dtype {dtype!r}, not one of {', '.join(ST_DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise bad(f"entry {name!r} has shape {shape!r}, not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+            raise bad(f"entry {name!r} has data_offsets {offsets!r}, not [begin, end]")
+        numel = math.prod(shape)
+        if offsets[1] - offsets[0] != numel * ST_DTYPES[dtype]:
+            raise bad(f"entry {name!r} of shape {shape} {dtype} spans {offsets[1] - offsets[0]} bytes, "
+                      f"not {numel * ST_DTYPES[dtype]}")
+        spans.append(tuple(offsets))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise bad(f"its tensors do not tile the data (a gap or an overlap at byte {begin})")
+        end = stop
     if 8 + n + end != size:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt: its header describes {8 + n + end} bytes, the file has {size}",
-            "re-download or re-export it",
-        )
+        raise bad(f"its header describes {8 + n + end} bytes, the file has {size}")
     return header
+
+
+def check_regular_file(path: Path, folder: Path | None = None) -> None:
+    """Raise CheckpointError unless `path` is a regular file (a folder, a FIFO, a device or a
+    dangling link would hang or crash a reader); with `folder`, a link must stay inside it or point
+    into a Hugging Face hub cache's blobs/."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is a link to nothing" if path.is_symlink() else f"{path} does not exist",
+                              "copy the complete checkpoint") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e.strerror})", "check its permissions") from None
+    import stat as stat_
+
+    if not stat_.S_ISREG(st.st_mode):
+        kind = "a folder" if stat_.S_ISDIR(st.st_mode) else "a FIFO" if stat_.S_ISFIFO(st.st_mode) else "not a regular file"
+        raise CheckpointError(f"{path} is {kind}, not a weight file", "copy the complete checkpoint")
+    if folder is not None and path.is_symlink():
+        target, root = path.resolve(), folder.resolve()
+        if root not in target.parents and "blobs" not in target.parts:
+            raise CheckpointError(f"{path} links outside the model folder (to {target})",
+                                  "copy the weights into the folder instead of linking them")
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; CheckpointError naming it when it is not readable UTF-8 JSON."""
+    check_regular_file(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid {what} ({type(e).__name__}: {str(e)[:120]})",
+                              "restore it from the original checkpoint") from None
 
 
 def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
     for index_name, fmt in ((ST_INDEX, "safetensors"), (PICKLE_INDEX, "pickle")):
         index = path / index_name
-        if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index} is not a valid weight index ({e})")
-            missing = [s for s in shards if not (path / s).is_file()]
+        if index.exists():
+            wmap = _read_json(index, "JSON")
+            wmap = wmap.get("weight_map") if isinstance(wmap, dict) else None
+            if not isinstance(wmap, dict) or not wmap or not all(isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+                raise CheckpointError(f"{index} is not a valid weight index (no weight_map of tensor -> file names)",
+                                      "restore it from the original checkpoint")
+            shards = sorted(set(wmap.values()))
+            odd = [s for s in shards if Path(s).name != s or s in (".", "..")]
+            if odd:
+                raise CheckpointError(f"{index} names shard files outside the folder: {odd[:3]}",
+                                      "shards must be plain file names in the model folder")
+            missing = [s for s in shards if not (path / s).exists() and not (path / s).is_symlink()]
             if missing:
                 raise CheckpointError(f"{path} is missing the files: {missing} (listed in {index_name})",
                                       "copy the complete checkpoint")
@@ -121,6 +192,8 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
             f"{path} holds pickled weights ({files[0].name}), which can run code when loaded",
             "convert them to safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)",
         )
+    for f in files:
+        check_regular_file(f, path)
     if fmt == "safetensors":
         for f in files:
             read_safetensors_header(f)
@@ -140,18 +213,28 @@ def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} is missing the files: ['config.json']",
                               "point at a Hugging Face checkpoint folder")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON ({e})")
-    LlamaArgs.from_hf(config, where=str(cfg_path))  # validates model_type and shapes
+    config = _read_json(cfg_path, "JSON")
+    LlamaArgs.from_hf(config, where=str(cfg_path))  # validates model_type, types and ranges
+    quant = config.get("quantization_config")
+    if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
+        raise CheckpointError(f"{cfg_path}: quantization_config is {quant!r}; expected an object with a quant_method")
     files, fmt = _weight_files(path, allow_pickle)
+    gen = path / "generation_config.json"
+    if gen.exists() or gen.is_symlink():
+        gcfg = _read_json(gen, "JSON")
+        eos = gcfg.get("eos_token_id") if isinstance(gcfg, dict) else None
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if not isinstance(gcfg, dict) or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_list):
+            raise CheckpointError(f"{gen}: not an object with token ids for eos_token_id (it holds {str(gcfg)[:80]})",
+                                  "fix or delete generation_config.json")
     manifest = None
-    if (path / MANIFEST).is_file():
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path / MANIFEST} is not valid JSON ({e})")
+    if (path / MANIFEST).exists():
+        manifest = _read_json(path / MANIFEST, "llamactl manifest")
+        parent = manifest.get("parent") if isinstance(manifest, dict) else None
+        if (not isinstance(manifest, dict) or not isinstance(manifest.get("stage"), (str, type(None)))
+                or (parent is not None and not (isinstance(parent, dict) and isinstance(parent.get("path"), str)))):
+            raise CheckpointError(f"{path / MANIFEST} is not a llamactl manifest (stage, parent.path)",
+                                  "delete it to use the folder as a plain Hugging Face model")
     return Artifact(path=path, config=config, manifest=manifest, weight_files=files, weight_format=fmt)
 
 

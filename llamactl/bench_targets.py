@@ -31,7 +31,7 @@ def parse_percent(value: str) -> float:
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
                  synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None,
-                 options: RuntimeOptions | None = None) -> list[Target]:
+                 options: RuntimeOptions | None = None, trust_cache: bool = False) -> list[Target]:
     """The models to time. compile_warn (when a compile mode is timed): load each model folder's
     `llamactl compile` cache for this machine, warning through it where one does not match.
     options: the runtime's (quantized layers on llamactl's kernels where they run)."""
@@ -52,7 +52,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
         art = open_artifact(resolve_model_path(m))
         model = load_model(art, device, resolve_dtype(dtype_name, device, art), options)
         if compile_warn:
-            load_compile_cache(art, model.device, model.dtype, compile_warn)
+            load_compile_cache(art, model.device, model.dtype, compile_warn, trust_cache)
         targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
     dtypes = {t.model.dtype for t in targets}
     if len(dtypes) > 1:

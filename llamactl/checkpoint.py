@@ -48,10 +48,15 @@ def load_tokenizer(art: Artifact):
         raise CheckpointError(f"{art.path} is missing the files: ['tokenizer.json' or 'tokenizer.model']",
                               "copy the tokenizer files from the original checkpoint into this folder")
     try:
-        return AutoTokenizer.from_pretrained(str(art.path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(art.path), local_files_only=True)
     except Exception as e:
         raise CheckpointError(f"{art.path}: the tokenizer could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
                               "check tokenizer.json / tokenizer_config.json, or copy them from the original checkpoint")
+    vocab = art.args.vocab_size
+    if len(tok) > vocab:
+        raise CheckpointError(f"{art.path}: the tokenizer has {len(tok)} tokens, the model's vocab_size is {vocab}",
+                              "use the tokenizer that came with this checkpoint")
+    return tok
 
 
 def _refusal(e: Exception) -> str:

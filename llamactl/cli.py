@@ -28,9 +28,18 @@ class ErrorBoundary(TyperGroup):
                 traceback.print_exc()
             ui.error(e.message, e.hint)
             raise typer.Exit(1)
-        except KeyboardInterrupt:
-            ui.error("interrupted; nothing was written")
-            raise typer.Exit(130)
+        except KeyboardInterrupt as e:
+            terminated = isinstance(e, Terminated)
+            ui.error(f"{'terminated' if terminated else 'interrupted'}; nothing was written")
+            raise typer.Exit(143 if terminated else 130)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that staged outputs are removed as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 app = typer.Typer(
@@ -92,12 +101,13 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, help="Sample from the k likeliest tokens.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed; the same seed gives the same text.")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, max=2**63 - 1, help="Random seed (0 to 2^63-1); the same seed gives the same text.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
-    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile`).")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
+    trust_cache: TrustCacheOpt = False,
     quant_inputs: QuantInputsOpt = None,
     kernels: KernelsOpt = None,
     pins_file: PinsFileOpt = None,
@@ -113,9 +123,16 @@ def generate(
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
-        prompt = sys.stdin.read().rstrip("\n")
+        try:
+            prompt = sys.stdin.read().rstrip("\n")
+        except UnicodeDecodeError as e:
+            raise InputError(f"stdin is not UTF-8 text (at byte {e.start})", "pipe UTF-8 text, or pass --prompt TEXT") from None
         if not prompt:
             raise InputError("no prompt given: stdin was empty", "pass --prompt TEXT or pipe the prompt on stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
+        raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
     art, m, tok, _ = load(model, device, dtype, allow_pickle, options)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
@@ -125,7 +142,7 @@ def generate(
     if compile_:
         from llamactl.compile import load_compile_cache, skip_compile_workers
 
-        entry = load_compile_cache(art, m.device, m.dtype, ui.warn)
+        entry = load_compile_cache(art, m.device, m.dtype, ui.warn, trust_cache)
         if entry:
             skip_compile_workers()
         mode, buckets = "compile", (entry or {}).get("buckets")
@@ -193,6 +210,7 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
 
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
+TrustCacheOpt = Annotated[bool, typer.Option("--trust-compile-cache", help="Load a model folder's compile cache (native code) even when it was not built by this user on this machine.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
 QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", callback=lambda v: _check_quant_inputs(v), help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
@@ -413,6 +431,7 @@ def bench(
     compare_files: Annotated[Optional[tuple[str, str]], typer.Option("--compare", help="BASE.json NEW.json: compare two results instead of measuring.")] = None,
     max_slowdown: Annotated[str, typer.Option("--max-slowdown", help="With --compare: exit 1 when decode or prefill got slower than this.")] = "5%",
     pins_file: PinsFileOpt = None,
+    trust_cache: TrustCacheOpt = False,
     tune: Annotated[Optional[str], typer.Option("--tune", help="Tune every GEMV shape afresh (no pins) and write the autotuner's picks as a pins file for this GPU (CUDA).")] = None,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON."""
@@ -462,7 +481,7 @@ def bench(
 
         check_eval_file(eval_file)
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
-                              ui.warn if "compile" in modes else None, options)
+                              ui.warn if "compile" in modes else None, options, trust_cache)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
@@ -500,4 +519,7 @@ def bench(
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     app(prog_name="llamactl")

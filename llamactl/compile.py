@@ -9,6 +9,7 @@ warning and a normal (cold) compile, never a crash.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -41,15 +42,54 @@ def _key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Callable[[str], None]) -> dict | None:
-    """Load the folder's compile cache for this machine; returns its manifest entry or None."""
+def signing_key() -> bytes:
+    """This user's key for compile caches, kept outside every model folder (created on first use,
+    readable by the user alone): a cache signed with it was built by this user on this machine."""
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "llamactl"
+    path = base / "compile-cache.key"
+    if not path.is_file():
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = base / f".compile-cache.key.{os.getpid()}"
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(os.urandom(32))
+        try:
+            os.link(tmp, path)  # the first process to make one wins; others read it
+        except FileExistsError:
+            pass
+        tmp.unlink(missing_ok=True)
+    return path.read_bytes()
+
+
+def _signature(entry: dict) -> str:
+    """HMAC of what a compile cache entry loads (its key and the checksums of every file)."""
+    signed = {k: entry.get(k) for k in ("key", "file", "sha256", "triton_cache", "triton_cache_sha256",
+                                         "cpu_builds", "cpu_build_sha256")}
+    return hmac.new(signing_key(), json.dumps(signed, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Callable[[str], None],
+                       trust: bool = False) -> dict | None:
+    """Load the folder's compile cache for this machine; returns its manifest entry or None. The
+    cache holds native code (Inductor's and Triton's builds), so it loads only when this user's
+    key signed it (`llamactl compile` on this machine), or with `trust` (--trust-compile-cache);
+    any other is refused with a warning and the step compiles from scratch."""
     entries = ((art.manifest or {}).get("metrics") or {}).get("compile_cache") or []
-    if not entries:
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) and isinstance(e.get("key"), dict)
+                                                                for e in entries):
         return None
-    want = cache_key(device, dtype, entries[0]["key"]["mode"])
+    want = cache_key(device, dtype, entries[0]["key"].get("mode"))
     for e in entries:
         if e["key"] == want:
-            path = art.path / CACHE_DIR / e["file"]
+            path = art.path / CACHE_DIR / str(e.get("file"))
+            if not trust and not hmac.compare_digest(str(e.get("signature", "")), _signature(e)):
+                warn(f"compile cache in {art.path} was not built by this user on this machine (or was changed since): "
+                     "it holds native code, so it is not loaded; compiling from scratch "
+                     "(--trust-compile-cache loads it anyway)")
+                return None
+            if e.get("sha256") and (not path.is_file() or sha256_file(path) != e["sha256"]):
+                warn(f"compile cache {path} is missing or damaged; compiling from scratch")
+                return None
             try:
                 torch.compiler.load_cache_artifacts(path.read_bytes())
                 if e.get("triton_cache"):  # llamactl's own kernels: binaries and autotune choices
@@ -229,12 +269,14 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
             saved_kernels = kernels.save_cache(tmp / CACHE_DIR / triton_dir, 10 * major + minor)
         if inductor_dir is not None:
             builds = save_cpu_builds(inductor_dir, tmp / CACHE_DIR / builds_dir)
-        entry = {"key": key, "file": fname, "bytes": len(blob), "buckets": sorted(set(buckets)),
+        entry = {"key": key, "file": fname, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+                 "buckets": sorted(set(buckets)),
                  "triton_cache": triton_dir if saved_kernels else None, "triton_cache_entries": saved_kernels,
                  "triton_cache_sha256": _checksums(tmp / CACHE_DIR / triton_dir) if saved_kernels else {},
                  "cpu_builds": builds_dir if builds else None, "cpu_build_sha256": builds,
                  "cold_compile_seconds": round(cold, 2), "per_bucket": timings, "gemv": plan.label,
                  "plan": plan.as_dict()}
+        entry["signature"] = _signature(entry)
         prior = (art.manifest or {}).get("params", {}) if art.manifest else {}
         params = {"mode": mode, "buckets": sorted(set(buckets)), "device": str(dev), "dtype": str(dt), "parent_params": prior}
         return write_manifest(tmp, "compile", art, params, {"compile_cache": [entry]}) | {"output": str(out)}

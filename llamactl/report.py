@@ -106,10 +106,23 @@ def load_report(path: str | Path) -> dict:
     if not path.is_file():
         raise InputError(f"bench result {path} does not exist", "write one with llamactl bench --format json -o FILE")
     try:
-        report = json.loads(path.read_text())
-        report["results"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise InputError(f"{path} is not a llamactl bench JSON result ({e})")
+        report = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path} is not a llamactl bench JSON result (not JSON: {type(e).__name__})",
+                         "write one with llamactl bench --format json -o FILE") from None
+    rows = report.get("results") if isinstance(report, dict) else None
+    if not isinstance(rows, list):
+        raise InputError(f"{path} is not a llamactl bench JSON result (no list of results)",
+                         "write one with llamactl bench --format json -o FILE")
+    number = (int, float)
+    for i, r in enumerate(rows):
+        ok = isinstance(r, dict) and isinstance(r.get("model"), str) and isinstance(r.get("batch"), int) \
+            and isinstance(r.get("prompt_len"), int) and ("skipped" in r or all(
+                isinstance(r.get(m), number) and not isinstance(r.get(m), bool) and r[m] >= 0
+                for m in ("decode_tok_s", "prefill_tok_s")))
+        if not ok:
+            raise InputError(f"{path}: result {i} lacks model, batch, prompt_len or non-negative decode/prefill tok/s",
+                             "write one with llamactl bench --format json -o FILE")
     return report
 
 

@@ -14,6 +14,12 @@ if not torch.cuda.is_available():  # llamactl's Triton kernels run on the CPU th
 
 from llamactl.load import DEFAULT_MODEL
 
+# the compile caches' signing key (llamactl.compile.signing_key) of this test session, not the user's
+if "LLAMACTL_TEST_CONFIG" not in os.environ:
+    import tempfile
+
+    os.environ["LLAMACTL_TEST_CONFIG"] = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="llamactl-config-")
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # The trained model of ../shared/models; the embedded copy is the same files.
 SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "docs-llama-17m"

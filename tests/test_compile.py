@@ -69,6 +69,34 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
     assert not list((tmp_path / "inductor").glob("*/.*llamactl-tmp"))
 
 
+def test_a_cache_from_elsewhere_is_not_loaded_without_trust(compiled, tmp_path, monkeypatch):
+    """The cache is native code: another user's (another key) or a changed one is refused and
+    said, and --trust-compile-cache loads it (issue 19: a downloaded folder ran a swapped .so)."""
+    import shutil
+
+    from llamactl import compile as comp
+    from llamactl.artifact import open_artifact
+
+    out, entry = compiled
+    copy = tmp_path / "c"
+    shutil.copytree(out, copy)
+    art = open_artifact(copy)
+    warnings = []
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))
+    assert comp.load_compile_cache(art, torch.device("cpu"), torch.float32, warnings.append) is None
+    assert len(warnings) == 1 and "not built by this user on this machine" in warnings[0]
+    assert comp.load_compile_cache(art, torch.device("cpu"), torch.float32, warnings.append, trust=True) is not None
+    monkeypatch.undo()
+    man = json.loads((copy / "llamactl.json").read_text())
+    man["metrics"]["compile_cache"][0]["cpu_build_sha256"] = {"x/evil.so": "0" * 64}  # a swapped build list
+    (copy / "llamactl.json").write_text(json.dumps(man))
+    warnings.clear()
+    assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is None
+    assert "changed since" in warnings[0]
+    r = runner.invoke(app, ["generate", str(copy), "-p", "x", "-n", "2", "--temperature", "0", "--compile"])
+    assert r.exit_code == 0 and "--trust-compile-cache" in " ".join(r.stderr.split())
+
+
 def test_generate_uses_the_cache_and_matches_eager(compiled, monkeypatch):
     """A warm start also turns Inductor's compile workers off (it compiles nothing; run 45)."""
     import torch._inductor.config as inductor_config

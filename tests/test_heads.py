@@ -56,7 +56,7 @@ def test_mean_merge_averages_groups_and_loads_in_transformers(mha, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "gqa"
-    r = convert(mha, "--kv-heads", "2", "-o", out, "--eval-tokens", "512", "--json")
+    r = convert(mha, "--kv-heads", "2", "-o", out, "--merge", "mean", "--eval-tokens", "512", "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     d = 16  # head_dim of the fixture
@@ -140,8 +140,9 @@ def test_distillation_runs_on_the_cpu_and_lowers_kl(mha, tmp_path):
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (("--kv-heads", "3"), "does not divide the 4 query heads"),
+    (("--kv-heads", "3"), "does not divide the model's 4 KV heads; valid values for"),
     (("--kv-heads", "4"), "is not below the model's 4 KV heads"),
+    (("--kv-heads", "9"), ": 1, 2"),  # the hint names the valid values
     (("--kv-heads", "2", "--merge", "avg"), "--merge 'avg'"),
 ])
 def test_bad_input_is_refused_and_nothing_written(mha, tmp_path, args, fragment):

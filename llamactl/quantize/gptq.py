@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +24,23 @@ from typing import Any
 import torch
 
 
+OFFLOAD_PREFIX = "llamactl-gptq-offload-"  # GPTQModel's offload folder, in the temporary dir
+
+
+def clean_stale_offload(log) -> None:
+    """Remove the offload folders of GPTQ runs that were killed (their pid is gone), saying so."""
+    from llamactl.artifact import _alive
+
+    for p in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
+        pid = p.name[len(OFFLOAD_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            log(f"removed {p}, GPTQModel's offload folder of a run that was killed")
+
+
 def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
     """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
+    clean_stale_offload(log)
     from llamactl.calib import build_samples, resolve_spec
     from llamactl.checkpoint import load_tokenizer
     from llamactl.quantize.options import target_linears
@@ -47,21 +63,26 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         from gptqmodel import GPTQModel, QuantizeConfig
         from gptqmodel.version import __version__ as gptqmodel_version
 
+        offload = Path(tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-"))
         qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                               damp_percent=opts.damp, act_group_aware=False, lm_head=opts.lm_head,
-                              mse=2.4 if opts.clip_search else 0.0, **_variant(opts.gptq_variant))
-        model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
-        layers = model.model.model.layers
-        calib = [{"input_ids": s.tolist(), "attention_mask": [1] * len(s)} for s in samples]
-        with progress("gptq layers", len(layers)) as advance:
-            hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
-            try:
-                with _logs_outside_the_working_dir():
-                    model.quantize(calib, batch_size=1, calibration_sort=None)
-            finally:
-                for h in hooks:
-                    h.remove()
-        model.save(str(folder))
+                              mse=2.4 if opts.clip_search else 0.0, offload_to_disk_path=str(offload),
+                              **_variant(opts.gptq_variant))
+        try:
+            model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
+            layers = model.model.model.layers
+            calib = [{"input_ids": s.tolist(), "attention_mask": [1] * len(s)} for s in samples]
+            with progress("gptq layers", len(layers)) as advance:
+                hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
+                try:
+                    with _logs_outside_the_working_dir():
+                        model.quantize(calib, batch_size=1, calibration_sort=None)
+                finally:
+                    for h in hooks:
+                        h.remove()
+            model.save(str(folder))
+        finally:
+            shutil.rmtree(offload, ignore_errors=True)  # also on an error or Ctrl-C
     for extra in ("quant_log.csv",):
         (folder / extra).unlink(missing_ok=True)
     config = json.loads((folder / "config.json").read_text())

@@ -1,0 +1,164 @@
+"""Bad and hostile inputs (issue 19): each gives one error line naming the file and field, exit 1,
+and nothing written or run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from llamactl.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def folder(tmp_path, tiny_gqa):
+    work = tmp_path / "m"
+    shutil.copytree(tiny_gqa, work)
+    return work
+
+
+def refused(args, *fragments):
+    r = runner.invoke(app, [str(a) for a in args])
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith("error: "), r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    for f in fragments:
+        assert f in r.stderr, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("hidden_size", [64], "hidden_size is [64]; expected an integer"),
+    ("num_hidden_layers", None, "num_hidden_layers is missing or null"),
+    ("vocab_size", "8192", "vocab_size is '8192'"),
+    ("intermediate_size", -5, "intermediate_size is -5"),
+    ("max_position_embeddings", 0, "max_position_embeddings is 0"),
+    ("eos_token_id", 10**6, "eos_token_id is 1000000; expected token ids below vocab_size"),
+    ("rope_parameters", "fast", "rope_scaling/rope_parameters is 'fast'"),
+    ("tie_word_embeddings", "yes", "tie_word_embeddings is 'yes'; expected true or false"),
+])
+def test_config_values_are_type_and_range_checked(folder, key, value, fragment):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    for cmd in ("inspect", "generate"):
+        refused([cmd, folder, "-p", "x"] if cmd == "generate" else [cmd, folder], "config.json", fragment)
+
+
+def _header(folder: Path) -> tuple[Path, dict, int]:
+    f = next(folder.glob("*.safetensors"))
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return f, json.loads(raw[8:8 + n]), n
+
+
+def _rewrite(f: Path, header, data: bytes) -> None:
+    h = json.dumps(header).encode()
+    f.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    (lambda h: ["a", "list"], "its header is a list"),
+    (lambda h: {k: (dict(v, dtype="Q7") if k != "__metadata__" else v) for k, v in h.items()}, "dtype 'Q7'"),
+    (lambda h: {k: (dict(v, data_offsets="0") if k != "__metadata__" else v) for k, v in h.items()}, "data_offsets '0'"),
+    (lambda h: {k: (dict(v, shape=[10**9, 10**9]) if k != "__metadata__" else v) for k, v in h.items()}, "spans"),
+])
+def test_malformed_safetensors_headers_are_refused(folder, damage, fragment):
+    f, header, n = _header(folder)
+    data = f.read_bytes()[8 + n:]
+    _rewrite(f, damage(header), data)
+    refused(["inspect", folder], str(f.name), fragment)
+
+
+def test_a_weight_path_that_is_a_fifo_or_a_folder_or_dangling_is_refused(folder):
+    f = next(folder.glob("*.safetensors"))
+    f.unlink()
+    os.mkfifo(f)  # reading it would hang every command
+    refused(["inspect", folder], "is a FIFO")
+    f.unlink()
+    f.mkdir()
+    refused(["inspect", folder], "is a folder")
+    f.rmdir()
+    f.symlink_to(folder / "nowhere.safetensors")
+    refused(["inspect", folder], "is a link to nothing")
+
+
+def test_index_entries_outside_the_folder_and_links_out_are_refused(folder, tmp_path):
+    f = next(folder.glob("*.safetensors"))
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(f, outside)
+    f.symlink_to(outside)
+    refused(["inspect", folder], "links outside the model folder")
+    f.unlink()
+    shutil.move(outside, f)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
+    refused(["inspect", folder], "names shard files outside the folder")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    refused(["inspect", folder], "is not a valid weight index")
+
+
+@pytest.mark.parametrize("name,content,fragment", [
+    ("llamactl.json", b"\xff\xfe{}", "is not valid llamactl manifest"),
+    ("llamactl.json", b'{"stage": 3}', "is not a llamactl manifest"),
+    ("llamactl.json", b'{"stage": "quantize", "parent": "x"}', "is not a llamactl manifest"),
+    ("generation_config.json", b'{"eos_token_id": "two"}', "generation_config.json"),
+    ("generation_config.json", b"[1, 2", "is not valid JSON"),
+])
+def test_broken_side_files_are_refused(folder, name, content, fragment):
+    (folder / name).write_bytes(content)
+    refused(["inspect", folder], name, fragment)
+
+
+def test_a_nan_model_is_an_error_not_a_score(folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    f = next(folder.glob("*.safetensors"))
+    sd = load_file(str(f))
+    key = next(k for k in sd if k.endswith("norm.weight"))
+    sd[key] = sd[key] * float("nan")
+    save_file(sd, str(f), metadata={"format": "pt"})
+    refused(["quantize", folder, "-o", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--eval-tokens", "600"],
+            "NaN or Inf")
+    assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q*"))
+
+
+def test_a_pickle_refusal_does_not_repeat_torchs_advice(folder):
+    import torch
+
+    f = next(folder.glob("*.safetensors"))
+    f.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    torch.save({"x": torch.nn.Linear(2, 2)}, folder / "pytorch_model.bin")  # a module: weights_only refuses it
+    r = runner.invoke(app, ["generate", str(folder), "-p", "x", "--allow-pickle"])
+    assert r.exit_code == 1 and "weights_only=False" not in r.stderr and "not a tensor" in r.stderr, r.stderr
+
+
+def test_sigterm_removes_the_staging_folder_and_exits_143(tmp_path, tiny_gqa):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "llamactl", "quantize", str(tiny_gqa), "-o", str(out), "--method", "rtn",
+                          "--group-size", "32", "--eval-tokens", "200000"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert list(tmp_path.glob(".out.tmp-*")), "the run never started staging"
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 143 and "terminated; nothing was written" in err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_stdin_that_is_not_utf8_and_a_huge_seed_are_refused():
+    r = runner.invoke(app, ["generate", "-n", "2"], input=b"\xff\xfe abc")
+    assert r.exit_code == 1 and "UTF-8" in r.stderr
+    r = runner.invoke(app, ["generate", "-p", "x", "--seed", str(2**70)])
+    assert r.exit_code == 2
