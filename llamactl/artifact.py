@@ -24,6 +24,8 @@ from llamactl.config import LlamaArgs
 from llamactl.errors import CheckpointError, InputError, OutputExistsError
 
 MANIFEST = "llamactl.json"
+DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "docs-llama-17m"
+EMBEDDED_NAMES = ("embedded", "docs-llama-17m")  # what a user may type for the embedded model
 SCHEMA_VERSION = 1
 ST_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -238,6 +240,14 @@ def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     return Artifact(path=path, config=config, manifest=manifest, weight_files=files, weight_format=fmt)
 
 
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A model argument -> its folder: None or one of EMBEDDED_NAMES (when no such folder exists
+    here) is the embedded model."""
+    if model is None or (str(model) in EMBEDDED_NAMES and not Path(model).exists()):
+        return DEFAULT_MODEL
+    return Path(model)
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -438,6 +448,13 @@ def write_manifest(folder: Path, stage: str, parent: Artifact | None, params: di
     return manifest
 
 
+def _follow_umask(path: Path) -> None:
+    """Give a written file the mode an ordinary file gets (safetensors writes them 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def save_weights(state: dict[str, Any], folder: Path, max_shard_bytes: int = 2 << 30) -> list[str]:
     """Save a state dict as safetensors, sharded with an index when larger than max_shard_bytes."""
     from safetensors.torch import save_file
@@ -454,11 +471,13 @@ def save_weights(state: dict[str, Any], folder: Path, max_shard_bytes: int = 2 <
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        _follow_umask(folder / "model.safetensors")
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        _follow_umask(folder / fname)
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -471,6 +490,9 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         os.replace(tmp, path)

@@ -12,23 +12,6 @@ from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.options import RuntimeOptions
 
 
-def parse_int_list(value: str, option: str) -> list[int]:
-    try:
-        out = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{option} {value!r} is not a comma list of integers", f"for example {option} 128,2048")
-    if not out or min(out) < 1:
-        raise InputError(f"{option} {value!r} needs positive integers", f"for example {option} 128,2048")
-    return out
-
-
-def parse_percent(value: str) -> float:
-    try:
-        return float(value.rstrip("%")) / 100 if value.endswith("%") else float(value)
-    except ValueError:
-        raise InputError(f"--max-slowdown {value!r} is not a percentage", "for example --max-slowdown 5%")
-
-
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
                  synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None,
                  options: RuntimeOptions | None = None, trust_cache: bool = False) -> list[Target]:

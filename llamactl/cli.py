@@ -15,8 +15,18 @@ from llamactl.errors import InputError, LlamactlError
 from llamactl.kernels.arith import QUANT_INPUTS
 
 
+GLOBAL_FLAGS = ("-q", "--quiet")
+
+
 class ErrorBoundary(TyperGroup):
-    """The one error boundary: known errors become one line and exit 1; usage errors exit 2."""
+    """The one error boundary: known errors become one line and exit 1; usage errors exit 2.
+    Global flags (--quiet) work after the command name too."""
+
+    def parse_args(self, ctx, args):
+        cut = args.index("--") if "--" in args else len(args)
+        flags = [a for a in args[:cut] if a in GLOBAL_FLAGS]
+        rest = [a for a in args[:cut] if a not in GLOBAL_FLAGS] + args[cut:]
+        return super().parse_args(ctx, flags + rest)
 
     def invoke(self, ctx):
         try:
@@ -161,10 +171,14 @@ def generate(
         ui.emit_text("\n")  # before any warning, which goes to stderr
     _warn_about_gemv(plan, result.device, entry, quant_inputs)
     if json_out:
-        ui.emit_json({"model": str(art.path), **vars(result)})
+        ui.emit_json({"model": str(art.path), **vars(result),
+                      "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now")})
         return
+    compiled = ""
+    if compile_:
+        compiled = f"compile {result.compile_s:.1f} s ({'loaded compiled code' if entry else 'compiled now'}) | "
     ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
-           f"ttft {result.ttft_s * 1000:.1f} ms | prefill {result.prefill_tok_s:.1f} tok/s | "
+           f"ttft {result.ttft_s * 1000:.1f} ms | {compiled}prefill {result.prefill_tok_s:.1f} tok/s | "
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
            f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
            f"{result.extra.get('attention_backend')}[/dim]")
@@ -184,9 +198,8 @@ def _warn_about_gemv(plan, device: str, compiled: dict | None, quant_inputs: str
 @app.command()
 def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: PickleOpt = False):
     """Architecture, sizes, KV-cache cost, quantization and lineage of a model folder."""
-    from llamactl.artifact import open_artifact
+    from llamactl.artifact import open_artifact, resolve_model_path
     from llamactl.info import describe
-    from llamactl.load import resolve_model_path
 
     info = describe(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle))
     if json_out:
@@ -202,15 +215,25 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
         ("rope", f"{info['rope_type']}, theta {info['rope_theta']:g}"),
         ("weights on disk", f"{ui.human_bytes(info['disk_bytes'])} in {info['weight_files']} {info['weight_format']} file(s)"),
         ("weights in memory", ui.human_bytes(info["memory_bytes"])),
-        ("KV cache (16-bit)", f"{ui.human_bytes(info['kv_bytes_per_token'])}/token, "
-                              f"{ui.human_bytes(info['kv_bytes_at_4k'])} at 4K, {ui.human_bytes(info['kv_bytes_at_32k'])} at 32K"),
+        ("embeddings", "tied: lm_head shares the embedding matrix" if info["tie_word_embeddings"] else "untied lm_head"),
+        ("KV cache (bf16/fp16)", _kv_line(info)),
         ("quantization", "none" if not q else ", ".join(f"{k}={v}" for k, v in q.items() if not isinstance(v, (dict, list)))),
-        ("lineage", " <- ".join(f"{e['stage']} ({e['path']})" for e in info["lineage"]) or "none (plain Hugging Face folder)"),
+        ("lineage", " <- ".join(f"{e['stage']} ({e['path']})" + (f" [parent {e['parent_status']}]" if e.get("parent_status")
+                                                                    not in (None, "ok") else "")
+                               for e in info["lineage"]) or "none (plain Hugging Face folder)"),
     ])
 
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
 TrustCacheOpt = Annotated[bool, typer.Option("--trust-compile-cache", help="Load a model folder's compile cache (native code) even when it was not built by this user on this machine.")]
+def _kv_line(info: dict) -> str:
+    """KV-cache bytes per token, at 4K and at the model's context (float32 on the CPU doubles them)."""
+    ctx, h = info["context_length"], ui.human_bytes
+    at = f"{h(info['kv_bytes_at_4k'])} at 4K, " if ctx > 4096 else ""
+    return (f"{h(info['kv_bytes_per_token'])}/token, {at}{h(info['kv_bytes_at_context'])} at its "
+            f"{ctx:,}-token context (float32 doubles these)")
+
+
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
 OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (written atomically).")]
 QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", callback=lambda v: _check_quant_inputs(v), help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
@@ -435,15 +458,13 @@ def bench(
     tune: Annotated[Optional[str], typer.Option("--tune", help="Tune every GEMV shape afresh (no pins) and write the autotuner's picks as a pins file for this GPU (CUDA).")] = None,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON."""
-    from llamactl import bench as core, report
-    from llamactl import bench_targets as bt
-    from llamactl.load import resolve_device
+    from llamactl import report
 
     if fmt not in ("table", "json", "csv", "markdown"):
         raise typer.BadParameter(f"--format {fmt!r}: use table, json, csv or markdown")
     if compare_files:
         diffs, ok = report.compare(report.load_report(compare_files[0]), report.load_report(compare_files[1]),
-                                   bt.parse_percent(max_slowdown))
+                                   report.parse_percent(max_slowdown))
         ui.table(f"{compare_files[0]} -> {compare_files[1]} (max slowdown {max_slowdown})",
                  ["model", "stage", "batch", "prompt", "decode tok/s", "change", "prefill tok/s", "change", ""],
                  [[d["model"], d["stage"], d["batch"], d["prompt_len"], f"{d['decode_tok_s'][0]:.1f} -> {d['decode_tok_s'][1]:.1f}",
@@ -452,6 +473,10 @@ def bench(
         if not ok:
             raise typer.Exit(1)
         return
+    from llamactl import bench as core  # torch: only for measuring
+    from llamactl import bench_targets as bt
+    from llamactl.load import resolve_device
+
     trial = core.Trial(prompt_lens=prompt_len, gen_len=gen_len, batches=batch, warmup=warmup, repeat=repeat)
     dev = resolve_device(device)
     options = _runtime_options(pins_file=pins_file)

@@ -39,6 +39,7 @@ class Result:
     stop_reason: str  # "eos" or "length"
     ttft_s: float
     prefill_tok_s: float
+    compile_s: float  # compiling and warming the decode step (mode compile), outside TTFT and decode tok/s
     decode_tok_s: float
     peak_mem_bytes: int
     device: str
@@ -160,7 +161,19 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     t0 = time.perf_counter()
     token = dec.prefill(torch.tensor([prompt_ids], device=device))  # [1]
     sync(device)
-    t_first = time.perf_counter()
+    t_first = t_prefilled = time.perf_counter()
+    compile_s = 0.0
+    if mode == "compile" and max_new_tokens > 1:
+        # compile (or load) the step now, so that decode tok/s counts decoding only; the warm-up
+        # writes position n's K/V as the first real step does, and the random state is put back
+        rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        dec.step(token, n)
+        sync(device)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+        compile_s = time.perf_counter() - t_first
+        t_first = time.perf_counter()
     stop_reason = "length"
     steps = 0  # decode steps whose token was read (the EOS one included)
     reader = _TokenReader(device)
@@ -193,7 +206,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     final = tokenizer.decode(out, skip_special_tokens=True)
     if final != text and final.startswith(text):
         yield Step(-1, final[len(text):])
-    ttft = t_first - t0
+    ttft = t_prefilled - t0
     yield Result(
         text=final,
         token_ids=out,
@@ -201,6 +214,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         stop_reason=stop_reason,
         ttft_s=ttft,
         prefill_tok_s=n / ttft if ttft > 0 else 0.0,
+        compile_s=compile_s,
         decode_tok_s=steps / (t_end - t_first) if steps and t_end > t_first else 0.0,
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),

@@ -55,6 +55,7 @@ def describe(art: Artifact) -> dict[str, Any]:
         "kv_bytes_per_token": a.kv_bytes_per_token(2),
         "kv_bytes_at_4k": a.kv_bytes_per_token(2) * 4096,
         "kv_bytes_at_32k": a.kv_bytes_per_token(2) * 32768,
+        "kv_bytes_at_context": a.kv_bytes_per_token(2) * a.max_position_embeddings,
         "quantization": quant,
         "lineage": lineage(art),
     }

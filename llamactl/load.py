@@ -12,24 +12,13 @@ from typing import Any
 
 import torch
 
-from llamactl.artifact import Artifact, open_artifact
+from llamactl.artifact import DEFAULT_MODEL, EMBEDDED_NAMES, Artifact, open_artifact, resolve_model_path  # noqa: F401
 from llamactl.checkpoint import DTYPES, checkpoint_dtype, iter_checkpoint, load_tokenizer  # noqa: F401
 from llamactl.errors import CheckpointError, InputError
 from llamactl.options import RuntimeOptions
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_MODEL = PACKAGE_DIR / "assets" / "docs-llama-17m"
-EMBEDDED_NAMES = ("embedded", "docs-llama-17m")  # what a user may type for the embedded model
 # Tensors some checkpoints carry that the runtime recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A model argument -> its folder: None or one of EMBEDDED_NAMES (when no such folder exists
-    here) is the embedded model."""
-    if model is None or (model in EMBEDDED_NAMES and not Path(model).exists()):
-        return DEFAULT_MODEL
-    return Path(model)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -74,8 +74,9 @@ def row_line(r: dict) -> str:
 def to_markdown(report: dict) -> str:
     headers, body = rows(report["results"])
     env = report["env"]
+    cuda = f"CUDA {env['cuda']}, " if env.get("cuda") else ""
     lines = [f"llamactl {env['llamactl_version']} (commit {env.get('commit')}), torch {env['torch']}, "
-             f"CUDA {env.get('cuda')}, {env['device_name']}, {env['dtype']}, copy bandwidth {env['copy_bandwidth_gbs']} GB/s", "",
+             f"{cuda}{env['device_name']}, {env['dtype']}, copy bandwidth {env['copy_bandwidth_gbs']} GB/s", "",
              "| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines) + "\n"
@@ -99,6 +100,13 @@ def to_json(report: dict) -> str:
 
 def _key(r: dict) -> tuple:
     return (r["model"], r.get("stage"), r["batch"], r["prompt_len"], r["gen_len"])
+
+
+def parse_percent(value: str) -> float:
+    try:
+        return float(value.rstrip("%")) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise InputError(f"--max-slowdown {value!r} is not a percentage", "for example --max-slowdown 5%")
 
 
 def load_report(path: str | Path) -> dict:

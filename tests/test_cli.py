@@ -165,3 +165,21 @@ def test_generate_names_its_gemv_and_says_when_int8_inputs_change_nothing():
     assert plain.exit_code == 0 and "changed nothing" not in plain.stderr and "gemv torch" in plain.stderr
     bad = invoke("generate", "-p", "x", "--quant-inputs", "fp8")
     assert bad.exit_code == 2 and "use float, int8, fp16 or int16" in bad.output
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "/nonexistent"], ["bench", "--compare", "a.json", "b.json"],
+                                  ["generate", "-p", "x", "--quant-inputs", "fp8"]])
+def test_quick_answers_do_not_import_torch(args, tmp_path):
+    """--help, one-line errors and bench --compare answer without importing torch (12-35 s under load)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom llamactl.cli import app\ntry:\n    app(prog_name='llamactl', args=sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.stdout.strip().endswith("NO TORCH"), r.stdout[-300:] + r.stderr[-300:]
+
+
+def test_global_flags_work_after_the_command():
+    r = invoke("generate", "-p", "The kernel", "-n", "2", "--temperature", "0", "-q")
+    assert r.exit_code == 0 and r.stderr == ""

@@ -110,9 +110,12 @@ def test_generate_uses_the_cache_and_matches_eager(compiled, monkeypatch):
     eager = runner.invoke(app, args)
     assert warm.exit_code == 0, warm.output
     assert "warning" not in warm.stderr
-    assert json.loads(warm.stdout)["extra"]["mode"] == "compile"
-    assert json.loads(warm.stdout)["token_ids"][:8] == json.loads(eager.stdout)["token_ids"][:8]
+    w = json.loads(warm.stdout)
+    assert w["extra"]["mode"] == "compile" and w["compile_cache"] == "loaded" and w["compile_s"] > 0
+    assert w["token_ids"][:8] == json.loads(eager.stdout)["token_ids"][:8]
     assert threads == 1
+    line = runner.invoke(app, args[:-1] + ["--compile"])  # the timing line says compile apart from decode
+    assert "(loaded compiled code)" in line.stderr and "decode" in line.stderr
 
 
 def test_compile_workers_stay_as_the_environment_says(monkeypatch):

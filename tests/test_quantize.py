@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from importlib.util import find_spec
 
 import pytest
@@ -90,6 +91,13 @@ def test_rtn_cli_writes_gptq_checkpoint_with_manifest_and_report(tiny128, tmp_pa
     assert len(man["params"]["engine"]["quantized_modules"]) == 2 * 7
     assert "lm_head" not in man["params"]["engine"]["quantized_modules"]
     assert man["parent"]["path"] == str(tiny128.resolve())
+    # only what RTN used is recorded, and the files follow the umask like any other (issue 28)
+    assert "calib" not in man["params"] and "damp" not in man["params"] and "desc_act" not in man["params"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {f.name: 0o666 & ~umask for f in out.iterdir()}
+    r = quantize_cli(out, "-o", tmp_path / "again", "--method", "rtn")
+    assert r.exit_code == 1 and "already quantized (rtn)" in r.stderr
     art = open_artifact(out)
     names = set(art.tensor_index())
     assert {"model.layers.0.self_attn.q_proj.qweight", "model.layers.0.self_attn.q_proj.qzeros",
