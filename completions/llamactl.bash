@@ -6,6 +6,35 @@ _llamactl() {
     for w in "${COMP_WORDS[@]:1:COMP_CWORD-1}"; do
         case "$w" in -*) ;; *) cmd="$w"; break ;; esac
     done
+    local prev="${COMP_WORDS[COMP_CWORD-1]}"
+    case "$cmd:$prev" in
+        bench:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        bench:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
+        bench:--mode) COMPREPLY=( $(compgen -W "auto eager graphs compile" -- "$cur") ); return ;;
+        bench:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
+        bench:--pdl) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
+        bench:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
+        bench:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
+        bench:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
+        bench:--format) COMPREPLY=( $(compgen -W "table json csv markdown" -- "$cur") ); return ;;
+        compile:--mode) COMPREPLY=( $(compgen -W "default reduce-overhead max-autotune" -- "$cur") ); return ;;
+        compile:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        compile:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
+        compile:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
+        compile:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
+        convert-heads:--grouping) COMPREPLY=( $(compgen -W "contiguous similarity" -- "$cur") ); return ;;
+        convert-heads:--merge) COMPREPLY=( $(compgen -W "fit mean" -- "$cur") ); return ;;
+        convert-heads:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
+        convert-heads:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        generate:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        generate:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
+        generate:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
+        generate:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
+        quantize:--method) COMPREPLY=( $(compgen -W "rtn gptq nf4 int8" -- "$cur") ); return ;;
+        quantize:--gptq-variant) COMPREPLY=( $(compgen -W "gptq gptaq foem" -- "$cur") ); return ;;
+        quantize:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
+        quantize:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+    esac
     if [ -z "$cmd" ]; then
         COMPREPLY=( $(compgen -W "bench compile convert-heads generate inspect quantize --quiet -q --version --help -h" -- "$cur") )
         return

@@ -89,8 +89,9 @@ def hf_factory(target: Target, device: torch.device, dtype: torch.dtype) -> Call
             return model.eval()
         if target.artifact.quantization:
             raise SkipStage("transformers reference runs on 16-bit models only")
-        return AutoModelForCausalLM.from_pretrained(str(target.artifact.path), dtype=dtype, device_map=str(device),
-                                                    attn_implementation="sdpa").eval()
+        # no device_map: that needs accelerate, which the base install does not bring
+        model = AutoModelForCausalLM.from_pretrained(str(target.artifact.path), dtype=dtype, attn_implementation="sdpa")
+        return model.to(device).eval()
 
     return make
 

@@ -226,6 +226,17 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
 TrustCacheOpt = Annotated[bool, typer.Option("--trust-compile-cache", help="Load a model folder's compile cache (native code) even when it was not built by this user on this machine.")]
+def _busy_cpu() -> str | None:
+    """"load L on N cores" when the 1-minute load average passes half the cores, else None."""
+    import os
+
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return None
+    return f"load {load:.1f} on {cores} cores" if load > cores / 2 else None
+
+
 def _kv_line(info: dict) -> str:
     """KV-cache bytes per token, at 4K and at the model's context (float32 on the CPU doubles them)."""
     ctx, h = info["context_length"], ui.human_bytes
@@ -510,6 +521,10 @@ def bench(
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
+    busy = _busy_cpu() if dev.type == "cpu" else None
+    if busy:
+        ui.warn(f"the machine is busy ({busy}): the copy bandwidth, and so each row's fraction of the ceiling, "
+                "will read low; compare rows of this run only")
     runs = sum(len(core.variants(modes, kernel_list, pdl_list, dev, inputs_list, core.is_quantized(t.model)))
                for t in targets)
     total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + runs)

@@ -116,9 +116,8 @@ def skip_compile_workers() -> None:
     """For a warm start: Inductor's compile workers off (compile_threads = 1), unless
     TORCHINDUCTOR_COMPILE_THREADS says otherwise. A warm start finds its kernels in the cache and
     compiles nothing, but Inductor starts a pool of worker processes at its first compile, which the
-    short process then pays for: on the H200 a warm start of docs-llama-17m took 24.1-24.8 s with
-    the pool and 16.2 s without (run 45; 11.9 s without torch.compile). What the cache lacks is then
-    compiled in this process, one kernel at a time."""
+    short process then pays for (several seconds; docs/bench/README.md). What the cache lacks is
+    then compiled in this process, one kernel at a time."""
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 

@@ -17,7 +17,10 @@ _state = {"quiet": False}
 
 def _console(stderr: bool) -> Console:
     # rich turns colour and live displays off by itself when the stream is not a terminal.
-    return Console(stderr=stderr, no_color="NO_COLOR" in os.environ, highlight=False, soft_wrap=not stderr)
+    # bound to the stream of the moment, so that a library's output redirected later (GPTQModel's
+    # into quantize.log) does not take llamactl's progress with it
+    return Console(file=sys.stderr if stderr else sys.stdout, no_color="NO_COLOR" in os.environ, highlight=False,
+                   soft_wrap=not stderr)
 
 
 def set_quiet(quiet: bool) -> None:

@@ -27,3 +27,27 @@ def test_bash_completion_offers_commands_and_options():
                        '_llamactl; echo "${COMPREPLY[@]}"'], capture_output=True, text=True, check=True).stdout.split()
     assert {"generate", "inspect"} <= set(run("llamactl ''"))
     assert "--max-new-tokens" in run("llamactl generate --max")
+    assert run("llamactl quantize m --method ''") == ["rtn", "gptq", "nf4", "int8"]  # option values too
+    assert run("llamactl bench --mode c") == ["compile"] and run("llamactl compile --mode d") == ["default"]
+    assert run("llamactl generate --device c") == ["cpu", "cuda"]
+
+
+def test_zsh_and_fish_scripts_complete_option_values():
+    zsh, fish = render("zsh"), render("fish")
+    assert ":value:(fit mean)'" in zsh and "-x -a 'rtn gptq nf4 int8'" in fish
+
+
+def test_every_completed_value_is_accepted_by_the_cli():
+    """A value the scripts offer must be one the command takes (no drift between the two)."""
+    from llamactl.cli import _check_dtype, _check_device, _check_quant_inputs
+    from llamactl.quantize.options import BITS, GPTQ_VARIANTS
+
+    from llamactl.completions import VALUES
+
+    assert set(VALUES["--method"].split()) == set(BITS) and set(VALUES["--gptq-variant"].split()) == set(GPTQ_VARIANTS)
+    for v in VALUES["--quant-inputs"].split():
+        assert _check_quant_inputs(v) == v
+    for v in VALUES["--dtype"].split():
+        assert _check_dtype(v) == v
+    for v in VALUES["--device"].split():
+        assert _check_device(v) == v

@@ -424,6 +424,7 @@ def test_quantized_projections_fuse_side_by_side():
     torch.testing.assert_close(fused8(x), torch.cat([m(x) for m in mods], dim=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "float"), ("gate_up", "int8"),
                                            ("gate_up", "int16")])
 def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
@@ -551,6 +552,7 @@ def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
         assert decode(torch.compile(step, fullgraph=True, dynamic=False)) == decode(step)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper():
     """The GPU-only code paths (inline PTX, the RoPE/cache-write branch, every fused variant)
     compile to sm_90 cubins in CI, which has no GPU; the interpreter never compiles them. A fresh
@@ -564,7 +566,7 @@ def test_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, str(root / "scripts" / "compile_kernels.py")], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1800)  # 160 s on 2 idle cores; a busy machine takes far longer
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "all compiled" in res.stdout
 

@@ -142,6 +142,7 @@ def test_transformers_loads_our_gptq_checkpoint(tiny128, tmp_path):
 
 
 @needs_gptq
+@pytest.mark.slow
 def test_gptq_through_gptqmodel(tiny128, tmp_path, monkeypatch):
     out = tmp_path / "gptq"
     monkeypatch.chdir(tmp_path)  # GPTQModel's own log files must not land in the working directory
@@ -156,6 +157,14 @@ def test_gptq_through_gptqmodel(tiny128, tmp_path, monkeypatch):
     assert cfg["checkpoint_format"] == "gptq" and cfg["desc_act"] is False
     assert report["quality"]["kl_mean"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gptq"]
+    # GPTQModel's own output went to OUT/quantize.log, not to the terminal (issue 28: 88,000 lines)
+    engine_log = (out / "quantize.log").read_text()
+    assert engine_log.strip() and "quantize.log" in r.stderr
+    assert len(r.stderr.splitlines()) < 40, r.stderr[-2000:]
+    import tempfile
+    from pathlib import Path
+
+    assert not list(Path(tempfile.gettempdir()).glob(f"llamactl-gptq-offload-{os.getpid()}-*"))  # removed
 
 
 @needs_bnb

@@ -1,8 +1,8 @@
 """Batch-1 matrix-vector products y = W x in Triton, for 16-bit, int8 and 4-bit weights.
 
 A decode step at batch 1 reads every weight once per token, so its speed is the speed of these
-products. cuBLAS reaches about 1.8 TB/s on a 4096x4096 bf16 matrix on an H200 (run2-int4_probe),
-and PyTorch's int4 tinygemm kernel about 1.2 TB/s. These kernels give each program a few whole
+products, which cuBLAS and PyTorch's tinygemm run well short of the memory bandwidth (measured
+in docs/bench/README.md). These kernels give each program a few whole
 rows (BLOCK_N) and stream them along K in BLOCK_K slices with 16-byte loads; many small programs
 per multiprocessor keep enough loads in flight to approach memory bandwidth. Block sizes are tuned
 per (N, K) shape on first use (triton.autotune), which happens in the warm-up before a CUDA graph
@@ -277,8 +277,7 @@ def _int4_configs():
              (32, 1024, 4), (32, 2048, 4), (32, 512, 2), (64, 1024, 8), (64, 512, 4), (16, 1024, 4), (16, 2048, 8),
              (16, 1024, 2), (16, 512, 2), (8, 2048, 4), (8, 1024, 2), (8, 512, 2)]
     prefetch = [(32, 1024, 4), (32, 512, 2), (16, 1024, 4), (16, 1024, 2), (16, 512, 2), (8, 1024, 2)]
-    # X_CONTIG for the blocks the autotuner chose most in run 14: 5-10% fewer instructions in
-    # sm_90 SASS (1,296 against 1,360 for 16 x 1024), not yet timed on a GPU
+    # X_CONTIG for the blocks the autotuner chooses most: fewer sm_90 instructions a weight
     x_contig = [(16, 1024, 2), (16, 1024, 4), (8, 2048, 4), (16, 2048, 8), (8, 1024, 2)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "PREFETCH": pf, "X_CONTIG": xc}, num_warps=w, num_stages=1)
             for configs, pf, xc in [(plain, False, False), (prefetch, True, False), (x_contig, False, True)]

@@ -84,7 +84,7 @@ def _round(x, inv, USE_ASM: tl.constexpr):
     """x * inv (float32, |x * inv| < 2^22) rounded to the nearest integer (ties to even) as int32,
     the product rounded once, exactly: one FMA adds 1.5 * 2^23, which leaves the integer in the
     low mantissa bits (as the compiler had fused it all along; rounding the float32 product first
-    lands one step off for some bf16 inputs whose exact product lies just past a half, runs 37-39).
+    lands one step off for some bf16 inputs whose exact product lies just past a half).
     The interpreter computes the product in float64 (exact) instead."""
     if USE_ASM:
         t = tl.fma(x, inv, 12582912.0)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 
+ENGINE_LOG = "quantize.log"  # GPTQModel's output, kept beside the weights
 OFFLOAD_PREFIX = "llamactl-gptq-offload-"  # GPTQModel's offload folder, in the temporary dir
 
 
@@ -59,7 +60,11 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         log(f"calibration set {spec.name!r} gave {samples.shape[0]} samples of {spec.seq_len} tokens, not {spec.n_samples}")
 
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, os.cpu_count() or 1)))
-    with contextlib.redirect_stdout(sys.stderr):  # GPTQModel prints its own logs to stdout
+    log_path = folder / ENGINE_LOG
+    with progress("gptq layers", art.args.num_hidden_layers) as advance, open(log_path, "w") as engine_log, \
+            contextlib.redirect_stdout(engine_log), contextlib.redirect_stderr(engine_log):
+        # GPTQModel's banners, bars and tables go to OUT/quantize.log; llamactl's bar above was
+        # bound to the terminal before the redirect and advances per layer
         from gptqmodel import GPTQModel, QuantizeConfig
         from gptqmodel.version import __version__ as gptqmodel_version
 
@@ -72,17 +77,17 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
             model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
             layers = model.model.model.layers
             calib = [{"input_ids": s.tolist(), "attention_mask": [1] * len(s)} for s in samples]
-            with progress("gptq layers", len(layers)) as advance:
-                hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
-                try:
-                    with _logs_outside_the_working_dir():
-                        model.quantize(calib, batch_size=1, calibration_sort=None)
-                finally:
-                    for h in hooks:
-                        h.remove()
+            hooks = [layer.register_forward_pre_hook(_once(advance)) for layer in layers]
+            try:
+                with _logs_outside_the_working_dir():
+                    model.quantize(calib, batch_size=1, calibration_sort=None)
+            finally:
+                for h in hooks:
+                    h.remove()
             model.save(str(folder))
         finally:
             shutil.rmtree(offload, ignore_errors=True)  # also on an error or Ctrl-C
+    log(f"GPTQModel's own output: {ENGINE_LOG} in the output folder")
     for extra in ("quant_log.csv",):
         (folder / extra).unlink(missing_ok=True)
     config = json.loads((folder / "config.json").read_text())
