@@ -349,6 +349,13 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
     """Measure every target x variant (mode and options; see `variants`) x batch x prompt length;
     hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
     and/or off (cuBLAS + SDPA). warn: what a plan's warnings go to (kernels that failed their check)."""
+    for t in targets:
+        ctx = t.model.args.max_position_embeddings
+        if max(trial.prompt_lens) + trial.gen_len > ctx:
+            from llamactl.errors import InputError
+
+            raise InputError(f"--prompt-len {max(trial.prompt_lens)} + --gen-len {trial.gen_len} is longer than "
+                             f"{t.label}'s context ({ctx})", "shorten them")
     bw = copy_bandwidth(device)
     results = []
 

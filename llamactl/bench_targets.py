@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -125,10 +126,21 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
                 out[t.label, kind] = {"skipped": "synthetic weights: quality is meaningless"}
             continue
         ref_path = reference
-        if ref_path is None:  # the root of the manifest chain
-            roots = [e.get("parent_path") for e in lineage(t.artifact) if e.get("parent_path")]
+        if ref_path is None:  # the root of the manifest chain, if every link of it is intact
+            chain = lineage(t.artifact)
+            broken = next((e for e in chain if e.get("parent_status") not in (None, "ok")), None)
+            if broken:
+                raise InputError(f"--quality: the parent of {broken['path']} ({broken['parent_path']}) is "
+                                 f"{broken['parent_status']}, so KL against it would compare other weights",
+                                 "pass --reference FOLDER to name the model to compare against")
+            roots = [e.get("parent_path") for e in chain if e.get("parent_path")]
             ref_path = roots[-1] if roots else None
         ref_art = open_artifact(ref_path) if ref_path else t.artifact
+        if ref_path and Path(ref_path).resolve() == t.artifact.path.resolve():
+            if reference is None:
+                raise InputError(f"--quality: {t.artifact.path}'s manifest names itself as its parent",
+                                 "pass --reference FOLDER to name the model to compare against")
+            ref_art = t.artifact  # --reference the model itself: perplexity only
         own = ref_art is t.artifact
         kinds = ["float"]
         if device.type == "cuda" and is_quantized(t.model):

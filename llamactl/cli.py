@@ -201,7 +201,11 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
     from llamactl.artifact import open_artifact, resolve_model_path
     from llamactl.info import describe
 
-    info = describe(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle))
+    art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
+    from llamactl.load import check_tensors  # torch: only for a folder that opened
+
+    check_tensors(art)  # inspect accepts only what the loaders accept
+    info = describe(art)
     if json_out:
         ui.emit_json(info)
         return

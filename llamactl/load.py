@@ -45,24 +45,55 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact) -> torch.dtype
     return stored
 
 
-def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
-               options: RuntimeOptions | None = None) -> "LlamaModel":
-    """Build the runtime model for `art` on `device`; raises CheckpointError on missing tensors.
-    options.kernels: quantized layers on llamactl's kernels where they run (else torch's)."""
-    from llamactl.layers.plan import kernels_run
+def _skeleton(art: Artifact):
+    """The runtime model on the meta device with the format's modules swapped in, its renamer and format."""
     from llamactl.model import LlamaModel
 
-    args = art.args
     with torch.device("meta"):
-        model = LlamaModel(args)
+        model = LlamaModel(art.args)
     fmt = None
     if art.quantization:
         from llamactl.quantize.formats import for_checkpoint
 
         fmt = for_checkpoint(art)
         fmt.swap(art, model)
+    return model, (fmt.rename if fmt else (lambda name: name)), fmt
 
-    rename = fmt.rename if fmt else (lambda name: name)
+
+def check_tensors(art: Artifact) -> None:
+    """Check the folder's tensor names and shapes (from the safetensors headers, no data read)
+    against what config.json implies; raises CheckpointError as loading would, but at once."""
+    if art.weight_format != "safetensors":
+        return
+    model, rename, _ = _skeleton(art)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    seen = set()
+    for name, meta in art.tensor_index().items():
+        name = rename(name)
+        if name is None or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{art.path}: unexpected tensor {name!r} in the checkpoint",
+                                  "is this a LLaMA checkpoint with the standard module names?")
+        if tuple(meta["shape"]) != expected[name]:
+            raise CheckpointError(f"{art.path}: tensor {name} has shape {tuple(meta['shape'])}, "
+                                  f"config.json implies {expected[name]}")
+        seen.add(name)
+    missing = [k for k in expected if k not in seen and not (k == "lm_head.weight" and art.args.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"{art.path}: the checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}",
+                              "the weight files do not match config.json")
+
+
+def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
+               options: RuntimeOptions | None = None) -> "LlamaModel":
+    """Build the runtime model for `art` on `device`; raises CheckpointError on missing tensors.
+    options.kernels: quantized layers on llamactl's kernels where they run (else torch's)."""
+    from llamactl.layers.plan import kernels_run
+
+    args = art.args
+    check_tensors(art)  # before reading any data
+    model, rename, fmt = _skeleton(art)
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for name, t in iter_checkpoint(art):

@@ -47,6 +47,7 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
     from llamactl.model import LlamaModel
 
     args = synthetic_args(name)
+    _check_memory(name, args, device, dtype)
     with torch.device("meta"):
         model = LlamaModel(args)
     model = model.to_empty(device=device).to(dtype)
@@ -57,3 +58,23 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
         else:
             p.normal_(0.0, 0.02, generator=gen)
     return model.eval()
+
+
+def _check_memory(name: str, args: LlamaArgs, device: torch.device, dtype: torch.dtype) -> None:
+    """InputError, before allocating, when the weights would not fit the device's free memory."""
+    a = args
+    params = a.num_hidden_layers * (a.hidden_size * a.head_dim * 2 * (a.num_attention_heads + a.num_key_value_heads)
+                                    + 3 * a.hidden_size * a.intermediate_size) + 2 * a.vocab_size * a.hidden_size
+    need = params * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import os
+
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+    if need > 0.9 * free:
+        raise InputError(f"--synthetic {name} needs {need / 2**30:.1f} GiB of weights in {str(dtype).replace('torch.', '')}; "
+                         f"{device} has {free / 2**30:.1f} GiB free", "pick a smaller shape or another device")

@@ -162,3 +162,31 @@ def test_stdin_that_is_not_utf8_and_a_huge_seed_are_refused():
     assert r.exit_code == 1 and "UTF-8" in r.stderr
     r = runner.invoke(app, ["generate", "-p", "x", "--seed", str(2**70)])
     assert r.exit_code == 2
+
+
+def test_inspect_refuses_what_the_loaders_refuse(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (folder / "config.json").write_text(json.dumps(cfg))
+    refused(["inspect", folder], "config.json implies")
+
+
+def test_bench_refuses_work_that_cannot_fit_before_allocating(tiny_gqa):
+    refused(["bench", tiny_gqa, "--prompt-len", "250", "--gen-len", "64"], "longer than", "context (256)")
+    refused(["bench", "--synthetic", "llama3-70b", "--device", "cpu"], "GiB of weights", "free")
+
+
+def test_bench_quality_refuses_a_changed_or_self_naming_parent(tmp_path, tiny_gqa):
+    child = tmp_path / "child"
+    r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(child), "--method", "rtn", "--group-size", "32",
+                            "--eval-tokens", "0"])
+    assert r.exit_code == 0, r.output
+    man = json.loads((child / "llamactl.json").read_text())
+    changed = dict(man, parent=dict(man["parent"], manifest_sha256="0" * 64))
+    (child / "llamactl.json").write_text(json.dumps(changed))
+    args = ["bench", child, "--quality", "--eval-tokens", "300", "--repeat", "1", "--warmup", "0", "--gen-len", "4",
+            "--prompt-len", "8"]
+    refused(args, "changed since this artifact was made", "--reference")
+    (child / "llamactl.json").write_text(json.dumps(dict(man, parent=dict(man["parent"], path=str(child),
+                                                                           manifest_sha256=None))))
+    refused(args, "names itself as its parent")
