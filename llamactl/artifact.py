@@ -192,7 +192,8 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
     if fmt == "pickle" and not allow_pickle:
         raise CheckpointError(
             f"{path} holds pickled weights ({files[0].name}), which can run code when loaded",
-            "convert them to safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)",
+            "convert them to safetensors (generate, inspect and bench also load them with --allow-pickle, "
+            "through torch.load(weights_only=True))",
         )
     for f in files:
         check_regular_file(f, path)

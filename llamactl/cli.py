@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 import traceback
 from pathlib import Path
@@ -16,6 +17,8 @@ from llamactl.kernels.arith import QUANT_INPUTS
 
 
 GLOBAL_FLAGS = ("-q", "--quiet")
+# a full, read-only or forbidden disk: the machine's state, not a bug; one line, exit 1
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class ErrorBoundary(TyperGroup):
@@ -37,6 +40,13 @@ class ErrorBoundary(TyperGroup):
             if debug():
                 traceback.print_exc()
             ui.error(e.message, e.hint)
+            raise typer.Exit(1)
+        except OSError as e:
+            if e.errno not in _ENVIRONMENT_ERRNOS:
+                raise  # anything else is a bug: keep its traceback
+            ui.error(f"{e.strerror}: {e.filename or 'writing the output'}",
+                     "free some space or choose another -o path" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                     else "choose a path you can write")
             raise typer.Exit(1)
         except KeyboardInterrupt as e:
             terminated = isinstance(e, Terminated)
@@ -364,8 +374,11 @@ def compile_cmd(
     from llamactl.load import resolve_model_path
 
     options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    from llamactl.artifact import DEFAULT_MODEL
+
     src = resolve_model_path(model)
-    out = output or f"{str(src).rstrip('/')}-compiled"
+    # beside the model, but never inside the installed package: the embedded model's goes to ./
+    out = output or (f"{DEFAULT_MODEL.name}-compiled" if src == DEFAULT_MODEL else f"{str(src).rstrip('/')}-compiled")
     manifest = compile_model(src, out, buckets, mode, device=device, dtype=dtype,
                              force=force, progress=ui.progress, log=ui.log, options=options)
     entry = manifest["metrics"]["compile_cache"][0]

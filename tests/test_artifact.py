@@ -141,7 +141,7 @@ def test_pickled_weights_need_the_flag(tmp_path, tiny_gqa):
     folder.mkdir()
     shutil.copy(tiny_gqa / "config.json", folder / "config.json")
     torch.save(load_file(tiny_gqa / "model.safetensors"), folder / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="--allow-pickle"):
+    with pytest.raises(CheckpointError, match="--allow-pickle"):  # named, with the commands that take it
         open_artifact(folder)
     art = open_artifact(folder, allow_pickle=True)
     assert art.weight_format == "pickle"

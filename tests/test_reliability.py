@@ -190,3 +190,27 @@ def test_bench_quality_refuses_a_changed_or_self_naming_parent(tmp_path, tiny_gq
     (child / "llamactl.json").write_text(json.dumps(dict(man, parent=dict(man["parent"], path=str(child),
                                                                            manifest_sha256=None))))
     refused(args, "names itself as its parent")
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_gqa, monkeypatch):
+    import errno
+
+    from llamactl import artifact
+
+    def full(state, folder, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
+
+    monkeypatch.setattr(artifact, "save_weights", full)
+    refused(["quantize", tiny_gqa, "-o", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--eval-tokens", "0"],
+            "No space left on device", "free some space")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_of_the_embedded_model_never_writes_into_the_package(tmp_path, monkeypatch):
+    from llamactl.artifact import DEFAULT_MODEL
+
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["compile", "--buckets", "64", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "docs-llama-17m-compiled" / "llamactl.json").is_file()
+    assert not (DEFAULT_MODEL.parent / "docs-llama-17m-compiled").exists()
