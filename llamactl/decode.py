@@ -115,6 +115,11 @@ class Decoder:
         """ids: [B, S] -> the next token [B] (the prompt's K/V are written to the cache)."""
         s = ids.shape[1]
         logits = self.model(ids, torch.arange(s, device=self.device), last_only=True)
+        if not bool(torch.isfinite(logits).all()):  # one check a generation: a broken model is an error, not text
+            from llamactl.errors import CheckpointError
+
+            raise CheckpointError("the model's logits hold NaN or Inf after the prompt: its weights are broken",
+                                  "check the folder's weights, or re-create it")
         return self.sample(logits[:, -1])
 
     @torch.inference_mode()

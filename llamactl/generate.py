@@ -82,8 +82,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> tuple[list[int], bool]:
     """Token ids for the prompt; with chat, through the tokenizer's chat template when it has one."""
     if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True)
+        except Exception as e:  # a template is a program of the folder's: it can fail any way
+            raise InputError(f"the tokenizer's chat template failed ({type(e).__name__}: {str(e)[:160]})",
+                             "fix chat_template in tokenizer_config.json, or run without --chat")
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids), True

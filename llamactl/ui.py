@@ -56,8 +56,8 @@ def emit_text(text: str) -> None:
 
 def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]], stderr: bool = False) -> None:
     console = _console(stderr=stderr)
-    if not console.is_terminal:  # piped: do not squeeze wide tables into 80 columns
-        console.width = 240
+    if not console.is_terminal:  # piped: the table's own width, nothing squeezed or cut (scripts read it)
+        console.width = 10_000
     t = Table(title=title, show_header=True, header_style="bold")
     for i, c in enumerate(columns):
         t.add_column(c, justify="left" if i == 0 else "right")

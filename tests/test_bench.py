@@ -198,3 +198,15 @@ def test_bad_options(args, code):
 def test_compare_missing_file(tmp_path):
     r = bench("--compare", tmp_path / "a.json", tmp_path / "b.json")
     assert r.exit_code == 1 and "does not exist" in r.stderr
+
+
+def test_a_busy_cpu_is_said(monkeypatch):
+    import os
+
+    from llamactl.cli import _busy_cpu
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert _busy_cpu() == "load 9.0 on 2 cores"
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    assert _busy_cpu() is None

@@ -214,3 +214,18 @@ def test_compile_of_the_embedded_model_never_writes_into_the_package(tmp_path, m
     assert r.exit_code == 0, r.output
     assert (tmp_path / "docs-llama-17m-compiled" / "llamactl.json").is_file()
     assert not (DEFAULT_MODEL.parent / "docs-llama-17m-compiled").exists()
+
+
+def test_a_nan_model_does_not_generate_and_a_broken_chat_template_is_one_line(folder):
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ raise_exception('broken on purpose') }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    refused(["generate", folder, "--chat", "-p", "hi", "-n", "2"], "chat template failed", "without --chat")
+    f = next(folder.glob("*.safetensors"))
+    sd = load_file(str(f))
+    key = next(k for k in sd if k.endswith("norm.weight"))
+    sd[key] = sd[key] * float("nan")
+    save_file(sd, str(f), metadata={"format": "pt"})
+    refused(["generate", folder, "-p", "hi", "-n", "2"], "NaN or Inf")

@@ -34,7 +34,12 @@ def write_bnb(art, opts, folder: Path, progress, log) -> dict[str, Any]:
                                  bnb_4bit_use_double_quant=False, llm_int8_skip_modules=["lm_head"])
     else:
         cfg = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
-    with progress(f"bitsandbytes {opts.method}", 3) as advance:
+    import contextlib
+
+    with progress(f"bitsandbytes {opts.method}", 3) as advance, open(folder / "quantize.log", "w") as engine_log, \
+            contextlib.redirect_stdout(engine_log), contextlib.redirect_stderr(engine_log):
+        # transformers' and bitsandbytes' own bars and warnings go to OUT/quantize.log; llamactl's
+        # bar was bound to the terminal before the redirect
         model = AutoModelForCausalLM.from_pretrained(str(art.path), quantization_config=cfg, device_map="cpu",
                                                      dtype=compute)
         advance(1)
