@@ -3,6 +3,7 @@
 device     whether the kernels run on a device, and programmatic dependent launch there
 arith      what the int4/int8 GEMVs multiply with (float, int8, fp16, int16)
 gemv       16-bit, int8 and 4-bit matrix-vector products that read weights near memory bandwidth
+int4_layout  the 4-bit packing and its dequantizing kernel (prefill)
 attention  split-KV decode attention that reads the cache only up to the current position
 pinned     tuned launch configs per GPU (data files in configs/)
 check      a self-check of every kernel against a float64 reference

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from llamactl.kernels.device import triton_version
 
-# the @triton.jit functions of gemv.py and attention.py: their Triton cache entries travel with
+# the @triton.jit functions of gemv.py, int4_layout.py and attention.py: their Triton cache entries travel with
 # `llamactl compile` artifacts (compiled binaries and autotune choices)
-KERNEL_NAMES = ("_gemv_kernel", "_gemv_int4_kernel", "_dequant_int4_kernel", "_split_kernel", "_merge_kernel")
+KERNEL_NAMES = ("_gemv_kernel", "_gemv_int4_kernel", "_dequant_int4_kernel", "_split_kernel", "_merge_kernel")  # gemv, int4_layout, attention
 LAUNCHERS = ("__triton_launcher", "cuda_utils")  # Triton's C launchers, in its cache too
 
 def cache_dir() -> Path | None:

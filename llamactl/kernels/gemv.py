@@ -30,6 +30,7 @@ import triton.language as tl
 from llamactl.kernels import pinned
 from llamactl.kernels.arith import switches
 from llamactl.kernels.device import interpreted, pdl_launch
+from llamactl.kernels.int4_layout import _dequant_int4_kernel, _whole_groups, dequantize_int4, pack_int4  # noqa: F401
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
@@ -460,26 +461,6 @@ _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
                                    cache_results=True)(_gemv_int4_kernel)
 
 
-@triton.jit
-def _dequant_int4_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WORDS: tl.constexpr):
-    # q: [N, K // 8] int32 -> w: [N, K] in w's dtype; one program per [BLOCK_N, 8 * WORDS] tile
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
-    kw = tl.multiple_of(K // 8, G // 8)  # words a row (K % G == 0): 16-byte loads, as in _gemv_int4_kernel
-    ok = (rows < N)[:, None] & (words < kw)[None, :]
-    rows64 = rows.to(tl.int64)
-    p = tl.load(q_ptr + rows64[:, None] * kw + words[None, :], mask=ok, other=0)  # [BN, W]
-    j = tl.arange(0, 8)
-    codes = ((p[:, :, None] >> (j * 4)[None, None, :]) & 0xF).to(tl.float32)  # [BN, W, 8]
-    g_off = rows64[:, None] * (K // G) + (words * 8 // G)[None, :]  # [BN, W]
-    s = tl.load(s_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g_off, mask=ok, other=0).to(tl.float32)
-    w = (codes - z[:, :, None]) * s[:, :, None]  # [BN, W, 8]
-    cols = words[:, None] * 8 + j[None, :]  # [W, 8]
-    tl.store(w_ptr + rows64[:, None, None] * K + cols[None, :, :], w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
-
-
 FIXED_BLOCKS = False  # tests: the fixed config on the GPU too (no autotuning), as under the interpreter
 GEMV_FIXED = {"BLOCK_N": 64, "BLOCK_K": 64, "PREFETCH": False, "REDUCE_EACH": False}  # the 16-bit/int8 kernel's fixed config
 INT4_FIXED = {"BLOCK_N": 64, "PREFETCH": False}  # the int4 kernel's fixed config (BLOCK_K: two groups unless set)
@@ -594,29 +575,3 @@ def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residua
 def _arithmetic(inputs: str) -> dict[str, bool]:
     """The kernels' switches for what a low-bit GEMV multiplies its weights with (kernels.arith)."""
     return switches(inputs)
-
-
-def _whole_groups(k: int, group_size: int) -> None:
-    """The int4 kernels assume K % G == 0 (their 16-byte loads rely on it)."""
-    if k % group_size:
-        raise ValueError(f"int4 weight: {k} input columns are not whole groups of {group_size}")
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it)."""
-    n, k = qweight.shape[0], qweight.shape[1] * 8
-    _whole_groups(k, group_size)
-    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    block_n, words = 32, 32
-    _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, words))](
-        qweight, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, WORDS=words)
-    return w
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes: [N, K] integers in 0..15 -> [N, K // 8] int32, nibble j of word i = column 8 i + j."""
-    n, k = codes.shape
-    c = codes.to(torch.int64).view(n, k // 8, 8)
-    words = (c << (torch.arange(8, device=codes.device) * 4)).sum(dim=-1)  # [N, K // 8] in 0..2^32-1
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
