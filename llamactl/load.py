@@ -60,6 +60,27 @@ def _skeleton(art: Artifact):
     return model, (fmt.rename if fmt else (lambda name: name)), fmt
 
 
+def _runtime_name(art: Artifact, rename, expected: dict[str, tuple], name: str, shape) -> str | None:
+    """A checkpoint tensor's runtime name (None: dropped), or CheckpointError when the runtime has
+    no such tensor or config.json implies another shape."""
+    name = rename(name)
+    if name is None or name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name not in expected:
+        raise CheckpointError(f"{art.path}: unexpected tensor {name!r} in the checkpoint",
+                              "is this a LLaMA checkpoint with the standard module names?")
+    if tuple(shape) != expected[name]:
+        raise CheckpointError(f"{art.path}: tensor {name} has shape {tuple(shape)}, config.json implies {expected[name]}")
+    return name
+
+
+def _check_complete(art: Artifact, expected: dict[str, tuple], seen) -> None:
+    missing = [k for k in expected if k not in seen and not (k == "lm_head.weight" and art.args.tie_word_embeddings)]
+    if missing:
+        raise CheckpointError(f"{art.path}: the checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}",
+                              "the weight files do not match config.json")
+
+
 def check_tensors(art: Artifact) -> None:
     """Check the folder's tensor names and shapes (from the safetensors headers, no data read)
     against what config.json implies; raises CheckpointError as loading would, but at once."""
@@ -67,22 +88,8 @@ def check_tensors(art: Artifact) -> None:
         return
     model, rename, _ = _skeleton(art)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    seen = set()
-    for name, meta in art.tensor_index().items():
-        name = rename(name)
-        if name is None or name.endswith(IGNORED_SUFFIXES):
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{art.path}: unexpected tensor {name!r} in the checkpoint",
-                                  "is this a LLaMA checkpoint with the standard module names?")
-        if tuple(meta["shape"]) != expected[name]:
-            raise CheckpointError(f"{art.path}: tensor {name} has shape {tuple(meta['shape'])}, "
-                                  f"config.json implies {expected[name]}")
-        seen.add(name)
-    missing = [k for k in expected if k not in seen and not (k == "lm_head.weight" and art.args.tie_word_embeddings)]
-    if missing:
-        raise CheckpointError(f"{art.path}: the checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}",
-                              "the weight files do not match config.json")
+    seen = {_runtime_name(art, rename, expected, name, meta["shape"]) for name, meta in art.tensor_index().items()}
+    _check_complete(art, expected, seen)
 
 
 def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
@@ -91,31 +98,22 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
     options.kernels: quantized layers on llamactl's kernels where they run (else torch's)."""
     from llamactl.layers.plan import kernels_run
 
-    args = art.args
     check_tensors(art)  # before reading any data
     model, rename, fmt = _skeleton(art)
-    expected = dict(model.state_dict())
+    refs = dict(model.state_dict())
+    expected = {k: tuple(v.shape) for k, v in refs.items()}
     state: dict[str, torch.Tensor] = {}
     for name, t in iter_checkpoint(art):
-        name = rename(name)
-        if name is None or name.endswith(IGNORED_SUFFIXES):
+        name = _runtime_name(art, rename, expected, name, t.shape)
+        if name is None:
             continue
-        if name not in expected:
-            raise CheckpointError(f"{art.path}: unexpected tensor {name!r} in the checkpoint",
-                                  "is this a LLaMA checkpoint with the standard module names?")
-        ref = expected[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            raise CheckpointError(f"{art.path}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(ref.shape)}")
+        ref = refs[name]
         # Floating tensors take the runtime dtype; packed integer tensors keep theirs.
         target = dtype if t.is_floating_point() and ref.is_floating_point() and ref.dtype == torch.float32 else ref.dtype
         state[name] = t.to(device=device, dtype=target)
-    if args.tie_word_embeddings:
+    if art.args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-        expected.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in state]
-    if missing:
-        raise CheckpointError(f"{art.path}: the checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}",
-                              "the weight files do not match config.json")
+    _check_complete(art, expected, state)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if fmt:
