@@ -1,7 +1,9 @@
 """Fixed-shape prefill and decode steps, run eagerly, captured in a CUDA graph, or compiled.
 
-The decode step takes a token [B, 1] and a position [1] and returns the next token [B] on the
-device, so no value crosses to the host between steps. Modes:
+The decode step takes a token [B, 1] and a position [1] (every row at the same position), or
+positions [B, 1] (each row at its own: sequences of different lengths in one batch), and returns
+the next token [B] on the device, so no value crosses to the host between steps. A prefill may
+write one sequence into one row of the cache (`slot`) while the other rows keep theirs. Modes:
   eager    plain PyTorch (CPU or GPU)
   graphs   the eager step captured once in a torch.cuda.CUDAGraph and replayed (GPU)
   compile  torch.compile (inductor, default mode) of the step, then captured in a CUDA
@@ -97,12 +99,11 @@ class Decoder:
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
         self.use_graph = self.use_graph and self.device.type == "cuda"
-        if self.use_graph:
-            self.static_tok = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-            self.static_pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        # per kind of position ("shared": [1], "rows": [B, 1]): static inputs, graph, static output
+        self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # tok: [B, 1], pos: [1] -> next token [B]
+        # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
         return self.sample(self.model(tok, pos)[:, -1])
 
     @property
@@ -111,10 +112,13 @@ class Decoder:
         return {"gemv": self.plan.label, "decode_attention": self.plan.attention_label}
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [B, S] -> the next token [B] (the prompt's K/V are written to the cache)."""
+    def prefill(self, ids: torch.Tensor, slot: int | None = None) -> torch.Tensor:
+        """ids: [B, S] -> the next token [B] (the prompt's K/V are written to the cache); with
+        `slot`, ids: [1, S] is one sequence written into cache row `slot` alone."""
         s = ids.shape[1]
-        logits = self.model(ids, torch.arange(s, device=self.device), last_only=True)
+        if slot is not None and not (ids.shape[0] == 1 and 0 <= slot < self.batch):
+            raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
+        logits = self.model(ids, torch.arange(s, device=self.device), last_only=True, slot=slot)
         if not bool(torch.isfinite(logits).all()):  # one check a generation: a broken model is an error, not text
             from llamactl.errors import CheckpointError
 
@@ -123,25 +127,37 @@ class Decoder:
         return self.sample(logits[:, -1])
 
     @torch.inference_mode()
-    def step(self, tok: torch.Tensor, pos: int) -> torch.Tensor:
-        """tok: [B] at position pos -> the next token [B]."""
-        if not self.use_graph:
-            return self._step(tok.view(-1, 1), torch.tensor([pos], device=self.device))
-        self.static_tok.copy_(tok.view(-1, 1))
-        self.static_pos.fill_(pos)
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.static_out
+    def step(self, tok: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
+        """tok: [B] at position pos (an int: every row there), or at positions pos: [B] (each row
+        at its own, on the device) -> the next token [B]."""
+        rows = isinstance(pos, torch.Tensor)
+        kind = "rows" if rows else "shared"
+        if not self.use_graph or kind not in self._graphs:
+            pos_t = pos.view(-1, 1) if rows else torch.tensor([pos], device=self.device)  # [B, 1] or [1]
+            if not self.use_graph:
+                return self._step(tok.view(-1, 1), pos_t)
+            self._capture(kind, tok.view(-1, 1), pos_t)
+        static_tok, static_pos, graph, out = self._graphs[kind]
+        static_tok.copy_(tok.view(-1, 1))
+        if rows:
+            static_pos.copy_(pos.view(-1, 1))
+        else:
+            static_pos.fill_(pos)  # no host tensor a step
+        graph.replay()
+        return out
 
-    def _capture(self) -> None:
-        # Warm up on a side stream (compilation, cuBLAS handles), then capture one step.
+    def _capture(self, kind: str, tok: torch.Tensor, pos: torch.Tensor) -> None:
+        # Warm up on a side stream (compilation, cuBLAS handles), then capture one step. The
+        # warm-up steps run this step's own token and position: they write the K/V the step
+        # writes, so the cache is as if they had not run.
+        static_tok, static_pos = tok.clone(), pos.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._step(self.static_tok, self.static_pos)
+                self._step(static_tok, static_pos)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_out = self._step(self.static_tok, self.static_pos)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(static_tok, static_pos)
+        self._graphs[kind] = (static_tok, static_pos, graph, out)

@@ -79,11 +79,20 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # input_pos: [S], k/v: [B, H_kv, S, D]
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int | None = None):
+        """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
+        row at the same positions) or [B, S] (each row at its own); slot: write and read only
+        cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch)."""
+        # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D]
+        ck, cv = (self.k, self.v) if slot is None else (self.k[slot : slot + 1], self.v[slot : slot + 1])
+        if input_pos.dim() == 1:
+            ck.index_copy_(2, input_pos, k)
+            cv.index_copy_(2, input_pos, v)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            ck[rows, :, input_pos] = k.transpose(1, 2)  # [B, S, H_kv, D] at each row's own positions
+            cv[rows, :, input_pos] = v.transpose(1, 2)
+        return ck, cv
 
 
 class Attention(nn.Module):
@@ -105,16 +114,18 @@ class Attention(nn.Module):
         self.attn_min_chunk = 64
         self.pdl = False
 
-    def forward(self, x, cos, sin, mask, input_pos, residual):
-        # x: [B, S, hidden] (normed), cos/sin: [S, D], mask: [1, 1, S, max_seq] bool, input_pos: [S],
-        # residual: [B, S, hidden] -> residual + attention(x)
+    def forward(self, x, cos, sin, mask, input_pos, residual, slot: int | None = None):
+        # x: [B, S, hidden] (normed), cos/sin: [S, D] ([B, S, D] per row), mask: [1 or B, 1, S, max_seq]
+        # bool, input_pos: [S] or [B, S] (each row at its own positions), residual: [B, S, hidden],
+        # slot: the one cache row of a joining sequence -> residual + attention(x)
         b, s, _ = x.shape
+        shared = input_pos.dim() == 1 and slot is None  # llamactl's decode kernels take one position for all rows
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         rep = self.n_heads // self.n_kv_heads
-        if s == 1 and self.decode_kernel == "rope":
+        if s == 1 and self.decode_kernel == "rope" and shared:
             from llamactl.kernels.attention import decode_attention_rope
 
             # one token, one kernel: RoPE, the cache write at input_pos, and attention over the cache
@@ -127,9 +138,11 @@ class Attention(nn.Module):
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
+            cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
-        if s == 1 and self.decode_kernel == "plain":
+        k, v = self.kv_cache.update(input_pos, k, v, slot)  # [B, H_kv, max_seq, D]
+        if s == 1 and self.decode_kernel == "plain" and shared:
             from llamactl.kernels.attention import decode_attention
 
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos,
@@ -140,7 +153,7 @@ class Attention(nn.Module):
             # h // rep (transformers' repeat_kv), rows are independent, so fold the group into the
             # sequence axis. No K/V copy, and SDPA's fused kernels accept the mask.
             q = q.reshape(b, self.n_kv_heads, rep * s, self.head_dim)  # [B, H_kv, rep*S, D]
-            mask = mask.repeat(1, 1, rep, 1)  # [1, 1, rep*S, max_seq]
+            mask = mask.repeat(1, 1, rep, 1)  # [1 or B, 1, rep*S, max_seq]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
         return add_linear(self.o_proj, y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim), residual)
@@ -172,8 +185,8 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos):
-    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, input_pos, residual=x)
+def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos, slot: int | None = None):
+    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, input_pos, residual=x, slot=slot)
     return layer.mlp(layer.post_attention_layernorm(x), residual=x)
 
 
@@ -191,11 +204,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.compile_region = False  # set by decode.Decoder for torch.compile
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def forward(self, x, cos, sin, mask, input_pos, slot: int | None = None):
         # x: [B, S, hidden] -> [B, S, hidden]
-        if self.compile_region:
+        if self.compile_region and slot is None:
             return _layer_region(self, x, cos, sin, mask, input_pos)
-        return _layer_forward(self, x, cos, sin, mask, input_pos)
+        return _layer_forward(self, x, cos, sin, mask, input_pos, slot)
 
 
 def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -292,13 +305,20 @@ class LlamaModel(nn.Module):
         causal = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool, device=device))
         self.register_buffer("causal_mask", causal, persistent=False)  # [max_seq, max_seq]
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """idx: [B, S] token ids at positions input_pos: [S]. Returns logits [B, S or 1, vocab]."""
-        mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D]
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
+                slot: int | None = None) -> torch.Tensor:
+        """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
+        own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
+        cache row `slot` alone (it joins while the other rows keep theirs). Returns logits
+        [B, S or 1, vocab]."""
+        if input_pos.dim() == 1:
+            mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
+        else:
+            mask = self.causal_mask[input_pos][:, None]  # [B, 1, S, max_seq]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D] or [B, S, D]
         x = self.model.embed_tokens(idx)  # [B, S, hidden]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, input_pos)
+            x = layer(x, cos, sin, mask, input_pos, slot)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

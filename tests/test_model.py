@@ -134,3 +134,56 @@ def test_gumbel_sampling_follows_the_filtered_softmax():
     top_p = sample(logits, Sampling(temperature=1.0, top_p=0.7))
     assert set(top_p.tolist()) == {0, 1}
     assert abs((top_p == 0).float().mean().item() - (p[0] / p[:2].sum()).item()) < 0.015
+
+
+@pytest.mark.parametrize("which", ["trained_model", "tiny_gqa"])
+def test_rows_at_their_own_positions_decode_as_each_alone(which, request):
+    """Batched decoding's first step (issue 20): three prompts of different lengths, each prefilled
+    into its own cache row (one joining while the others are mid-decode), decoded together with
+    each row at its own position, give exactly the greedy tokens each gives alone (float32, CPU)."""
+    import torch
+
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+
+    model = load_model(open_artifact(request.getfixturevalue(which)), torch.device("cpu"), torch.float32)
+    prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]  # 5, 9, 13 tokens
+    n = 6
+
+    def alone(ids):
+        dec = Decoder(model, 1, 40)
+        tok, out = dec.prefill(ids.view(1, -1)), []
+        for i in range(n):
+            out.append(int(tok))
+            tok = dec.step(tok, ids.numel() + i)
+        return out
+
+    want = [alone(p) for p in prompts]
+    with torch.inference_mode():
+        got = _batched(model, prompts, n)
+    assert [g[:n] for g in got] == want
+
+
+def _batched(model, prompts, n):
+    import torch
+
+    from llamactl.decode import Decoder
+
+    dec = Decoder(model, 3, 40)
+    toks = torch.zeros(3, dtype=torch.long)
+    pos = torch.zeros(3, dtype=torch.long)
+    got = [[], [], []]
+    for r in (0, 1):
+        toks[r] = dec.prefill(prompts[r].view(1, -1), slot=r)[0]
+        pos[r] = prompts[r].numel()
+    for step in range(n + 2):
+        if step == 2:  # row 2 joins while rows 0 and 1 decode
+            toks[2] = dec.prefill(prompts[2].view(1, -1), slot=2)[0]
+            pos[2] = prompts[2].numel()
+        active = [r for r in range(3) if step < n + (2 if r == 2 else 0) and (r != 2 or step >= 2)]
+        for r in active:
+            got[r].append(int(toks[r]))
+        toks = dec.step(toks, pos).clone()
+        pos = pos + 1
+    return got
