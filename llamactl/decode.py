@@ -119,11 +119,7 @@ class Decoder:
         if slot is not None and not (ids.shape[0] == 1 and 0 <= slot < self.batch):
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
         logits = self.model(ids, torch.arange(s, device=self.device), last_only=True, slot=slot)
-        if not bool(torch.isfinite(logits).all()):  # one check a generation: a broken model is an error, not text
-            from llamactl.errors import CheckpointError
-
-            raise CheckpointError("the model's logits hold NaN or Inf after the prompt: its weights are broken",
-                                  "check the folder's weights, or re-create it")
+        self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
         return self.sample(logits[:, -1])
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from llamactl.decode import Decoder, attention_backend, sync
-from llamactl.errors import InputError
+from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
 
@@ -165,6 +165,9 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     t0 = time.perf_counter()
     token = dec.prefill(torch.tensor([prompt_ids], device=device))  # [1]
     sync(device)
+    if not bool(dec.prefill_finite):  # a broken model is an error, not text
+        raise CheckpointError("the model's logits hold NaN or Inf after the prompt: its weights are broken",
+                              "check the folder's weights, or re-create it")
     t_first = t_prefilled = time.perf_counter()
     compile_s = 0.0
     if mode == "compile" and max_new_tokens > 1:
