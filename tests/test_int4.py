@@ -106,7 +106,7 @@ def test_bench_synthetic_int4(tmp_path):
     assert bf16["weight_bytes"] - int4["weight_bytes"] > 0.7 * linear_bytes
 
 
-@pytest.mark.parametrize("method", ["rtn", "int8"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("int8", marks=pytest.mark.quant)])  # int8: bitsandbytes
 def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path, tmp_path):
     from importlib.util import find_spec
 
