@@ -25,6 +25,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "docs-llama-17m"
 
 
+def greedy_alone(model, ids: torch.Tensor, n: int, mode: str = "eager") -> list[int]:
+    """The first n greedy tokens after prompt ids [S], decoded at batch 1 (the reference a batched
+    row must match)."""
+    from llamactl.decode import Decoder
+
+    dec = Decoder(model, 1, max(40, ids.numel() + n + 1), mode)  # the batched tests' cache length
+    tok, out = dec.prefill(ids.view(1, -1)), []
+    for i in range(n):
+        out.append(int(tok))
+        tok = dec.step(tok, ids.numel() + i)
+    return out
+
+
 def trained_model_path() -> Path:
     return SHARED_MODEL if SHARED_MODEL.is_dir() else DEFAULT_MODEL
 

@@ -198,15 +198,9 @@ def test_rows_at_their_own_positions_on_the_gpu(trained_model, mode):
                torch.arange(300, 313, device="cuda")]
     n = 8
 
-    def alone(ids):
-        dec = Decoder(model, 1, 40, mode)
-        tok, out = dec.prefill(ids.view(1, -1)), []
-        for i in range(n):
-            out.append(int(tok))
-            tok = dec.step(tok, ids.numel() + i)
-        return out
+    from conftest import greedy_alone
 
-    want = [alone(p) for p in prompts]
+    want = [greedy_alone(model, p, n, mode) for p in prompts]
     with torch.inference_mode():
         dec = Decoder(model, 3, 40, mode)
         toks = torch.cat([dec.prefill(p.view(1, -1), slot=r) for r, p in enumerate(prompts)])

@@ -143,23 +143,16 @@ def test_rows_at_their_own_positions_decode_as_each_alone(which, request):
     each row at its own position, give exactly the greedy tokens each gives alone (float32, CPU)."""
     import torch
 
+    from conftest import greedy_alone
+
     from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
     from llamactl.load import load_model
 
     model = load_model(open_artifact(request.getfixturevalue(which)), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]  # 5, 9, 13 tokens
     n = 6
 
-    def alone(ids):
-        dec = Decoder(model, 1, 40)
-        tok, out = dec.prefill(ids.view(1, -1)), []
-        for i in range(n):
-            out.append(int(tok))
-            tok = dec.step(tok, ids.numel() + i)
-        return out
-
-    want = [alone(p) for p in prompts]
+    want = [greedy_alone(model, p, n) for p in prompts]
     with torch.inference_mode():
         got = _batched(model, prompts, n)
     assert [g[:n] for g in got] == want
