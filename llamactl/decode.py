@@ -68,11 +68,12 @@ class Decoder:
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  buckets: list[int] | None = None, compile_mode: str = "default",
-                 options: RuntimeOptions | None = None):
+                 options: RuntimeOptions | None = None, rows: "RowSampling | None" = None):
         """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
         max_seq up to, so one compiled step serves many prompt lengths. options: what the step
-        runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does."""
+        runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does.
+        rows: sampling settings per row (llamactl.sampling.RowSampling), instead of `sample`."""
         from llamactl.layers.plan import prepare, unfold_cache_writes
 
         if mode not in MODES:
@@ -80,6 +81,7 @@ class Decoder:
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
+        self.rows = rows
         self.options = options or RuntimeOptions()
         self.plan = prepare(model, self.options)
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]
@@ -104,7 +106,11 @@ class Decoder:
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
-        return self.sample(self.model(tok, pos)[:, -1])
+        logits = self.model(tok, pos)[:, -1]  # [B, V]
+        if self.rows is None:
+            return self.sample(logits)
+        drawn_at = (pos.view(-1) + 1).expand(logits.shape[0])  # where each row's new token will sit
+        return self.rows.sample(logits, drawn_at)
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -120,7 +126,11 @@ class Decoder:
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
         logits = self.model(ids, torch.arange(s, device=self.device), last_only=True, slot=slot)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
-        return self.sample(logits[:, -1])
+        if self.rows is None:
+            return self.sample(logits[:, -1])
+        drawn_at = torch.full((ids.shape[0],), s, dtype=torch.long, device=self.device)
+        which = None if slot is None else torch.tensor([slot], device=self.device)
+        return self.rows.sample(logits[:, -1], drawn_at, which)
 
     @torch.inference_mode()
     def step(self, tok: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:

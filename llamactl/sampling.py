@@ -1,0 +1,73 @@
+"""Sampling settings per row of a batch, on the device and graph-safe (batched decoding, a server).
+
+Each row has its own temperature (0: greedy), top-k (0: off), top-p (1: off) and seed. A row's
+random numbers come from a counter-based hash of (seed, position of the token drawn, vocab id),
+not from a generator's state: the same row draws the same token whether it decodes alone or in a
+batch, in any slot, in a CUDA graph or not, and nothing advances between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_P = 2**31 - 1  # the hash works modulo this prime, on int64 without overflow (products < 2^62)
+_A, _B, _C, _D = 1_103_515_245, 2_147_482_951, 48_271, 69_621
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """Two rounds of multiply (mod P) and xor-shift: nonlinear in the input bits."""
+    h = (h * _A) % _P
+    h = h ^ (h >> 15)
+    h = (h * _D) % _P
+    return h ^ (h >> 13)
+
+
+def uniforms(seed: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seed: [B] int64, pos: [B] int64 -> [B, V] uniforms in (0, 1), one draw per vocab id."""
+    ids = torch.arange(vocab, device=seed.device)  # [V]
+    h = (_mix(seed % _P) * _B % _P + _mix(pos % _P + 1) * _C % _P) % _P  # [B]
+    h = _mix((h[:, None] + _mix(ids + 7)[None, :] * _A % _P) % _P)  # [B, V]
+    return (_mix(h).double() + 0.5).div(_P).float()
+
+
+@dataclass
+class RowSampling:
+    """Per-row settings as device tensors [B] (temperature, top_k, top_p, seed)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def make(cls, rows: list[dict], device) -> "RowSampling":
+        """rows: [{"temperature", "top_k", "top_p", "seed"}] (missing: greedy, off, off, 0)."""
+        def col(key, default, dtype):
+            return torch.tensor([r.get(key, default) if r.get(key) is not None else default for r in rows],
+                                dtype=dtype, device=device)
+
+        return cls(col("temperature", 0.0, torch.float32), col("top_k", 0, torch.long), col("top_p", 1.0, torch.float32),
+                   col("seed", 0, torch.long))
+
+    def sample(self, logits: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: [B, V] for rows `rows` ([B] indexes of the settings; None: all in order), the
+        token each row draws at positions pos: [B] (where the drawn token will sit) -> [B]."""
+        if rows is not None:
+            t, k, p, seed = self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows]
+        else:
+            t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        v = logits.shape[-1]
+        x = logits.float() / t.clamp(min=1e-6)[:, None]  # [B, V]
+        ordered, order = torch.sort(x, dim=-1, descending=True)  # [B, V]
+        kk = torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v))  # [B]
+        kth = ordered.gather(-1, (kk - 1)[:, None])  # [B, 1]
+        probs = ordered.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) > p[:, None]  # keep the token that crosses top_p
+        cut = ordered.masked_fill(drop, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+        x = x.masked_fill(torch.empty_like(x).scatter_(-1, order, cut) == float("-inf"), float("-inf"))
+        u = uniforms(seed, pos, v)
+        drawn = (x - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: exactly softmax(x)
+        return torch.where(t > 0, drawn, logits.argmax(-1))
