@@ -34,18 +34,25 @@ _llamactl() {
         quantize:--gptq-variant) COMPREPLY=( $(compgen -W "gptq gptaq foem" -- "$cur") ); return ;;
         quantize:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
         quantize:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        serve:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
+        serve:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
+        serve:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
+        serve:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
+        serve:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
+        serve:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
     esac
     if [ -z "$cmd" ]; then
-        COMPREPLY=( $(compgen -W "bench compile convert-heads generate inspect quantize --quiet -q --version --help -h" -- "$cur") )
+        COMPREPLY=( $(compgen -W "bench compile convert-heads generate inspect quantize serve --quiet -q --version --help -h" -- "$cur") )
         return
     fi
     case "$cmd" in
-        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --help -h" ;;
+        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --model --api-key --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
         generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --ignore-eos --compile --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
         quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --calib --n-samples --seq-len --eval --eval-tokens --device --force --json --help -h" ;;
+        serve) opts="--host --port --max-batch --max-queue --max-seq --prefill-chunk --api-key --served-model-name --drain-timeout --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --help -h" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -30,7 +30,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
         dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
         for quant in (synthetic_quant or "none").split(","):
-            targets.append(_synthetic_target(synthetic, quant.strip(), device, dtype,
+            targets.append(synthetic_target(synthetic, quant.strip(), device, dtype,
                                              kernels_run(device, options or RuntimeOptions())[0]))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
@@ -44,7 +44,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
-def _synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool) -> Target:
+def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool) -> Target:
     from llamactl.synthetic import build_synthetic
 
     if quant not in ("none", "int4", "int8"):

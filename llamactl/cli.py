@@ -194,6 +194,44 @@ def generate(
            f"{result.extra.get('attention_backend')}[/dim]")
 
 
+@app.command()
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; mind --api-key then).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port; 0 picks a free one (printed).")] = 8000,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="Requests decoded together (slots of the KV cache).")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot; more are answered 429 at once.")] = 64,
+    max_seq: Annotated[Optional[int], typer.Option("--max-seq", min=2, help="Tokens a slot holds (prompt + output) (default: the model's context, at most 4096).")] = None,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step).")] = 512,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
+    model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
+    synthetic: Annotated[Optional[str], typer.Option(help="Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int4 (RTN, group 128), int8 (per channel) or none.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quant_inputs: QuantInputsOpt = None,
+    kernels: KernelsOpt = None,
+    pins_file: PinsFileOpt = None,
+    allow_pickle: PickleOpt = False,
+):
+    """Serve the model over an OpenAI-compatible HTTP API with continuous batching, until SIGTERM."""
+    from llamactl.options import api_key as key_from_env
+    from llamactl.serve.run import ServeOptions, run
+
+    opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
+                        prefill_chunk=prefill_chunk, drain_s=drain_timeout, api_key=api_key or key_from_env(),
+                        model_name=model_name)
+    options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    if model and synthetic:
+        raise typer.BadParameter("MODEL and --synthetic: give one")
+    stopped_by = run(model, device, dtype, allow_pickle, options, opts, lambda m: ui.log(m, markup=False), ui.warn,
+                     synthetic, synthetic_quant)
+    ui.log(f"stopped ({stopped_by or 'the server ended'})", markup=False)
+    if stopped_by == "SIGINT":
+        raise typer.Exit(130)
+
+
 def _warn_about_gemv(plan, device: str, compiled: dict | None, quant_inputs: str | None) -> None:
     """Say when the GEMVs that ran are not those asked for: a compile cache made for others, or int8
     inputs/fp16 arithmetic/int16 inputs where they do not apply."""
@@ -484,12 +522,32 @@ def bench(
     pins_file: PinsFileOpt = None,
     trust_cache: TrustCacheOpt = False,
     tune: Annotated[Optional[str], typer.Option("--tune", help="Tune every GEMV shape afresh (no pins) and write the autotuner's picks as a pins file for this GPU (CUDA).")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="Load-test the OpenAI-compatible server at this address (llamactl serve, vLLM, llama.cpp) instead of timing models here.")] = None,
+    serve_model: Annotated[Optional[str], typer.Option("--serve", help="Start `llamactl serve` on this model (or `embedded`; with --synthetic, its random weights) for the load test, and stop it after.")] = None,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Load test: clients sending at once; a comma list sweeps.", callback=lambda v: _int_list("--concurrency", v))] = "1",
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Load test: requests per concurrency level.")] = 64,
+    rate: Annotated[Optional[float], typer.Option("--rate", min=0.001, help="Load test: Poisson arrivals of this many requests a second (at most --concurrency in flight) instead of a closed loop.")] = None,
+    served_model: Annotated[Optional[str], typer.Option("--model", help="Load test: the model name to send (default: the server's first in /v1/models).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
 ):
-    """Speed, memory and quality of one or more models, as tables or JSON."""
+    """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
     from llamactl import report
 
     if fmt not in ("table", "json", "csv", "markdown"):
         raise typer.BadParameter(f"--format {fmt!r}: use table, json, csv or markdown")
+    if url or serve_model:
+        if url and serve_model:
+            raise typer.BadParameter("--url and --serve: give one (--serve starts its own server)")
+        prompt = prompt_len[0] if len(prompt_len) == 1 else None
+        if prompt is None:
+            raise typer.BadParameter("a load test takes one --prompt-len")
+        from llamactl import loadtest
+        from llamactl.options import api_key as key_from_env
+
+        load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=prompt,
+                             gen_len=gen_len, rate=rate, model=served_model, api_key=api_key or key_from_env())
+        _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, fmt, output)
+        return
     if compare_files:
         diffs, ok = report.compare(report.load_report(compare_files[0]), report.load_report(compare_files[1]),
                                    report.parse_percent(max_slowdown))
@@ -573,6 +631,41 @@ def bench(
         headers, body = report.rows(result["results"])
         env = result["env"]
         ui.table(f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s", headers, body)
+
+
+def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
+               dtype: str, fmt: str, output: str | None) -> None:
+    """bench --url / --serve: run the load test (starting and stopping a server for --serve)."""
+    from llamactl import loadtest, report
+
+    if output:
+        from llamactl.artifact import check_writable_file
+
+        check_writable_file(Path(output), "--output")
+    with ui.progress("load test", len(load.concurrency)) as advance:
+        def measured(row: dict) -> None:
+            ui.log(report.row_line(row), markup=False)
+            advance(1)
+
+        if serve_model:
+            from llamactl.serve.spawn import spawned
+
+            with spawned(serve_model, max(load.concurrency), device, dtype, synthetic, synthetic_quant,
+                         load.api_key, ui.log) as url:
+                load.url = url
+                result = loadtest.run(load, measured)
+        else:
+            result = loadtest.run(load, measured)
+    text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
+    if output:
+        from llamactl.artifact import atomic_write_text
+
+        atomic_write_text(Path(output), (text or report.to_markdown)(result))
+    if text:
+        ui.emit_text(text(result))
+    else:
+        headers, body = report.rows(result["results"])
+        ui.table(f"load test of {result['env']['url']}", headers, body)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Fixed-shape prefill and decode steps, run eagerly, captured in a CUDA graph, or compiled.
 
 The decode step takes a token [B, 1] and a position [1] (every row at the same position), or
-positions [B, 1] (each row at its own: sequences of different lengths in one batch), and returns
+positions [B, 1] (each row at its own: sequences of different lengths in one batch; llamactl's
+decode attention then reads each row's cache to its own length), and returns
 the next token [B] on the device, so no value crosses to the host between steps. A prefill may
 write one sequence into one row of the cache (`slot`) while the other rows keep theirs. Modes:
   eager    plain PyTorch (CPU or GPU)
@@ -104,11 +105,13 @@ class Decoder:
         # per kind of position ("shared": [1], "rows": [B, 1]): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
-        logits = self.model(tok, pos)[:, -1]  # [B, V]
+        logits = self.model(tok, pos, kv_len=kv_len)[:, -1]  # [B, V]
         if self.rows is None:
             return self.sample(logits)
+        if self.rows.greedy and not self.use_graph:  # the host's word that no row samples: skip the draw
+            return logits.argmax(-1)
         drawn_at = (pos.view(-1) + 1).expand(logits.shape[0])  # where each row's new token will sit
         return self.rows.sample(logits, drawn_at)
 
@@ -118,30 +121,35 @@ class Decoder:
         return {"gemv": self.plan.label, "decode_attention": self.plan.attention_label}
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, slot: int | None = None) -> torch.Tensor:
-        """ids: [B, S] -> the next token [B] (the prompt's K/V are written to the cache); with
-        `slot`, ids: [1, S] is one sequence written into cache row `slot` alone."""
+    def prefill(self, ids: torch.Tensor, slot: int | None = None, start: int = 0) -> torch.Tensor:
+        """ids: [B, S] at positions start.. start+S-1 -> the next token [B] (the K/V are written to
+        the cache; a prompt in chunks is prefilled chunk by chunk, each one's `start` where the last
+        ended); with `slot`, ids: [1, S] is one sequence written into cache row `slot` alone."""
         s = ids.shape[1]
         if slot is not None and not (ids.shape[0] == 1 and 0 <= slot < self.batch):
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
-        logits = self.model(ids, torch.arange(s, device=self.device), last_only=True, slot=slot)
+        if not 0 <= start <= self.max_seq - s:
+            raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
+        logits = self.model(ids, torch.arange(start, start + s, device=self.device), last_only=True, slot=slot,
+                            kv_len=start + s)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
         if self.rows is None:
             return self.sample(logits[:, -1])
-        drawn_at = torch.full((ids.shape[0],), s, dtype=torch.long, device=self.device)
+        drawn_at = torch.full((ids.shape[0],), start + s, dtype=torch.long, device=self.device)
         which = None if slot is None else torch.tensor([slot], device=self.device)
         return self.rows.sample(logits[:, -1], drawn_at, which)
 
     @torch.inference_mode()
-    def step(self, tok: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
+    def step(self, tok: torch.Tensor, pos: int | torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """tok: [B] at position pos (an int: every row there), or at positions pos: [B] (each row
-        at its own, on the device) -> the next token [B]."""
+        at its own, on the device) -> the next token [B]. kv_len: every position is below it, so
+        an eager step's SDPA reads only that much of the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
         kind = "rows" if rows else "shared"
         if not self.use_graph or kind not in self._graphs:
             pos_t = pos.view(-1, 1) if rows else torch.tensor([pos], device=self.device)  # [B, 1] or [1]
             if not self.use_graph:
-                return self._step(tok.view(-1, 1), pos_t)
+                return self._step(tok.view(-1, 1), pos_t, kv_len if self.mode == "eager" else None)
             self._capture(kind, tok.view(-1, 1), pos_t)
         static_tok, static_pos, graph, out = self._graphs[kind]
         static_tok.copy_(tok.view(-1, 1))

@@ -13,6 +13,7 @@ from llamactl.decode import Decoder, attention_backend, sync
 from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
+from llamactl.textstream import TextStream
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         torch.cuda.reset_peak_memory_stats(device)
 
     out: list[int] = []
-    text = ""  # everything emitted so far
-    seg_start, seg_text = 0, ""  # tokens since the last newline, and their text
+    stream = TextStream(tokenizer)
     sync(device)
     t0 = time.perf_counter()
     token = dec.prefill(torch.tensor([prompt_ids], device=device))  # [1]
@@ -194,25 +194,17 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
             stop_reason = "eos"
             break
         out.append(tid)
-        # Decode only the tokens since the last newline (not the whole output every step), as
-        # transformers' TextStreamer does; hold back a partial UTF-8 character.
-        seg = tokenizer.decode(out[seg_start:], skip_special_tokens=True)
-        delta = "" if seg.endswith("\ufffd") else seg[len(seg_text):]
-        if delta:
-            seg_text = seg
-            text += delta
-            if seg.endswith("\n"):
-                seg_start, seg_text = len(out), ""
-        yield Step(tid, delta)
+        yield Step(tid, stream.add(tid))
         if ahead is None:
             break
         token = ahead
         steps += 1
     sync(device)
     t_end = time.perf_counter()
+    tail = stream.finish()
+    if tail:
+        yield Step(-1, tail)
     final = tokenizer.decode(out, skip_special_tokens=True)
-    if final != text and final.startswith(text):
-        yield Step(-1, final[len(text):])
     ttft = t_prefilled - t0
     yield Result(
         text=final,

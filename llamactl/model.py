@@ -119,21 +119,23 @@ class Attention(nn.Module):
         # bool, input_pos: [S] or [B, S] (each row at its own positions), residual: [B, S, hidden],
         # slot: the one cache row of a joining sequence -> residual + attention(x)
         b, s, _ = x.shape
-        shared = input_pos.dim() == 1 and slot is None  # llamactl's decode kernels take one position for all rows
+        kernel = s == 1 and slot is None  # llamactl's decode kernels: one position for all rows, or one each
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         rep = self.n_heads // self.n_kv_heads
-        if s == 1 and self.decode_kernel == "rope" and shared:
+        if kernel and self.decode_kernel == "rope":
             from llamactl.kernels.attention import decode_attention_rope
 
             # one token, one kernel: RoPE, the cache write at input_pos, and attention over the cache
             # up to input_pos, with the query heads of a KV head as one tile
             c, d = self.kv_cache, self.head_dim
+            rows = input_pos.dim() == 2  # cos/sin [B, 1, D] at input_pos [B, 1], else [1, D] at [1]
             y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
-                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[0], sin[0], input_pos,
-                                      self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[:, 0] if rows else cos[0],
+                                      sin[:, 0] if rows else sin[0], input_pos.view(-1), self.attn_min_chunk,
+                                      self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
@@ -142,12 +144,14 @@ class Attention(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v, slot)  # [B, H_kv, max_seq, D]
-        if s == 1 and self.decode_kernel == "plain" and shared:
+        if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
-            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos,
+            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos.view(-1),
                                  self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual)
+        if mask.shape[-1] < k.shape[2]:  # the caller cut the cache to the positions that matter (eager steps)
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
         if rep > 1:
             # Grouped-query attention as more query rows per KV head: query head h uses KV head
             # h // rep (transformers' repeat_kv), rows are independent, so fold the group into the
@@ -306,15 +310,18 @@ class LlamaModel(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)  # [max_seq, max_seq]
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
-                slot: int | None = None) -> torch.Tensor:
+                slot: int | None = None, kv_len: int | None = None) -> torch.Tensor:
         """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
         own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
-        cache row `slot` alone (it joins while the other rows keep theirs). Returns logits
-        [B, S or 1, vocab]."""
+        cache row `slot` alone (it joins while the other rows keep theirs). kv_len: SDPA reads only
+        the first kv_len cache positions (more than every position of input_pos; a length known
+        on the host, so for eager calls, not a captured step). Returns logits [B, S or 1, vocab]."""
         if input_pos.dim() == 1:
             mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
         else:
             mask = self.causal_mask[input_pos][:, None]  # [B, 1, S, max_seq]
+        if kv_len is not None and kv_len < mask.shape[-1]:
+            mask = mask[..., :kv_len]  # [.., kv_len]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D] or [B, S, D]
         x = self.model.embed_tokens(idx)  # [B, S, hidden]
         for layer in self.model.layers:

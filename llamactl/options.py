@@ -98,3 +98,12 @@ def _choice(env, name: str, allowed: tuple[str, ...]) -> str | None:
 def debug(environ: dict[str, str] | None = None) -> bool:
     """LLAMACTL_DEBUG: the error boundary shows tracebacks for known errors too."""
     return bool((os.environ if environ is None else environ).get("LLAMACTL_DEBUG"))
+
+
+API_KEY_VARIABLE = "LLAMACTL_API_KEY"
+
+
+def api_key(environ: dict[str, str] | None = None) -> str | None:
+    """LLAMACTL_API_KEY: the bearer token `serve` requires when --api-key is not given (a secret
+    kept off the command line, where other users of the machine can read it)."""
+    return (os.environ if environ is None else environ).get(API_KEY_VARIABLE) or None

@@ -20,6 +20,16 @@ COLUMNS = [  # (header, key, format)
 ]
 
 
+SERVER_COLUMNS = [  # a load test's rows (bench --url)
+    ("model", "model", "{}"), ("stage", "stage", "{}"), ("concurrency", "batch", "{}"), ("prompt", "prompt_len", "{}"),
+    ("gen", "gen_len", "{}"), ("requests", "requests", "{}"), ("errors", "errors", "{}"),
+    ("req/s", "requests_s", "{:.2f}"), ("output tok/s", "output_tok_s", "{:,.1f}"),
+    ("TTFT ms p50", "ttft_ms_p50", "{:.1f}"), ("p95", "ttft_ms_p95", "{:.1f}"), ("p99", "ttft_ms_p99", "{:.1f}"),
+    ("ITL ms p50", "itl_ms_p50", "{:.2f}"), ("p95", "itl_ms_p95", "{:.2f}"), ("e2e s p50", "e2e_s_p50", "{:.2f}"),
+    ("p95", "e2e_s_p95", "{:.2f}"),
+]
+
+
 def add_speedups(results: list[dict]) -> None:
     """speedup: decode tok/s against the first measured row of the same batch and prompt length."""
     base: dict[tuple, float] = {}
@@ -44,6 +54,8 @@ def _fmt(value: Any, fmt: str) -> str:
 
 
 def rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    if results and all("concurrency" in r for r in results):
+        return [h for h, _, _ in SERVER_COLUMNS], [[_fmt(r.get(k), f) for _, k, f in SERVER_COLUMNS] for r in results]
     headers = [h for h, _, _ in COLUMNS]
     out = []
     for r in results:
@@ -67,6 +79,11 @@ def row_line(r: dict) -> str:
     where = f"{r['model']} | {r['stage']} | batch {r['batch']}, prompt {r['prompt_len']}"
     if r.get("skipped"):
         return f"{where}: skipped ({r['skipped']})"
+    if "concurrency" in r:
+        fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+        return (f"{where}: {r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s, TTFT p50/p95 "
+                f"{fmt(r['ttft_ms_p50'], '{:.0f}')}/{fmt(r['ttft_ms_p95'], '{:.0f}')} ms, ITL p50 "
+                f"{fmt(r['itl_ms_p50'], '{:.1f}')} ms, {r['errors']} errors")
     return (f"{where}: decode {r['decode_tok_s']:.1f} tok/s ({r['bandwidth_ceiling_frac']:.1%} of the ceiling), "
             f"prefill {r['prefill_tok_s']:.0f} tok/s" + (f", gemv {r['gemv']}" if r.get("gemv") else ""))
 
@@ -75,9 +92,13 @@ def to_markdown(report: dict) -> str:
     headers, body = rows(report["results"])
     env = report["env"]
     cuda = f"CUDA {env['cuda']}, " if env.get("cuda") else ""
-    lines = [f"llamactl {env['llamactl_version']} (commit {env.get('commit')}), torch {env['torch']}, "
-             f"{cuda}{env['device_name']}, {env['dtype']}, copy bandwidth {env['copy_bandwidth_gbs']} GB/s", "",
-             "| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    if env.get("kind") == "load test":
+        lines = [f"llamactl {env['llamactl_version']} (commit {env.get('commit')}), load test of {env['url']} from "
+                 f"{env['host']}, {env['time']}", ""]
+    else:
+        lines = [f"llamactl {env['llamactl_version']} (commit {env.get('commit')}), torch {env['torch']}, "
+                 f"{cuda}{env['device_name']}, {env['dtype']}, copy bandwidth {env['copy_bandwidth_gbs']} GB/s", ""]
+    lines += ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines) + "\n"
 

@@ -516,6 +516,75 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
         assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
 
 
+@pytest.mark.parametrize("min_chunk", [64, 512], ids=["splits", "one-split"])
+def test_decode_attention_reads_each_row_to_its_own_position(min_chunk):
+    """pos: [B]: every row attends to its own cache prefix, and with RoPE each row is rotated at,
+    and writes its new key and value to, its own position (the rows of a served batch)."""
+    from llamactl.model import apply_rope
+
+    torch.manual_seed(6)
+    b, kv, rep, d, max_seq = 3, 2, 4, 64, 300
+    pos = torch.tensor([0, 170, 64], device=DEV)
+    q, k_new, v_new = (torch.randn(b, kv, n, d, device=DEV, dtype=ATTN_DTYPE) for n in (rep, 1, 1))
+    k = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    out = attention.decode_attention(q, k, v, pos, min_chunk)
+    ang = torch.rand(b, d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # [B, D]
+    kc, vc = k.clone(), v.clone()
+    fused = attention.decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kc, vc, cos, sin, pos, min_chunk)
+    for i, p_ in enumerate(pos.tolist()):
+        keys, vals = k[i, :, : p_ + 1].double(), v[i, :, : p_ + 1].double()
+        ref = torch.softmax(q[i].double() @ keys.transpose(-1, -2) / d**0.5, -1) @ vals
+        assert rel(out[i].cpu(), ref.cpu()) < 5e-3, i
+        c, s_ = cos[i].double()[None], sin[i].double()[None]
+        qr, kr = apply_rope(q[i : i + 1].double(), c, s_)[0], apply_rope(k_new[i : i + 1].double(), c, s_)[0, :, 0]
+        assert rel(kc[i, :, p_].cpu(), kr.cpu()) < 2e-3 and torch.equal(vc[i, :, p_], v_new[i, :, 0])
+        keys = kc[i, :, : p_ + 1].double()
+        ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vc[i, :, : p_ + 1].double()
+        assert rel(fused[i].cpu(), ref.cpu()) < 5e-3, i
+    with pytest.raises(ValueError, match="2 positions for 3 rows"):
+        attention.decode_attention(q, k, v, pos[:2])
+
+
+def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_gqa, monkeypatch):
+    """A decode step of rows at different positions (pos [B, 1]) goes through llamactl's attention
+    kernel (RoPE and the cache write folded in) and gives the logits SDPA gives over each row's
+    own prefix."""
+    from llamactl.artifact import open_artifact
+    from llamactl.layers.plan import prepare
+    from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
+
+    model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    torch.manual_seed(3)
+    lens = [3, 9, 5]
+    prompts = [torch.randint(0, 8192, (1, n), device=DEV) for n in lens]
+    tok = torch.randint(0, 8192, (3, 1), device=DEV)
+    pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
+
+    def step():
+        model.setup_caches(3, 32)
+        model.setup_caches(3, 64)  # fresh caches
+        for r, ids in enumerate(prompts):
+            model(ids, torch.arange(ids.shape[1], device=DEV), slot=r)
+        return model(tok, pos)[:, -1]  # [B, V]
+
+    with torch.inference_mode():
+        prepare(model, RuntimeOptions(kernels=False), interpreter=True)
+        ref = step()
+        prepare(model, RuntimeOptions(), interpreter=True)
+        assert model.model.layers[0].self_attn.decode_kernel == "rope"
+        launched = []
+        attend = attention._attend
+        monkeypatch.setattr(attention, "_attend", lambda q, k, v, pos, *a, **kw: launched.append(pos.numel())
+                            or attend(q, k, v, pos, *a, **kw))
+        got = step()
+    assert launched == [3] * len(model.model.layers)  # the kernel ran, with a position per row
+    assert rel(got.cpu(), ref.cpu()) < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.parametrize("regions,swiglu", [(False, "gate_up"), (True, "gate_up"), (False, "down")])
 def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional

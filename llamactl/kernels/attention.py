@@ -4,7 +4,8 @@ One new token attends to cache positions 0..pos. SDPA is given the whole preallo
 mask, so it reads every position up to max_seq, and at batch 1 it has only batch x heads programs
 to spread over the chip. Here the cache is cut into SPLITS chunks, one program per (batch, KV head,
 chunk); chunks past pos exit at once, so a 16K cache holding 300 tokens costs 300 tokens of reads,
-and `pos` is read on the device, so the kernel can sit in a CUDA graph. The query heads of one KV
+and `pos` is read on the device, so the kernel can sit in a CUDA graph. pos is one position for
+every row ([1]) or each row's own ([B]: sequences of different lengths, each read to its own). The query heads of one KV
 head (grouped-query attention) are the rows of one tile, so K/V are read once per KV head. A second
 kernel merges the chunks' partial softmaxes.
 """
@@ -37,8 +38,9 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    # q: [BH, R, D], k/v: [BH, S, D], pos: [1]; acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
+                  HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False):
+    # q: [BH, R, D], k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV at its own; cos/sin
+    # then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
     # one split (SPLITS == 1): the program holds the whole softmax and stores o: [BH, R, D] itself (no merge kernel)
     # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
     # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
@@ -49,7 +51,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    pos = tl.load(pos_ptr).to(tl.int32)
+    row = bh // HKV if ROW_POS else 0
+    pos = tl.load(pos_ptr + row).to(tl.int32)
     n_ctx = pos + 1
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_ctx)
@@ -57,8 +60,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     d = tl.arange(0, D)
     kv_base = bh * S * D
     if ROPE:
-        cos = tl.load(cos_ptr + d)
-        sin = tl.load(sin_ptr + d)
+        cos = tl.load(cos_ptr + row * D + d)
+        sin = tl.load(sin_ptr + row * D + d)
         q = _rope(q_ptr + bh * R * D, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
         if pos // CHUNK == split:  # only this program reads position pos: no other program races it
             one = tl.arange(0, 1)
@@ -149,10 +152,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
     launch = pdl_launch(pdl)
     out = torch.empty_like(q)
+    row_pos = pos.numel() > 1  # one position per row (with one row, the same thing)
+    if row_pos and pos.numel() != b:
+        raise ValueError(f"decode attention: {pos.numel()} positions for {b} rows")
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                num_warps=warps, **launch)
+                                HKV=hkv, ROW_POS=row_pos, num_warps=warps, **launch)
     if splits > 1:
         _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
@@ -161,8 +167,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
 @torch.library.custom_op("llamactl::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, min_chunk: int = MIN_CHUNK,
                      pdl: bool = False) -> torch.Tensor:
-    """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] ->
-    softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
+    """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] (every row) or
+    [B] (each row's own) -> softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
     return _attend(q.contiguous(), k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl)
 
 
@@ -177,8 +183,8 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                           min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
     """One decode step's attention with RoPE and the cache write folded in: q: [B, H_kv, R, D] and
     k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
-    pos), cos/sin: [D] float32 at pos -> [B, H_kv, R, D]. One kernel instead of RoPE, two cache
-    writes and the attention."""
+    pos), cos/sin: [D] float32 at pos: [1], or [B, D] at each row's pos: [B] -> [B, H_kv, R, D]. One
+    kernel instead of RoPE, two cache writes and the attention."""
     rope = (k_new.contiguous(), v_new.contiguous(), cos.float().contiguous(), sin.float().contiguous())
     return _attend(q.contiguous(), k_cache, v_cache, pos, rope, min_chunk, pdl=pdl)
 

@@ -1,0 +1,271 @@
+"""The HTTP API over the engine: OpenAI's POST /v1/completions and /v1/chat/completions (whole or
+streamed as server-sent events), GET /v1/models, /health and /metrics, as a Starlette app.
+
+Each request is read, checked and tokenized on the event loop's side (tokenizing on a worker
+thread), submitted to the engine, and its tokens detokenized as they arrive; the engine's thread
+only steps the model. Every error is an OpenAI-style JSON object with a 4xx or 5xx status, and
+never stops the others: a client that goes away has its request cancelled and its slot freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import json
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
+from llamactl.serve.metrics import Metrics
+from llamactl.serve.protocol import ApiError, Ask, chunk, new_id, parse, usage, whole
+from llamactl.textstream import TextStream
+
+MAX_BODY = 8 << 20  # bytes of a request body
+
+
+class Service:
+    """What the routes share: the engine, the tokenizer (one copy to encode on a worker thread,
+    one to decode on the event loop), the model's name, the API key and the metrics."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, vocab_size: int, api_key: str | None = None):
+        self.engine, self.model_name, self.vocab_size, self.api_key = engine, model_name, vocab_size, api_key
+        self.encoder, self.decoder = tokenizer, copy.deepcopy(tokenizer)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="llamactl-tokenize")
+        self.metrics = Metrics(engine)
+        self.created = int(time.time())
+
+    def encode(self, ask: Ask) -> list[int]:
+        """The prompt's token ids (on the worker thread); ApiError when they cannot be made."""
+        tok = self.encoder
+        if ask.chat:
+            if not getattr(tok, "chat_template", None):
+                raise ApiError(400, "this model has no chat template: send the prompt to /v1/completions", "messages")
+            try:
+                ids = tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # a template is the folder's program: it can fail any way
+                raise ApiError(400, f"the model's chat template failed on these messages ({type(e).__name__}: "
+                               f"{str(e)[:160]})", "messages") from None
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+        if isinstance(ask.prompt, list):
+            bad = next((t for t in ask.prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0 to {self.vocab_size - 1})",
+                               "prompt")
+            return ask.prompt
+        return tok(ask.prompt).input_ids
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "a valid API key is required: send the header Authorization: Bearer KEY",
+                           kind="authentication_error", code="invalid_api_key")
+
+
+class Completion:
+    """One submitted request's tokens -> text pieces, with its stop strings and metrics."""
+
+    def __init__(self, svc: Service, ask: Ask, prompt_tokens: int):
+        self.svc, self.ask, self.prompt_tokens = svc, ask, prompt_tokens
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.tokens = 0
+        self.request = None
+
+    def submit(self, ids: list[int]) -> None:
+        ask, engine, loop = self.ask, self.svc.engine, asyncio.get_running_loop()
+        max_tokens = ask.max_tokens if ask.max_tokens is not None else engine.max_seq - len(ids)
+        why = engine.fits(len(ids), max_tokens)
+        if why:
+            param = "max_tokens" if len(ids) < engine.max_seq else ("messages" if ask.chat else "prompt")
+            raise ApiError(400, why, param, code="context_length_exceeded")
+        seed = ask.seed if ask.seed is not None else secrets.randbits(63)
+        params = Params(max_tokens, ask.temperature, ask.top_p, ask.top_k, seed, ask.ignore_eos)
+        try:
+            self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+        except QueueFull as e:
+            raise ApiError(429, f"the server is full ({e}); retry later", kind="rate_limit_error") from None
+        except Rejected as e:
+            raise ApiError(503, f"the server cannot take requests now: {e}", kind="server_error") from None
+        self.svc.metrics.prompt_tokens.inc(len(ids))
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, None) for each token (text may be empty), then (the last text, finish reason
+        "stop" or "length");
+        raises ApiError when generation failed. Leaving early cancels the request."""
+        m, req = self.svc.metrics, self.request
+        stream, last, reason = TextStream(self.svc.decoder, self.ask.stop), None, "cancelled"
+        try:
+            while True:
+                ev = await self.events.get()
+                if ev.kind == "done":
+                    if ev.reason in ("error", "cancelled"):
+                        reason = ev.reason
+                        raise ApiError(500 if ev.reason == "error" else 503,
+                                       f"generation {'failed: ' + ev.error if ev.error else 'was cancelled (the server is stopping)'}",
+                                       kind="server_error")
+                    reason = "stop" if ev.reason == "stop" else "length"
+                    tail = stream.finish()
+                    reason = "stop" if stream.stopped else reason
+                    yield tail, reason
+                    return
+                self.tokens += 1
+                m.generated_tokens.inc()
+                (m.ttft.observe(ev.time - req.arrived) if last is None else m.itl.observe(ev.time - last))
+                last = ev.time
+                piece = stream.add(ev.token)
+                if stream.stopped:
+                    reason = "stop"
+                    yield piece, "stop"
+                    return
+                yield piece, None  # one chunk a token, as OpenAI streams (text held back: empty)
+        finally:
+            req.cancel()  # a stop string or a client gone: the slot is freed at the next step
+            m.finished.labels(reason).inc()
+            if last is not None:
+                m.e2e.observe(last - req.arrived)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _read_body(request: Request) -> bytes:
+    size = int(request.headers.get("content-length") or 0)
+    if size > MAX_BODY:
+        raise ApiError(413, f"the request body has {size} bytes; the most is {MAX_BODY}")
+    chunks, total = [], 0
+    async for part in request.stream():
+        total += len(part)
+        if total > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+async def _complete(request: Request, chat: bool) -> Response:
+    svc: Service = request.app.state.service
+    try:
+        svc.check_key(request)
+        ask = parse(await _read_body(request), chat, svc.model_name)
+        ids = await asyncio.get_running_loop().run_in_executor(svc.pool, svc.encode, ask)
+        comp = Completion(svc, ask, len(ids))
+        comp.submit(ids)
+    except ApiError as e:
+        svc.metrics.rejected.labels(str(e.status)).inc()
+        return _error(e)
+    rid = new_id(chat)
+    if ask.stream:
+        return StreamingResponse(_events(comp, rid), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _whole(request, comp, rid)
+
+
+async def _events(comp: Completion, rid: str) -> AsyncIterator[str]:
+    """The stream as server-sent events: chunks, an error object if generation failed, the usage
+    chunk when asked for, then [DONE]."""
+    svc, ask, first = comp.svc, comp.ask, True
+    try:
+        async for piece, finish in comp.pieces():
+            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, first))}\n\n"
+            first = False
+    except ApiError as e:
+        yield f"data: {json.dumps(e.body())}\n\n"
+    if ask.include_usage:
+        body = {"id": rid, "object": "chat.completion.chunk" if ask.chat else "text_completion",
+                "created": int(time.time()), "model": svc.model_name, "choices": [],
+                "usage": usage(comp.prompt_tokens, comp.tokens)}
+        yield f"data: {json.dumps(body)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _whole(request: Request, comp: Completion, rid: str) -> Response:
+    async def collect() -> tuple[str, str]:
+        parts, reason = [], "length"
+        async for piece, finish in comp.pieces():
+            parts.append(piece)
+            reason = finish or reason
+        return "".join(parts), reason
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not task.done():  # the client went away: cancel its request (no one reads an answer)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    try:
+        text, reason = task.result()
+    except ApiError as e:
+        return _error(e)
+    return JSONResponse(whole(rid, comp.svc.model_name, comp.ask.chat, text, reason, comp.prompt_tokens, comp.tokens))
+
+
+async def completions(request: Request) -> Response:
+    return await _complete(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _complete(request, chat=True)
+
+
+async def models(request: Request) -> Response:
+    svc: Service = request.app.state.service
+    try:
+        svc.check_key(request)
+    except ApiError as e:
+        return _error(e)
+    return JSONResponse({"object": "list", "data": [{"id": svc.model_name, "object": "model", "created": svc.created,
+                                                     "owned_by": "llamactl", "max_model_len": svc.engine.max_seq}]})
+
+
+async def health(request: Request) -> Response:
+    engine: Engine = request.app.state.service.engine
+    if engine.failure:
+        return JSONResponse({"status": "failed", "error": engine.failure}, status_code=503)
+    return JSONResponse({"status": "ok", "running": engine.running, "waiting": engine.waiting,
+                         "max_batch": engine.max_batch})
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(request.app.state.service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind))
+
+
+def build_app(service: Service) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.engine.stop()  # after uvicorn has let the streams in flight end
+        service.pool.shutdown(wait=False)
+
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    app.state.service = service
+    return app

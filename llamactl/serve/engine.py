@@ -1,0 +1,293 @@
+"""The serving engine: one thread owns the model and its slotted KV cache and runs the step loop.
+
+Requests wait in a bounded first-come queue and join the running batch at a step boundary: a free
+slot of the cache takes the prompt, prefilled in chunks (at most `prefill_chunk` prompt tokens an
+iteration while other rows decode, so a long prompt delays them by one chunk a step). Every row
+then decodes at its own position with its own sampling settings (llamactl.sampling.RowSampling),
+so a request's tokens do not depend on the other rows. A request leaves at EOS, at its token
+limit, or when cancelled (a stop string its caller found, a client gone), freeing its slot.
+
+No tokenizer here: callers tokenize and detokenize on their own threads. Events go back through
+each request's `on_event`, called on the engine's thread. The next steps fit in this loop: a
+paged KV cache replaces the fixed cache row a slot owns (`Request.slot` becomes a block table,
+`_admit` checks free blocks instead of free slots), and speculative decoding replaces
+`_decode_step` with one that proposes and verifies several tokens a row (`_emit` takes each).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from llamactl.decode import Decoder
+from llamactl.options import RuntimeOptions
+from llamactl.sampling import RowSampling
+
+
+@dataclass(frozen=True)
+class Params:
+    """What one request asks for. temperature 0: greedy; top_k 0: off; top_p 1: off."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """kind "token" (a generated token id) or "done" (reason: "stop" at EOS, "length",
+    "cancelled" or "error" with `error`); time: time.perf_counter() when it was emitted."""
+
+    kind: str
+    token: int = -1
+    reason: str = ""
+    time: float = 0.0
+    error: str = ""
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue holds --max-queue requests."""
+
+
+class Rejected(Exception):
+    """The engine cannot take this request (stopping, failed, or it does not fit the context)."""
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    """One sequence in the engine. Its fields change on the engine's thread only."""
+
+    def __init__(self, prompt: list[int], params: Params, on_event: Callable[[Event], None]):
+        self.id = next(_ids)
+        self.prompt, self.params, self.on_event = prompt, params, on_event
+        self.arrived = time.perf_counter()
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens already in the cache
+        self.pos = 0  # the position of the token fed to the next decode step
+        self.generated = 0
+        self.cancelled = False
+        self.finished = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request at its next step boundary (any thread)."""
+        self.cancelled = True
+
+
+class Engine:
+    """The scheduler and step loop over one model. start() runs it on its own thread; submit()
+    from any thread; stop() ends it (requests still in it are cancelled)."""
+
+    def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
+                 max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
+                 prefill_chunk: int = 512):
+        self.device = model.device
+        self.eos_ids = set(eos_ids)
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        ctx = model.args.max_position_embeddings
+        mode = mode or ("graphs" if self.device.type == "cuda" else "eager")
+        self.rows = RowSampling.make([{}] * max_batch, self.device)
+        self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
+        self.max_seq = self.decoder.max_seq
+        self.mode = mode
+        self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
+        self._slots: list[Request | None] = [None] * max_batch
+        self._queue: deque[Request] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.failure: str | None = None  # set when a step failed: the engine then takes nothing
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="llamactl-engine", daemon=True)
+
+    # -- for callers (any thread) --------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def fits(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a prompt of prompt_len tokens and max_tokens new ones do not fit, or None."""
+        if prompt_len < 1:
+            return "the prompt is empty"
+        if prompt_len >= self.max_seq:
+            return f"the prompt has {prompt_len} tokens; this server's context is {self.max_seq}"
+        if prompt_len + max_tokens > self.max_seq:
+            return (f"the prompt's {prompt_len} tokens + max_tokens {max_tokens} exceed this server's context "
+                    f"of {self.max_seq}")
+        return None
+
+    def submit(self, prompt: list[int], params: Params, on_event: Callable[[Event], None]) -> Request:
+        """Queue a request; raises QueueFull, or Rejected when it cannot be taken at all."""
+        why = self.fits(len(prompt), params.max_tokens)
+        if why:
+            raise Rejected(why)
+        req = Request(list(prompt), params, on_event)
+        with self._cv:
+            if self.failure or self._stopping:
+                raise Rejected(f"the engine {'failed: ' + self.failure if self.failure else 'is stopping'}")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{self.max_batch} requests running and {len(self._queue)} waiting")
+            self._queue.append(req)
+            self._cv.notify()
+        return req
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel what is left and end the loop."""
+        with self._cv:
+            self._stopping = True
+            for r in list(self._queue) + [r for r in self._slots if r is not None]:
+                r.cancel()
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One decode step with every row free (captures the CUDA graph before the first request;
+        free rows write position 0, which a prefill overwrites before it is read)."""
+        pos = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
+        self.decoder.step(self._tok, pos, 64)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- the step loop (the engine's thread) ----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iteration():
+                    pass
+        except BaseException as e:  # a failed step breaks the batch: every request gets the error
+            self.failure = f"{type(e).__name__}: {str(e)[:200]}"
+            with self._cv:
+                left = list(self._queue) + [r for r in self._slots if r is not None]
+                self._queue.clear()
+                self._slots = [None] * self.max_batch
+            for r in left:
+                self._finish(r, "error", self.failure)
+
+    def _iteration(self) -> bool:
+        """Admit, drop the cancelled, one prefill budget, one decode step; False when stopped."""
+        with self._cv:
+            while not self._stopping and not self._queue and not any(self._slots):
+                self._cv.wait()
+            if self._stopping and not self._queue and not any(self._slots):
+                return False
+            joined = self._admit()
+        for r in joined:
+            self._set_sampling(r)
+        for r in [r for r in self._slots if r is not None and r.cancelled]:
+            self._release(r, "cancelled")
+        self._prefill()
+        self._decode_step()
+        return True
+
+    def _admit(self) -> list[Request]:
+        # under self._cv: first come, first served, into the free slots
+        joined = []
+        while self._queue:
+            if self._queue[0].cancelled:
+                self._finish(self._queue.popleft(), "cancelled")
+                continue
+            free = next((i for i, r in enumerate(self._slots) if r is None), None)
+            if free is None:
+                break
+            r = self._queue.popleft()
+            r.slot = free
+            self._slots[free] = r
+            joined.append(r)
+        return joined
+
+    def _set_sampling(self, r: Request) -> None:
+        # in place: a captured decode graph reads these same tensors
+        p, i = r.params, r.slot
+        self.rows.temperature[i] = p.temperature
+        self.rows.top_k[i] = p.top_k
+        self.rows.top_p[i] = p.top_p
+        self.rows.seed[i] = p.seed
+
+    def _prefill(self) -> None:
+        """Prefill prompt chunks, first come first, within the budget; with no row decoding there
+        is no one to delay, and every waiting prompt is prefilled."""
+        budget = self.prefill_chunk if any(r is not None and r.decoding for r in self._slots) else None
+        for r in sorted((r for r in self._slots if r is not None and not r.decoding), key=lambda r: r.id):
+            while not r.decoding and (budget is None or budget > 0):
+                n = len(r.prompt) - r.prefilled if budget is None else min(budget, len(r.prompt) - r.prefilled)
+                ids = torch.tensor([r.prompt[r.prefilled : r.prefilled + n]], device=self.device)  # [1, n]
+                tok = self.decoder.prefill(ids, slot=r.slot, start=r.prefilled)  # [1]
+                r.prefilled += n
+                if budget is not None:
+                    budget -= n
+                if r.decoding:
+                    self._tok[r.slot] = tok[0]
+                    r.pos = len(r.prompt)
+                    self._emit(r, int(tok[0]), time.perf_counter())
+            if budget is not None and budget <= 0:
+                break
+
+    def _decode_step(self) -> None:
+        live = [r for r in self._slots if r is not None and r.decoding]
+        if not live:
+            return
+        # A row not decoding steps too (one shape for all steps) at a position whose K/V nothing reads
+        # before it is written again: 0 in a free slot, the next prompt position in a prefilling one.
+        pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots]
+        self.rows.greedy = all(r.params.temperature == 0 for r in self._slots if r is not None)
+        kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)  # eager SDPA: the cache rows in use
+        out = self.decoder.step(self._tok, torch.tensor(pos, device=self.device), kv_len)  # [B]
+        self._tok.copy_(out)
+        tokens = out.tolist()  # the one host read a step
+        now = time.perf_counter()
+        self.steps += 1
+        for r in live:
+            r.pos += 1
+            self._emit(r, tokens[r.slot], now)
+
+    def _emit(self, r: Request, token: int, now: float) -> None:
+        if token in self.eos_ids and not r.params.ignore_eos:
+            self._release(r, "stop")
+            return
+        r.generated += 1
+        self._send(r, Event("token", token=token, time=now))
+        if r.generated >= r.params.max_tokens:
+            self._release(r, "length")
+
+    def _release(self, r: Request, reason: str) -> None:
+        with self._cv:
+            if r.slot is not None and self._slots[r.slot] is r:
+                self._slots[r.slot] = None
+        self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str, error: str = "") -> None:
+        if not r.finished:
+            r.finished = True
+            self._send(r, Event("done", reason=reason, time=time.perf_counter(), error=error))
+
+    @staticmethod
+    def _send(r: Request, ev: Event) -> None:
+        try:
+            r.on_event(ev)
+        except Exception:  # one caller's broken callback must not stop the others' steps
+            r.cancel()

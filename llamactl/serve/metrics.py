@@ -1,0 +1,35 @@
+"""The server's Prometheus metrics, in a registry of its own (not the process-wide default)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds: from a few ms (an H200 decode step) to the tens of seconds a queued request may wait
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0)
+_STEP = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        Gauge("llamactl_requests_running", "Requests in a slot of the batch (prefilling or decoding).",
+              registry=r).set_function(lambda: engine.running)
+        Gauge("llamactl_requests_waiting", "Requests queued for a free slot.", registry=r).set_function(
+            lambda: engine.waiting)
+        Gauge("llamactl_batch_slots", "Slots of the running batch (--max-batch).", registry=r).set(engine.max_batch)
+        self.prompt_tokens = Counter("llamactl_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generated_tokens = Counter("llamactl_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("llamactl_requests_finished", "Requests ended, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("llamactl_requests_rejected", "Requests answered with an error before running.",
+                                ["status"], registry=r)
+        self.ttft = Histogram("llamactl_time_to_first_token_seconds", "Arrival to the first token.",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("llamactl_inter_token_latency_seconds", "Time between a request's tokens.",
+                             buckets=_STEP, registry=r)
+        self.e2e = Histogram("llamactl_request_latency_seconds", "Arrival to the last token.", buckets=_LATENCY,
+                             registry=r)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,215 @@
+"""OpenAI's completion and chat-completion requests -> checked values; responses and stream chunks.
+
+Field names and defaults follow OpenAI's API (temperature 1, top_p 1, max_tokens 16 for
+completions and the rest of the context for chat), with top_k and ignore_eos as vLLM and
+llama.cpp's servers take them. A bad field is an ApiError naming it, answered as a 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
+SEED_MOD = 2**63
+
+
+class ApiError(Exception):
+    """An answer other than 200: status, OpenAI's error object (message, type, param, code)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Ask:
+    """A checked request: the prompt (text, token ids or chat messages) and the settings."""
+
+    chat: bool
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None  # None: the rest of the context (chat), else given or 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"{name} must be a number, not {type(v).__name__}", name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(400, f"{name} {v} is out of range: use {'more than' if lo_open else 'from'} {lo} to {hi}", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"{name} must be an integer, not {type(v).__name__}", name)
+    if v < lo or (hi is not None and v > hi):
+        raise ApiError(400, f"{name} {v} is out of range: use {lo} or more" + (f", up to {hi}" if hi else ""), name)
+    return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{name} must be true or false, not {type(v).__name__}", name)
+    return v
+
+
+def _unsupported(body: dict) -> None:
+    """Fields llamactl does not implement: refused when they would change the answer."""
+    checks = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
+              "echo": lambda v: bool(v), "logprobs": lambda v: v not in (None, False, 0),
+              "top_logprobs": lambda v: v not in (None, 0), "logit_bias": lambda v: bool(v),
+              "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
+              "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
+                  None, {"type": "text"})}
+    for name, bad in checks.items():
+        try:
+            refused = bad(body.get(name))
+        except TypeError:
+            refused = True
+        if refused:
+            raise ApiError(400, f"{name} is not supported by this server", name)
+
+
+def _messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"{where} must be an object with a string role", where)
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ApiError(400, f"{where}.content[{j}]: only text parts are supported", f"{where}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(v: Any) -> str | list[int]:
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        if not v:
+            raise ApiError(400, "prompt is empty", "prompt")
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return list(v)
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+        raise ApiError(400, "several prompts in one request are not supported: send one request each", "prompt")
+    raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
+
+
+def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
+    """A request body -> Ask; raises ApiError (400, 404 for another model's name)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "model must be a string", "model")
+    if model not in (None, "", model_name):
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+                       code="model_not_found")
+    _unsupported(body)
+    ask = Ask(chat=chat)
+    if chat:
+        if "messages" not in body:
+            raise ApiError(400, "messages is required", "messages")
+        ask.messages = _messages(body["messages"])
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "prompt is required", "prompt")
+        ask.prompt = _prompt(body["prompt"])
+        limit, name = body.get("max_tokens"), "max_tokens"
+    ask.max_tokens = _integer({name: limit}, name, 1)
+    if ask.max_tokens is None and not chat:
+        ask.max_tokens = 16
+    ask.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    ask.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = _integer(body, "top_k", -1)
+    ask.top_k = 0 if top_k is None or top_k == -1 else top_k  # -1 and 0: off, as in vLLM and llama.cpp
+    seed = _integer(body, "seed", -(2**63), 2**64 - 1)
+    ask.seed = None if seed is None else seed % SEED_MOD
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)
+                             or len(stop) > MAX_STOP):
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP} strings", "stop")
+    ask.stop = [s for s in (stop or []) if s]
+    ask.stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+        ask.include_usage = _flag(opts, "include_usage")
+    ask.ignore_eos = _flag(body, "ignore_eos")
+    return ask
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
+    """One server-sent event's object of a stream."""
+    if chat:
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+
+
+def whole(rid: str, model: str, chat: bool, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The response to a request without stream."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}

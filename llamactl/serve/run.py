@@ -1,0 +1,97 @@
+"""`llamactl serve` from start to stop: load, build the engine and the app, bind, serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from llamactl.errors import InputError
+from llamactl.options import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_queue: int = 64
+    max_seq: int | None = None  # None: the model's context, at most DEFAULT_MAX_SEQ
+    prefill_chunk: int = 512
+    drain_s: float = 30.0
+    api_key: str | None = None
+    model_name: str | None = None  # None: the model folder's name
+
+
+DEFAULT_MAX_SEQ = 4096  # cache positions a slot holds by default: memory grows with max_batch x this
+
+
+def check_libraries() -> None:
+    """InputError naming the missing package when the serving libraries are not installed."""
+    from importlib.util import find_spec
+
+    missing = [name for name, mod in (("starlette", "starlette"), ("uvicorn", "uvicorn"),
+                                      ("prometheus-client", "prometheus_client")) if find_spec(mod) is None]
+    if missing:
+        raise InputError(f"serving needs {', '.join(missing)}, which is not installed",
+                         "pip install 'llamactl[serve]'")
+
+
+def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: RuntimeOptions):
+    """(name, model, tokenizer, eos ids, device) for random weights of a named shape: the embedded
+    model's tokenizer writes the prompts (its ids fit every shape's vocabulary), no EOS."""
+    from llamactl.artifact import open_artifact, resolve_model_path
+    from llamactl.bench_targets import load_targets
+    from llamactl.checkpoint import load_tokenizer
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    target = load_targets([], shape, dev, dtype, quant, None, options)[0]
+    tok = load_tokenizer(open_artifact(resolve_model_path(None)))
+    return target.label.replace(":", "-"), target.model, tok, set(), dev
+
+
+def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
+        serve: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None],
+        synthetic: str | None = None, synthetic_quant: str | None = None) -> str | None:
+    """Serve until SIGTERM or Ctrl-C; returns the signal's name. synthetic: random weights of
+    that shape instead of `model` (load tests)."""
+    from llamactl.generate import eos_ids
+    from llamactl.load import load
+    from llamactl.serve.api import Service, build_app
+    from llamactl.serve.engine import Engine
+    from llamactl.serve.server import bind, serve as serve_app
+
+    check_libraries()
+    sock = bind(serve.host, serve.port)  # before loading: a busy port fails at once
+    try:
+        if synthetic:
+            label, m, tok, eos, dev = _synthetic(synthetic, synthetic_quant, device, dtype, options)
+        else:
+            art, m, tok, dev = load(model, device, dtype, allow_pickle, options)
+            label, eos = art.path.name, eos_ids(m, tok, art)
+        ctx = m.args.max_position_embeddings
+        if serve.max_seq is not None and serve.max_seq > ctx:
+            raise InputError(f"--max-seq {serve.max_seq} is longer than the model's context ({ctx})",
+                             f"use --max-seq {ctx} or less")
+        engine = Engine(m, eos, serve.max_batch, serve.max_queue,
+                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), options=options, prefill_chunk=serve.prefill_chunk)
+        for w in engine.decoder.plan.warnings:
+            warn(w)
+        engine.warm_up()
+        name = serve.model_name or label
+        app = build_app(Service(engine.start(), tok, name, m.args.vocab_size, serve.api_key))
+        cache = engine.max_batch * engine.max_seq * sum(
+            l.self_attn.kv_cache.k.element_size() * l.self_attn.kv_cache.k[0, :, 0].numel() * 2 for l in m.model.layers)
+
+        def ready(url: str) -> None:
+            from llamactl.ui import human_bytes
+
+            log(f"serving {name} on {url} ({dev}, {str(m.dtype).replace('torch.', '')}, {engine.mode}, gemv "
+                f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
+                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}"
+                + (", API key required" if serve.api_key else ""))
+
+        stopped_by = serve_app(app, sock, serve.drain_s, ready)
+    finally:
+        sock.close()
+    return stopped_by

@@ -1,0 +1,420 @@
+"""`llamactl serve`: the engine on its own, then real server processes on 127.0.0.1 through real
+sockets (the embedded trained model, CPU float32), and the load-test client against one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from llamactl import generate as gen  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Hello", "In 1905, Albert Einstein",
+           "A list of fruits: apple,", "The quick brown fox", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from llamactl.load import load
+
+    art, model, tok, _ = load(None, "cpu", "float32")
+    return art, model, tok
+
+
+def reference(embedded, prompt: str, n: int) -> str:
+    """What `llamactl generate --temperature 0 -n N` prints for the prompt (the same core)."""
+    art, model, tok = embedded
+    events = gen.generate(model, tok, tok(prompt).input_ids, n, gen.Sampling(temperature=0), gen.eos_ids(model, tok, art))
+    return next(e for e in events if isinstance(e, gen.Result)).text
+
+
+# -- the engine, no HTTP ---------------------------------------------------------------------------
+
+def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512):
+    """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason)."""
+    from llamactl.serve.engine import Engine
+
+    eng = Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk).start()
+    out = [([], None) for _ in requests]
+
+    def cb(i):
+        def on(ev):
+            if ev.kind == "token":
+                out[i][0].append(ev.token)
+            else:
+                out[i] = (out[i][0], ev.reason)
+        return on
+
+    reqs = [eng.submit(ids, p, cb(i)) for i, (ids, p) in enumerate(requests)]
+    deadline = time.time() + 120
+    while not all(r.finished for r in reqs) and time.time() < deadline:
+        time.sleep(0.01)
+    eng.stop()
+    return out
+
+
+def test_engine_rows_give_the_tokens_they_give_alone(embedded):
+    """Rows of different prompt lengths, greedy and sampled with seeds, joining a batch in chunks
+    of 4 prompt tokens, each produce exactly the tokens they produce alone (CPU float32)."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    reqs = [(tok(p).input_ids, Params(max_tokens=6 + 2 * i, temperature=0.0 if i % 2 == 0 else 0.9,
+                                      top_k=0 if i % 3 else 40, top_p=1.0 if i % 4 else 0.9, seed=i))
+            for i, p in enumerate(PROMPTS[:6])]
+    together = _run_engine(model, eos, reqs, max_batch=3, prefill_chunk=4)  # 6 requests, 3 slots: some wait
+    for i, r in enumerate(reqs):
+        alone = _run_engine(model, eos, [r], max_batch=3)[0]
+        assert together[i] == alone, (i, together[i], alone)
+        assert alone[1] in ("length", "stop") and len(alone[0]) <= r[1].max_tokens
+    for i in (0, 2, 4):  # greedy rows: the text `llamactl generate` prints
+        assert tok.decode(together[i][0], skip_special_tokens=True) == reference(embedded, PROMPTS[i], reqs[i][1].max_tokens)
+    sampled = _run_engine(model, eos, [(reqs[1][0], Params(max_tokens=7, temperature=0.9, seed=12345))])[0]
+    assert sampled != together[1]  # another seed, other tokens
+
+
+def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
+    from llamactl.serve.engine import Engine, Params, QueueFull, Rejected
+
+    art, model, tok = embedded
+    eng = Engine(model, set(), max_batch=1, max_queue=1, max_seq=64)  # not started: nothing leaves the queue
+    with pytest.raises(Rejected, match="exceed this server's context of 64"):
+        eng.submit([1] * 10, Params(max_tokens=60), lambda ev: None)
+    with pytest.raises(Rejected, match="the prompt has 64 tokens"):
+        eng.submit([1] * 64, Params(max_tokens=1), lambda ev: None)
+    eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+    with pytest.raises(QueueFull):
+        eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+
+
+def test_text_stream_holds_back_a_stop_string_and_cuts_before_it():
+    from llamactl.textstream import TextStream
+
+    class Chars:  # one character a token
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    s = TextStream(Chars(), ["END", "\n\n"])
+    out = "".join(s.add(ord(c)) for c in "abc EN")
+    assert out == "abc " and not s.stopped  # "EN" may begin END: held back
+    out += "".join(s.add(ord(c)) for c in "D more")
+    assert out == "abc " and s.stopped and s.text == "abc "
+    s = TextStream(Chars(), ["END"])
+    assert "".join(s.add(ord(c)) for c in "xEN") + s.finish() == "xEN"  # the end releases what was held
+
+
+# -- real server processes -------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, args: list[str], env: dict | None = None):
+        cmd = [sys.executable, "-m", "llamactl", "serve", "--port", "0", "--device", "cpu", *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if " on http://" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(300)
+        line = next((l for l in self.lines if " on http://" in l), None)
+        assert line, "".join(self.lines)
+        self.url = line.split(" on ")[1].split()[0]
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(["--max-batch", "4", "--max-queue", "8", "--max-seq", "256"])
+    yield s
+    assert s.stop() == 0
+
+
+def _stream(client, path: str, body: dict) -> tuple[list[dict], str]:
+    """A streamed request -> (its event objects, the text they carry)."""
+    events, text = [], ""
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                if line == "data: [DONE]":
+                    events.append("[DONE]")
+                    break
+                ev = json.loads(line[6:])
+                events.append(ev)
+                for c in ev.get("choices", []):
+                    text += c.get("text") or c.get("delta", {}).get("content") or ""
+    return events, text
+
+
+def test_health_models_and_a_completion(server):
+    c = server.client
+    assert c.get("/health").json()["status"] == "ok"
+    models = c.get("/v1/models").json()
+    name = models["data"][0]["id"]
+    assert name == "docs-llama-17m" and models["data"][0]["max_model_len"] == 256
+    r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == len(gen.encode_prompt(_tok(), PROMPTS[0], False)[0])
+
+
+def _tok():
+    from llamactl.artifact import open_artifact, resolve_model_path
+    from llamactl.checkpoint import load_tokenizer
+
+    return load_tokenizer(open_artifact(resolve_model_path(None)))
+
+
+def test_eight_concurrent_requests_streamed_and_whole_equal_generate(server, embedded):
+    """Eight at once into 4 slots (some wait), of different lengths; streamed and whole; greedy ones
+    equal `llamactl generate`'s text, seeded sampled ones repeat themselves."""
+    c = server.client
+
+    def one(i):
+        body = {"prompt": PROMPTS[i], "max_tokens": 4 + 3 * i, "temperature": 0 if i < 6 else 0.8, "seed": 7}
+        if i % 2:
+            events, text = _stream(c, "/v1/completions", body)
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+            return text
+        return c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, range(8)))
+    for i in range(6):
+        assert texts[i] == reference(embedded, PROMPTS[i], 4 + 3 * i), i
+    with ThreadPoolExecutor(2) as pool:
+        again = list(pool.map(one, [6, 7]))
+    assert again == texts[6:]
+
+
+def test_a_request_joins_while_another_decodes(server, embedded):
+    c = server.client
+    first_text: list[str] = []
+
+    def long():
+        first_text.append(_stream(c, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 120, "temperature": 0,
+                                                         "ignore_eos": True})[1])
+
+    t = threading.Thread(target=long)
+    t.start()
+    deadline = time.time() + 60
+    while c.get("/health").json()["running"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    r = c.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0}).json()
+    joined_while_running = t.is_alive()
+    t.join()
+    assert joined_while_running
+    assert r["choices"][0]["text"] == reference(embedded, PROMPTS[2], 8)
+    events = gen.generate(embedded[1], embedded[2], embedded[2](PROMPTS[1]).input_ids, 120, gen.Sampling(temperature=0),
+                          set(), True)
+    assert first_text[0] == next(e for e in events if isinstance(e, gen.Result)).text
+
+
+def test_stop_strings_usage_chunk_and_the_chat_without_a_template(server, embedded):
+    c = server.client
+    full = reference(embedded, PROMPTS[0], 12)
+    stop = full[3:6]
+    r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == full[: full.index(stop)] and r["choices"][0]["finish_reason"] == "stop"
+    events, text = _stream(c, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                                                  "stop": stop, "stream_options": {"include_usage": True}})
+    assert text == full[: full.index(stop)]
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] <= 12
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "chat template" in r.text
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": 3}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"prompt": "word " * 300}, 400, "prompt"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "temperature": True}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "stop": [1]}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": [5, 99999]}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+])
+def test_bad_requests_get_a_4xx_json_error_naming_the_field(server, body, status, param):
+    c = server.client
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = c.post("/v1/completions", **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    assert c.get("/health").json()["status"] == "ok"  # and the server keeps serving
+
+
+def test_unknown_routes_and_methods_are_json_errors(server):
+    assert server.client.get("/v2/nothing").json()["error"]["type"] == "not_found_error"
+    r = server.client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_metrics_are_prometheus_text(server):
+    server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+    text = server.client.get("/metrics").text
+    for name in ("llamactl_requests_running", "llamactl_requests_waiting", "llamactl_generation_tokens_total",
+                 "llamactl_time_to_first_token_seconds_bucket", "llamactl_inter_token_latency_seconds_count",
+                 'llamactl_requests_finished_total{finish_reason="length"}', 'llamactl_requests_rejected_total{status="400"}'):
+        assert name in text, name
+
+
+def test_the_load_test_client_against_the_server(server, tmp_path):
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--concurrency", "1,3",
+                        "--requests", "3", "--prompt-len", "12", "--gen-len", "6", "--format", "json", "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["env"]["kind"] == "load test" and result["env"]["url"] == server.url
+    rows = result["results"]
+    assert [row["concurrency"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["errors"] == 0 and row["requests"] == 3
+        assert row["output_tokens_mean"] == 6 and row["output_tok_s"] > 0 and row["decode_tok_s"] == row["output_tok_s"]
+        assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p95"] <= row["ttft_ms_p99"]
+        assert row["itl_ms_p50"] > 0 and row["e2e_s_p50"] > 0 and row["prompt_tokens_mean"] >= 12
+    from llamactl.report import compare, load_report
+
+    diffs, _ = compare(load_report(out), load_report(out), 0.05)  # --compare gates load tests too
+    assert len(diffs) == 2
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """A tiny random model with a 4096-token context (requests that run for seconds) and a chat template."""
+    from conftest import make_hf_model
+
+    folder = make_hf_model(tmp_path_factory.mktemp("long") / "tiny-chat", kv_heads=2, max_pos=4096)
+    cfg = folder / "tokenizer_config.json"
+    data = json.loads(cfg.read_text())
+    data["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    cfg.write_text(json.dumps(data))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_server(long_model):
+    """One slot, one queue place, an API key from the environment."""
+    s = Server([str(long_model), "--max-batch", "1", "--max-queue", "1"], env={"LLAMACTL_API_KEY": "k3y"})
+    s.client.headers["Authorization"] = "Bearer k3y"
+    yield s
+    s.stop()
+
+
+def test_the_api_key_is_required(small_server):
+    anon = httpx.Client(base_url=small_server.url, timeout=30)
+    r = anon.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert anon.get("/health").status_code == 200  # health and metrics stay open, as in vLLM
+    assert small_server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_chat_completions_use_the_template(small_server):
+    c = small_server.client
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                             "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant" and body["usage"]["completion_tokens"] <= 4
+    events, _ = _stream(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
+def _running(c) -> int:
+    return c.get("/health").json()["running"]
+
+
+def test_a_full_queue_is_429_at_once_and_a_disconnect_frees_the_slot(small_server):
+    c = small_server.client
+    long = {"prompt": [5] * 8, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    holder = httpx.Client(base_url=small_server.url, timeout=60, headers=c.headers)
+    with holder.stream("POST", "/v1/completions", json=long) as first:  # takes the one slot
+        lines = first.iter_lines()  # (kept: a dropped iterator closes the stream)
+        next(lines)
+        waiter = threading.Thread(target=lambda: c.post("/v1/completions", json={**long, "stream": False,
+                                                                                 "max_tokens": 3}))
+        waiter.start()  # takes the one queue place
+        deadline = time.time() + 30
+        while c.get("/health").json()["waiting"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        t0 = time.time()
+        r = httpx.post(small_server.url + "/v1/completions", json={"prompt": "x"}, headers=c.headers, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error" and time.time() - t0 < 5
+    holder.close()  # the client goes away mid-stream: its request is cancelled, the waiter runs
+    waiter.join(60)
+    assert not waiter.is_alive()
+    deadline = time.time() + 30
+    while _running(c) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _running(c) == 0
+    assert 'finish_reason="cancelled"' in c.get("/metrics").text
+
+
+def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
+    s = Server([str(long_model), "--max-batch", "2", "--max-seq", "1024"])
+    got: list = []
+
+    def stream():
+        got.append(_stream(s.client, "/v1/completions", {"prompt": [5] * 4, "max_tokens": 600, "ignore_eos": True}))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.time() + 30
+    while _running(s.client) == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    assert s.proc.wait(60) == 0
+    events, _ = got[0]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert "stopped (SIGTERM)" in "".join(s.lines)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health", timeout=5)
+
+
+def test_a_busy_port_is_one_line(server):
+    port = server.url.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-m", "llamactl", "serve", "--port", port, "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in r.stderr and "Traceback" not in r.stderr
