@@ -650,7 +650,8 @@ def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_q
         if serve_model:
             from llamactl.serve.spawn import spawned
 
-            with spawned(serve_model, max(load.concurrency), device, dtype, synthetic, synthetic_quant,
+            room = 2 * load.prompt_len + load.gen_len  # a word may be more than one token
+            with spawned(serve_model, max(load.concurrency), room, device, dtype, synthetic, synthetic_quant,
                          load.api_key, ui.log) as url:
                 load.url = url
                 result = loadtest.run(load, measured)

@@ -102,7 +102,7 @@ class Decoder:
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
         self.use_graph = self.use_graph and self.device.type == "cuda"
-        # per kind of position ("shared": [1], "rows": [B, 1]): static inputs, graph, static output
+        # per (kind of position ("shared": [1], "rows": [B, 1]), rows): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
@@ -142,10 +142,14 @@ class Decoder:
     @torch.inference_mode()
     def step(self, tok: torch.Tensor, pos: int | torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """tok: [B] at position pos (an int: every row there), or at positions pos: [B] (each row
-        at its own, on the device) -> the next token [B]. kv_len: every position is below it, so
-        an eager step's SDPA reads only that much of the cache (ignored by graphs and compile)."""
+        at its own, on the device) -> the next token [B]. With positions, B may be fewer than the
+        cache's rows: the step runs on cache rows 0..B-1 alone (a batch bucket: one CUDA graph per
+        B). kv_len: every position is below it, so an eager step's SDPA reads only that much of
+        the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
-        kind = "rows" if rows else "shared"
+        kind = ("rows", tok.numel()) if rows else ("shared", tok.numel())  # a graph per batch bucket
+        if rows and not 0 < tok.numel() <= self.batch:
+            raise ValueError(f"{tok.numel()} rows for a cache of {self.batch}")
         if not self.use_graph or kind not in self._graphs:
             pos_t = pos.view(-1, 1) if rows else torch.tensor([pos], device=self.device)  # [B, 1] or [1]
             if not self.use_graph:
@@ -160,7 +164,7 @@ class Decoder:
         graph.replay()
         return out
 
-    def _capture(self, kind: str, tok: torch.Tensor, pos: torch.Tensor) -> None:
+    def _capture(self, kind: tuple, tok: torch.Tensor, pos: torch.Tensor) -> None:
         # Warm up on a side stream (compilation, cuBLAS handles), then capture one step. The
         # warm-up steps run this step's own token and position: they write the K/V the step
         # writes, so the cache is as if they had not run.
@@ -172,6 +176,7 @@ class Decoder:
                 self._step(static_tok, static_pos)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        first = next(iter(self._graphs.values()), None)  # the graphs share one memory pool
+        with torch.cuda.graph(graph, pool=first[2].pool() if first else None):
             out = self._step(static_tok, static_pos)
         self._graphs[kind] = (static_tok, static_pos, graph, out)

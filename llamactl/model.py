@@ -83,8 +83,12 @@ class KVCache(nn.Module):
         """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
         row at the same positions) or [B, S] (each row at its own); slot: write and read only
         cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch)."""
-        # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D]
-        ck, cv = (self.k, self.v) if slot is None else (self.k[slot : slot + 1], self.v[slot : slot + 1])
+        # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D] (rows 0..B-1 where B is fewer)
+        b = k.shape[0]
+        if slot is not None:
+            ck, cv = self.k[slot : slot + 1], self.v[slot : slot + 1]
+        else:
+            ck, cv = (self.k, self.v) if b == self.k.shape[0] else (self.k[:b], self.v[:b])
         if input_pos.dim() == 1:
             ck.index_copy_(2, input_pos, k)
             cv.index_copy_(2, input_pos, v)
@@ -131,9 +135,10 @@ class Attention(nn.Module):
             # one token, one kernel: RoPE, the cache write at input_pos, and attention over the cache
             # up to input_pos, with the query heads of a KV head as one tile
             c, d = self.kv_cache, self.head_dim
+            ck, cv = (c.k, c.v) if b == c.k.shape[0] else (c.k[:b], c.v[:b])  # a bucket: cache rows 0..B-1
             rows = input_pos.dim() == 2  # cos/sin [B, 1, D] at input_pos [B, 1], else [1, D] at [1]
             y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
-                                      v.reshape(b, self.n_kv_heads, d), c.k, c.v, cos[:, 0] if rows else cos[0],
+                                      v.reshape(b, self.n_kv_heads, d), ck, cv, cos[:, 0] if rows else cos[0],
                                       sin[:, 0] if rows else sin[0], input_pos.view(-1), self.attn_min_chunk,
                                       self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual)

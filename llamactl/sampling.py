@@ -53,12 +53,13 @@ class RowSampling:
                    col("seed", 0, torch.long))
 
     def sample(self, logits: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """logits: [B, V] for rows `rows` ([B] indexes of the settings; None: all in order), the
+        """logits: [B, V] for rows `rows` ([B] indexes of the settings; None: the first B), the
         token each row draws at positions pos: [B] (where the drawn token will sit) -> [B]."""
         if rows is not None:
             t, k, p, seed = self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows]
-        else:
-            t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        else:  # the first rows (a batch bucket may be fewer than the settings)
+            n = logits.shape[0]
+            t, k, p, seed = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n]
         v = logits.shape[-1]
         x = logits.float() / t.clamp(min=1e-6)[:, None]  # [B, V]
         ordered, order = torch.sort(x, dim=-1, descending=True)  # [B, V]

@@ -180,3 +180,27 @@ def _batched(model, prompts, n):
         toks = dec.step(toks, pos).clone()
         pos = pos + 1
     return got
+
+
+def test_a_batch_bucket_steps_the_first_rows_alone(tiny_gqa):
+    """step() with fewer rows than the cache (a bucket) runs cache rows 0..b-1 only: their tokens
+    are those of the full step, and the rows above keep their cache."""
+    import torch
+
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313), torch.arange(7, 11)]
+    with torch.inference_mode():
+        dec = Decoder(model, 4, 40)
+        toks = torch.cat([dec.prefill(p.view(1, -1), slot=r) for r, p in enumerate(prompts)])
+        pos = torch.tensor([p.numel() for p in prompts])
+        above = model.model.layers[0].self_attn.kv_cache.k[2:].clone()
+        part = dec.step(toks[:2], pos[:2]).clone()
+        assert torch.equal(model.model.layers[0].self_attn.kv_cache.k[2:], above)
+        full = dec.step(toks, pos)  # rewrites rows 0-1 at the same positions
+    assert part.shape == (2,) and torch.equal(part, full[:2])
+    with pytest.raises(ValueError, match="5 rows for a cache of 4"):
+        dec.step(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long))

@@ -104,6 +104,9 @@ class Engine:
         self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
         self.max_seq = self.decoder.max_seq
         self.mode = mode
+        # the decode step runs on slots 0..b-1 for the smallest bucket b holding every decoding row
+        # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
+        self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self._slots: list[Request | None] = [None] * max_batch
         self._queue: deque[Request] = deque()
@@ -165,10 +168,10 @@ class Engine:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """One decode step with every row free (captures the CUDA graph before the first request;
-        free rows write position 0, which a prefill overwrites before it is read)."""
-        pos = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
-        self.decoder.step(self._tok, pos, 64)
+        """One decode step per batch bucket with every row free (captures the CUDA graphs before
+        the first request; free rows write position 0, which a prefill overwrites before it is read)."""
+        for b in self.buckets:
+            self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -253,11 +256,12 @@ class Engine:
             return
         # A row not decoding steps too (one shape for all steps) at a position whose K/V nothing reads
         # before it is written again: 0 in a free slot, the next prompt position in a prefilling one.
-        pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots]
-        self.rows.greedy = all(r.params.temperature == 0 for r in self._slots if r is not None)
+        b = next(b for b in self.buckets if b > max(r.slot for r in live))
+        pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots[:b]]
+        self.rows.greedy = all(r.params.temperature == 0 for r in self._slots[:b] if r is not None)
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)  # eager SDPA: the cache rows in use
-        out = self.decoder.step(self._tok, torch.tensor(pos, device=self.device), kv_len)  # [B]
-        self._tok.copy_(out)
+        out = self.decoder.step(self._tok[:b], torch.tensor(pos, device=self.device), kv_len)  # [b]
+        self._tok[:b].copy_(out)
         tokens = out.tolist()  # the one host read a step
         now = time.perf_counter()
         self.steps += 1

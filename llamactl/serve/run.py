@@ -47,7 +47,7 @@ def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: 
     dev = resolve_device(device)
     target = load_targets([], shape, dev, dtype, quant, None, options)[0]
     tok = load_tokenizer(open_artifact(resolve_model_path(None)))
-    return target.label.replace(":", "-"), target.model, tok, set(), dev
+    return target.label.replace(":", "-").replace(" ", "-"), target.model, tok, set(), dev
 
 
 def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
