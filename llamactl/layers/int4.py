@@ -149,8 +149,9 @@ def use_int4_kernels(model, group_size: int, triton: bool) -> int:
 class TritonInt4Linear(nn.Module, FusedIO):
     """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
-    Single rows run the int4 GEMV (reads 4 bits a weight); longer inputs (prefill) dequantize the
-    layer to 16 bits with a Triton kernel and use cuBLAS.
+    Single rows run the int4 GEMV (reads 4 bits a weight), a decode batch (2 to 64 rows) the
+    multi-row kernel (kernels.multirow: the weights read once for all rows), longer inputs
+    (prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
     """
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
@@ -195,6 +196,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         from llamactl.kernels.gemv import dequantize_int4, gemv_int4
+        from llamactl.kernels.multirow import MAX_ROWS, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
@@ -204,9 +206,11 @@ class TritonInt4Linear(nn.Module, FusedIO):
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
-        if x2.shape[0] <= 8:  # decode: one GEMV per row still reads far fewer bytes than dequantizing
-            y = torch.stack([gemv_int4(row.contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
-                                       inputs=self.inputs, pdl=self.pdl, pins=self.pins) for row in x2])
+        if x2.shape[0] == 1:  # an act-order row
+            y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
+                          inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
+        elif x2.shape[0] <= MAX_ROWS:  # a decode batch: every weight read once for all rows
+            y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
         else:
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:

@@ -1,6 +1,7 @@
 """int8 weight-only layers through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
 
-Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead.
+Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead, and a
+decode batch of up to 64 rows through its multi-row kernel (kernels.multirow).
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
@@ -75,7 +76,13 @@ class Int8Kernel(nn.Module, FusedIO):
             return y if self.bias is None else y + self.bias.to(y.dtype)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
-        if torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
+        from llamactl.kernels.multirow import MAX_ROWS
+
+        if self.triton and x2.shape[0] <= MAX_ROWS:  # a decode batch: the weights read once for all rows
+            from llamactl.kernels.multirow import multirow_mm
+
+            y = multirow_mm(x2, self.weight, self.scales)
+        elif torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # prefill on CUDA: dequantize the layer for cuBLAS
             y = torch.nn.functional.linear(x2, self.weight.to(torch.bfloat16)) * self.scales
