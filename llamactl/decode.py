@@ -121,21 +121,26 @@ class Decoder:
         return {"gemv": self.plan.label, "decode_attention": self.plan.attention_label}
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, slot: int | None = None, start: int = 0) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, slot: int | None = None, start: int = 0,
+                valid: int | None = None) -> torch.Tensor:
         """ids: [B, S] at positions start.. start+S-1 -> the next token [B] (the K/V are written to
         the cache; a prompt in chunks is prefilled chunk by chunk, each one's `start` where the last
-        ended); with `slot`, ids: [1, S] is one sequence written into cache row `slot` alone."""
+        ended); with `slot`, ids: [1, S] is one sequence written into cache row `slot` alone.
+        valid: only the first `valid` tokens are the prompt's, the rest padding (fewer distinct
+        shapes for the GPU libraries to plan); the next token follows token valid - 1, and the
+        padding's K/V, past it, are overwritten before anything reads them."""
         s = ids.shape[1]
+        n = s if valid is None else valid
         if slot is not None and not (ids.shape[0] == 1 and 0 <= slot < self.batch):
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
         if not 0 <= start <= self.max_seq - s:
             raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
         logits = self.model(ids, torch.arange(start, start + s, device=self.device), last_only=True, slot=slot,
-                            kv_len=start + s)
+                            kv_len=start + s, last_at=None if valid is None else valid - 1)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
         if self.rows is None:
             return self.sample(logits[:, -1])
-        drawn_at = torch.full((ids.shape[0],), start + s, dtype=torch.long, device=self.device)
+        drawn_at = torch.full((ids.shape[0],), start + n, dtype=torch.long, device=self.device)
         which = None if slot is None else torch.tensor([slot], device=self.device)
         return self.rows.sample(logits[:, -1], drawn_at, which)
 

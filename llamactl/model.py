@@ -315,12 +315,14 @@ class LlamaModel(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)  # [max_seq, max_seq]
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
-                slot: int | None = None, kv_len: int | None = None) -> torch.Tensor:
+                slot: int | None = None, kv_len: int | None = None, last_at: int | None = None) -> torch.Tensor:
         """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
         own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
         cache row `slot` alone (it joins while the other rows keep theirs). kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
-        on the host, so for eager calls, not a captured step). Returns logits [B, S or 1, vocab]."""
+        on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
+        of position last_at of idx instead of its last (a prompt padded to a common length).
+        Returns logits [B, S or 1, vocab]."""
         if input_pos.dim() == 1:
             mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
         else:
@@ -332,5 +334,5 @@ class LlamaModel(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, input_pos, slot)
         if last_only:
-            x = x[:, -1:]
+            x = x[:, -1:] if last_at is None else x[:, last_at : last_at + 1]
         return self.lm_head(self.model.norm(x))

@@ -2,8 +2,7 @@
 
 Usage: python scripts/multirow_probe.py OUT.json. For each shape (N, K) and rows M: cuBLAS (bf16),
 llamactl's multirow kernel for bf16, int8 and int4 g128, M batch-1 GEMVs (int8, int4; what
-B > 1 ran before), in microseconds (CUDA events over 50 calls after warm-up) and the weight bytes
-a microsecond. Decides which product each layer kind takes at which batch (docs/bench/README.md).
+B > 1 ran before), in microseconds of device time (calls in a CUDA graph). Decides which product each layer kind takes at which batch (docs/bench/README.md).
 """
 
 import json
@@ -19,17 +18,25 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 ROWS = [2, 4, 8, 16, 32, 64]
 
 
-def timed(fn, n=50):
-    for _ in range(5):
+def timed(fn, n=20):
+    """Device time of one call, in us: n calls captured in a CUDA graph (as a decode step runs
+    them: host launch cost out), the graph replayed 10 times."""
+    for _ in range(3):  # autotuning, compilation
         fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for _ in range(n):
-        fn()
+    for _ in range(10):
+        g.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) * 1000 / n  # us
+    return a.elapsed_time(b) * 1000 / (10 * n)
 
 
 def main(out):
@@ -58,9 +65,9 @@ def main(out):
                  "multirow_bf16": timed(lambda: multirow.multirow_mm(x, w)),
                  "multirow_int8": timed(lambda: multirow.multirow_mm(x, w8, s8)),
                  "multirow_int4": timed(lambda: multirow.multirow_int4(x, q, s4, z4, 128))}
-            if m <= 16:
-                r["gemv_rows_int8"] = timed(lambda: [gemv(x[i], w8, s8) for i in range(m)], 10)
-                r["gemv_rows_int4"] = timed(lambda: [gemv_int4(x[i], q, s4, z4, 128) for i in range(m)], 10)
+            if m <= 8:
+                r["gemv_rows_int8"] = timed(lambda: [gemv(x[i], w8, s8) for i in range(m)], 4)
+                r["gemv_rows_int4"] = timed(lambda: [gemv_int4(x[i], q, s4, z4, 128) for i in range(m)], 4)
             rows.append(r)
             print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in r.items()}), flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(out, "w"), indent=1)

@@ -418,3 +418,25 @@ def test_a_busy_port_is_one_line(server):
     r = subprocess.run([sys.executable, "-m", "llamactl", "serve", "--port", port, "--device", "cpu"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_padded_prompt_chunks_give_the_same_tokens(embedded):
+    """On a GPU the engine pads prompt chunks to a multiple of 64 (fewer shapes to plan): the
+    padding changes no token (forced here on the CPU, float32)."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    out = {}
+    for pad in (1, 64):
+        eng = Engine(model, set(), max_batch=2, max_queue=4, max_seq=96, prefill_chunk=8)
+        eng.pad_to = pad
+        eng.start()
+        got = [[], []]
+        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0),
+                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
+                for i, p in enumerate(PROMPTS[4:6])]
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        eng.stop()
+        out[pad] = got
+    assert out[1] == out[64] and all(len(g) == 10 for g in out[1])

@@ -1,11 +1,10 @@
 """Skinny matrix products Y = X W^T for a few rows (a decode batch of 2-64) that read each weight once.
 
 Batch-1 decoding runs the GEMVs of kernels.gemv; with B rows those would read every weight B
-times. Here each program takes BLOCK_N output columns and a 1/SPLIT_K share of K, streams its
-weight tile once for all rows (BLOCK_M of them, 16 at least for tl.dot, the rest masked),
-dequantizes it in registers (int8: per output channel; int4: the layout of kernels.gemv, one
-group's scale and zero per block) and multiplies it on the tensor cores in bf16/fp16 with float32
-sums; SPLIT_K programs add their shares with float32 atomics, so narrow layers still fill the GPU.
+times. Here each program takes BLOCK_N output columns, streams their weights once for all rows
+(BLOCK_M of them, 16 at least for tl.dot, the rest masked), dequantizes them in registers (int8:
+per output channel; int4: the layout of kernels.gemv, one group's scale and zero per block) and
+multiplies them on the tensor cores in bf16/fp16 with float32 sums.
 """
 
 from __future__ import annotations
@@ -16,73 +15,69 @@ import triton.language as tl
 
 from llamactl.kernels.device import interpreted
 
-W16, W8, W4 = 0, 1, 2  # what the weight is: 16-bit, int8 with per-row scales, int4 (kernels.gemv layout)
+# what the weight is (the kernel's KIND, written as literals there: Triton reads no plain globals):
+W16, W8, W4 = 0, 1, 2  # 16-bit, int8 with per-row scales, int4 (kernels.gemv layout)
 MAX_ROWS = 64  # rows these kernels are for; more is a prefill, for cuBLAS
 
 
 def _configs():
-    out = []
-    for bn, bk, split, warps, stages in [(64, 128, 1, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3), (64, 128, 8, 4, 3),
-                                         (32, 128, 4, 4, 3), (32, 128, 8, 4, 3), (128, 128, 2, 8, 3),
-                                         (128, 128, 4, 8, 3), (64, 64, 4, 4, 4), (64, 64, 8, 4, 4), (32, 64, 8, 2, 4),
-                                         (128, 64, 4, 4, 3), (16, 128, 8, 2, 3), (64, 256, 4, 8, 3)]:
-        out.append(triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages))
-    return out
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+            for bn, bk, warps, stages in [(16, 128, 2, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
+                                          (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (16, 512, 4, 2),
+                                          (32, 512, 8, 2)]]
 
 
 def _prune(configs, named_args, **kwargs):
-    """Blocks whose K share is whole: K % (BLOCK_K * SPLIT_K) == 0, and inside one int4 group."""
+    """Blocks along K that divide K (and lie inside one int4 group)."""
     k, g = named_args["K"], kwargs.get("G", named_args.get("G", 1))
-    kept = [c for c in configs if k % (c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"]) == 0
+    kept = [c for c in configs if k % c.kwargs["BLOCK_K"] == 0
             and (kwargs.get("KIND", W16) != W4 or g % c.kwargs["BLOCK_K"] == 0)]
-    return kept or [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}, num_warps=2, num_stages=2)]
+    return kept or [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=2, num_stages=2)]
 
 
 @triton.jit
 def _multirow_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr, KIND: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     F32: tl.constexpr = False):
-    # x: [M, K] 16-bit; y: [M, N] float32, zeroed (the SPLIT_K shares are added into it)
-    # KIND W16: w [N, K] 16-bit; W8: w [N, K] int8, s [N] (y = (x w^T) s);
-    # W4: w [N, K // 8] int32 (nibble j of word i: column 8 i + j), s [N, K // G] fp16, z [N, K // G]
-    # uint8, w[n, k] = (code - z) s; G % BLOCK_K == 0, so a block lies in one group
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr = False):
+    # x: [M, K] 16-bit -> y: [M, N] in x's dtype; one program per (BLOCK_N columns, BLOCK_M rows)
+    # KIND 0 (W16): w [N, K] 16-bit; 1 (W8): w [N, K] int8, s [N] (y = (x w^T) s);
+    # 2 (W4): w [N, K // 8] int32 (nibble j of word i: column 8 i + j), s [N, K // G] fp16, z [N, K // G]
+    # uint8, w[n, k] = (code - z) s; G % BLOCK_K == 0, so a block lies in one group. Nibble j of the
+    # block's words meets x's columns 8 i + j (a strided load of x, which is small): 8 dots of
+    # BLOCK_K / 8 columns, no reshuffling of the weights in registers
     # F32: multiply in float32 (Triton's CPU interpreter gets bf16 dots wrong)
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok, n_ok = rm < M, rn < N
-    share = K // SPLIT_K
     dt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
+    prec: tl.constexpr = "ieee" if F32 else "tf32"
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K  # [BM, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(pid_k * share, (pid_k + 1) * share, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * K + kk[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, BK]
-        if KIND == W4:
+    for k0 in range(0, K, BLOCK_K):
+        if KIND == 2:  # W4
             words = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
             p = tl.load(w_ptr + rn.to(tl.int64)[:, None] * (K // 8) + words[None, :], mask=n_ok[:, None], other=0)
-            shifts = (tl.arange(0, 8) * 4).to(tl.int32)  # [8]
-            codes = tl.reshape((p[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])  # [BN, BK]
             group = k0 // G
             s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + group, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
             z = tl.load(z_ptr + rn.to(tl.int64) * (K // G) + group, mask=n_ok, other=0).to(tl.float32)
-            w = ((codes.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, BK]
+            for j in tl.static_range(8):
+                w = ((((p >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, BK/8]
+                x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, BK/8]
+                acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
         else:
+            kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, BK]
             w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0).to(dt)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee" if F32 else "tf32")  # [BM, BN]
-    if KIND == W8:
+            acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
+    if KIND == 1:  # W8
         acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=ok)
-    else:
-        tl.atomic_add(out, acc, mask=ok)
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# the choice per shape is kept in Triton's cache; reset_to_zero: each timed run adds into a zeroed y
-_tuned = triton.autotune(configs=_configs(), key=["BLOCK_M", "N", "K", "G", "KIND"], reset_to_zero=["y_ptr"],
+# the choice per shape is kept in Triton's cache
+_tuned = triton.autotune(configs=_configs(), key=["BLOCK_M", "N", "K", "G", "KIND"],
                          prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_multirow_kernel)
 
 
@@ -91,20 +86,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, z: torch.T
     m = x.shape[0]
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"multirow products take 1 to {MAX_ROWS} rows, not {m}")
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     args = (x, w, w if s is None else s, w if z is None else z, y, m, n, k)
     if interpreted():
-        bk = 32 if kind != W4 else min(32, g)
-        split = 2 if k % (2 * bk) == 0 else 1
-        grid = (triton.cdiv(n, 32), split, 1)
-        _multirow_kernel[grid](*args, G=g, KIND=kind, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=bk, SPLIT_K=split, F32=True)
+        bk = 128 if kind == W4 and g % 128 == 0 and k % 128 == 0 else (g if kind == W4 else 32)
+        _multirow_kernel[(triton.cdiv(n, 32), 1)](*args, G=g, KIND=kind, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=bk,
+                                                  F32=True)
     else:
         def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(m, block_m))
+            return (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))
 
         _tuned[grid](*args, G=g, KIND=kind, BLOCK_M=block_m)
-    return y.to(x.dtype)
+    return y
 
 
 def _check(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -104,6 +104,10 @@ class Engine:
         self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
         self.max_seq = self.decoder.max_seq
         self.mode = mode
+        # prompt chunks padded to a multiple of this: on a GPU each new shape costs cuDNN/cuBLAS a
+        # plan (hundreds of ms at first); on the CPU nothing is gained, and the float32 sums stay
+        # those of an unpadded prefill (token for token equal to `generate`)
+        self.pad_to = 64 if self.device.type == "cuda" else 1
         # the decode step runs on slots 0..b-1 for the smallest bucket b holding every decoding row
         # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -238,8 +242,10 @@ class Engine:
         for r in sorted((r for r in self._slots if r is not None and not r.decoding), key=lambda r: r.id):
             while not r.decoding and (budget is None or budget > 0):
                 n = len(r.prompt) - r.prefilled if budget is None else min(budget, len(r.prompt) - r.prefilled)
-                ids = torch.tensor([r.prompt[r.prefilled : r.prefilled + n]], device=self.device)  # [1, n]
-                tok = self.decoder.prefill(ids, slot=r.slot, start=r.prefilled)  # [1]
+                chunk = r.prompt[r.prefilled : r.prefilled + n]
+                padded = min(-(-n // self.pad_to) * self.pad_to, self.max_seq - r.prefilled)
+                ids = torch.tensor([chunk + [0] * (padded - n)], device=self.device)  # [1, padded]
+                tok = self.decoder.prefill(ids, slot=r.slot, start=r.prefilled, valid=n)  # [1]
                 r.prefilled += n
                 if budget is not None:
                     budget -= n
