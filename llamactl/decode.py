@@ -145,6 +145,23 @@ class Decoder:
         return self.rows.sample(logits[:, -1], drawn_at, which)
 
     @torch.inference_mode()
+    def prefill_slots(self, ids: torch.Tensor, slots: list[int], valid: list[int]) -> torch.Tensor:
+        """Several prompts joining at once, in one forward: ids: [B, S] (row i: a prompt of valid[i]
+        tokens, then padding) into cache rows `slots`, at positions 0..S-1 -> each one's next token
+        [B] (with `rows`' settings of its slot)."""
+        b, s = ids.shape
+        if not (len(slots) == len(valid) == b and s <= self.max_seq and all(0 < n <= s for n in valid)):
+            raise ValueError(f"prefill_slots: {b} prompts of {s} for slots {slots}, lengths {valid}")
+        at = torch.tensor(slots, device=self.device)
+        n = torch.tensor(valid, device=self.device)
+        pos = torch.arange(s, device=self.device).expand(b, s)
+        logits = self.model(ids, pos, last_only=True, slot=at, kv_len=s, last_at=n - 1)[:, -1]  # [B, V]
+        self.prefill_finite = torch.isfinite(logits).all()
+        if self.rows is None:
+            return self.sample(logits)
+        return self.rows.sample(logits, n, at)
+
+    @torch.inference_mode()
     def step(self, tok: torch.Tensor, pos: int | torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         """tok: [B] at position pos (an int: every row there), or at positions pos: [B] (each row
         at its own, on the device) -> the next token [B]. With positions, B may be fewer than the

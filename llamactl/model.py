@@ -79,12 +79,20 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int | None = None):
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slot: "int | torch.Tensor | None" = None, kv_len: int | None = None):
         """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
         row at the same positions) or [B, S] (each row at its own); slot: write and read only
-        cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch)."""
+        cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch), or rows
+        slot: [B] (several joining at once, input_pos [B, S]; their first kv_len positions are
+        returned, gathered)."""
         # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D] (rows 0..B-1 where B is fewer)
         b = k.shape[0]
+        if isinstance(slot, torch.Tensor):
+            rows = slot[:, None]  # [B, 1]
+            self.k[rows, :, input_pos] = k.transpose(1, 2)  # [B, S, H_kv, D] into each row's slot
+            self.v[rows, :, input_pos] = v.transpose(1, 2)
+            return self.k[slot, :, :kv_len], self.v[slot, :, :kv_len]  # [B, H_kv, kv_len, D]
         if slot is not None:
             ck, cv = self.k[slot : slot + 1], self.v[slot : slot + 1]
         else:
@@ -148,7 +156,7 @@ class Attention(nn.Module):
         if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
             cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v, slot)  # [B, H_kv, max_seq, D]
+        k, v = self.kv_cache.update(input_pos, k, v, slot, mask.shape[-1])  # [B, H_kv, max_seq, D]
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
@@ -318,7 +326,8 @@ class LlamaModel(nn.Module):
                 slot: int | None = None, kv_len: int | None = None, last_at: int | None = None) -> torch.Tensor:
         """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
         own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
-        cache row `slot` alone (it joins while the other rows keep theirs). kv_len: SDPA reads only
+        cache row `slot` alone (it joins while the other rows keep theirs), or slot: [B] the cache
+        rows of B sequences joining at once (input_pos [B, S]). kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
         on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
         of position last_at of idx instead of its last (a prompt padded to a common length).
@@ -333,6 +342,8 @@ class LlamaModel(nn.Module):
         x = self.model.embed_tokens(idx)  # [B, S, hidden]
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, input_pos, slot)
-        if last_only:
+        if last_only and isinstance(last_at, torch.Tensor):  # each row's own: [B]
+            x = x[torch.arange(x.shape[0], device=x.device), last_at][:, None]  # [B, 1, hidden]
+        elif last_only:
             x = x[:, -1:] if last_at is None else x[:, last_at : last_at + 1]
         return self.lm_head(self.model.norm(x))

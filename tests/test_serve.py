@@ -440,3 +440,30 @@ def test_padded_prompt_chunks_give_the_same_tokens(embedded):
         eng.stop()
         out[pad] = got
     assert out[1] == out[64] and all(len(g) == 10 for g in out[1])
+
+
+def test_prompts_joining_together_prefill_in_one_forward(embedded, monkeypatch):
+    """Where the engine prefills the prompts that joined at once in one padded forward (the GPU's
+    way; forced here on the CPU), every request gets the tokens it gets prefilled alone."""
+    from llamactl.decode import Decoder
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = []
+    together = Decoder.prefill_slots
+    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
+                        or together(self, ids, slots, valid))
+    out = {}
+    for batched in (False, True):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
+        eng.batch_prefill, eng.pad_to = batched, 16
+        got = [[] for _ in range(4)]
+        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
+                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
+                for i, p in enumerate(PROMPTS[:4])]
+        eng.start()  # all four are queued before the loop starts: they join together
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        eng.stop()
+        out[batched] = got
+    assert calls == [4] and out[True] == out[False]

@@ -63,6 +63,7 @@ class Rejected(Exception):
 
 
 _ids = itertools.count(1)
+BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no row decodes
 
 
 class Request:
@@ -108,6 +109,9 @@ class Engine:
         # plan (hundreds of ms at first); on the CPU nothing is gained, and the float32 sums stay
         # those of an unpadded prefill (token for token equal to `generate`)
         self.pad_to = 64 if self.device.type == "cuda" else 1
+        # prompts that join together are prefilled in one forward (on the CPU one at a time, so the
+        # float32 sums, and so the tokens, are those of `generate`)
+        self.batch_prefill = self.device.type == "cuda"
         # the decode step runs on slots 0..b-1 for the smallest bucket b holding every decoding row
         # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -237,8 +241,11 @@ class Engine:
 
     def _prefill(self) -> None:
         """Prefill prompt chunks, first come first, within the budget; with no row decoding there
-        is no one to delay, and every waiting prompt is prefilled."""
+        is no one to delay, and every waiting prompt is prefilled. Where batch_prefill, the short
+        prompts that just joined go first, together in one forward."""
         budget = self.prefill_chunk if any(r is not None and r.decoding for r in self._slots) else None
+        if self.batch_prefill:
+            budget = self._prefill_together(budget)
         for r in sorted((r for r in self._slots if r is not None and not r.decoding), key=lambda r: r.id):
             while not r.decoding and (budget is None or budget > 0):
                 n = len(r.prompt) - r.prefilled if budget is None else min(budget, len(r.prompt) - r.prefilled)
@@ -255,6 +262,28 @@ class Engine:
                     self._emit(r, int(tok[0]), time.perf_counter())
             if budget is not None and budget <= 0:
                 break
+
+    def _prefill_together(self, budget: int | None) -> int | None:
+        """The prompts that joined and fit the budget (each at most prefill_chunk tokens, together at
+        most max(budget, prefill_chunk) or, with no budget, BATCH_PREFILL_TOKENS), padded to one
+        length and prefilled in one forward; returns the budget left."""
+        room = BATCH_PREFILL_TOKENS if budget is None else budget
+        group: list[Request] = []
+        for r in sorted((r for r in self._slots if r is not None and r.prefilled == 0), key=lambda r: r.id):
+            if len(r.prompt) <= min(room, self.prefill_chunk if budget is not None else room):
+                group.append(r)
+                room -= len(r.prompt)
+        if len(group) < 2:
+            return budget
+        s = min(-(-max(len(r.prompt) for r in group) // self.pad_to) * self.pad_to, self.max_seq)
+        ids = torch.tensor([r.prompt + [0] * (s - len(r.prompt)) for r in group], device=self.device)  # [k, s]
+        toks = self.decoder.prefill_slots(ids, [r.slot for r in group], [len(r.prompt) for r in group])  # [k]
+        self._tok[torch.tensor([r.slot for r in group], device=self.device)] = toks
+        now, first = time.perf_counter(), toks.tolist()
+        for r, t in zip(group, first):
+            r.prefilled = r.pos = len(r.prompt)
+            self._emit(r, t, now)
+        return None if budget is None else max(0, budget - sum(len(r.prompt) for r in group))
 
     def _decode_step(self) -> None:
         live = [r for r in self._slots if r is not None and r.decoding]
