@@ -110,7 +110,7 @@ class Decoder:
         logits = self.model(tok, pos, kv_len=kv_len)[:, -1]  # [B, V]
         if self.rows is None:
             return self.sample(logits)
-        if self.rows.greedy and not self.use_graph:  # the host's word that no row samples: skip the draw
+        if self.rows.greedy:  # the host's word that no row samples: skip the draw (a graph of its own)
             return logits.argmax(-1)
         drawn_at = (pos.view(-1) + 1).expand(logits.shape[0])  # where each row's new token will sit
         return self.rows.sample(logits, drawn_at)
@@ -169,7 +169,8 @@ class Decoder:
         B). kv_len: every position is below it, so an eager step's SDPA reads only that much of
         the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
-        kind = ("rows", tok.numel()) if rows else ("shared", tok.numel())  # a graph per batch bucket
+        greedy = self.rows is not None and self.rows.greedy
+        kind = ("rows" if rows else "shared", tok.numel(), greedy)  # a graph per batch bucket, greedy or not
         if rows and not 0 < tok.numel() <= self.batch:
             raise ValueError(f"{tok.numel()} rows for a cache of {self.batch}")
         if not self.use_graph or kind not in self._graphs:

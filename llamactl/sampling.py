@@ -40,7 +40,7 @@ class RowSampling:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
-    greedy: bool = False  # the host's word that every row's temperature is 0 (eager steps skip the draw)
+    greedy: bool = False  # the host's word that every row's temperature is 0 (steps skip the draw)
 
     @classmethod
     def make(cls, rows: list[dict], device) -> "RowSampling":

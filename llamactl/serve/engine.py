@@ -178,8 +178,10 @@ class Engine:
     def warm_up(self) -> None:
         """One decode step per batch bucket with every row free (captures the CUDA graphs before
         the first request; free rows write position 0, which a prefill overwrites before it is read)."""
-        for b in self.buckets:
-            self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        for greedy in (True, False):  # a graph each: argmax alone, or the per-row draw
+            self.rows.greedy = greedy
+            for b in self.buckets:
+                self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
