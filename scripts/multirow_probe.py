@@ -2,7 +2,8 @@
 
 Usage: python scripts/multirow_probe.py OUT.json. For each shape (N, K) and rows M: cuBLAS (bf16),
 llamactl's multirow kernel for bf16, int8 and int4 g128, M batch-1 GEMVs (int8, int4; what
-B > 1 ran before), in microseconds of device time (calls in a CUDA graph). Decides which product each layer kind takes at which batch (docs/bench/README.md).
+B > 1 ran before), in microseconds of device time (calls in a CUDA graph). It decides which
+product each layer kind takes at which batch (docs/bench/README.md).
 """
 
 import json
