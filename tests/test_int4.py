@@ -155,3 +155,22 @@ def test_int8_kernel_matches_the_dequantized_reference(device):
     x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
     ref = x.float() @ (q.float() * scale[:, None]).to(device).t()
     assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("in_f,group,act_order", [(576, 64, False), (576, 64, True), (96, 32, False), (320, 64, False)])
+def test_int4_kernel_runs_widths_that_are_not_whole_tiles(in_f, group, act_order):
+    """A width of whole groups that is not a multiple of tinygemm's 128-column tiles (a 135M
+    model's 576) runs the kernel on zero-padded columns, not a dequantized copy each step."""
+    if not _kernel_available("cpu"):
+        pytest.skip("this torch has no CPU int4 kernel")
+    from llamactl.layers.int4 import Int4Linear, supported
+
+    assert supported(in_f, 64, group)
+    lin = gptq_layer(out_f=64, in_f=in_f, group=group, act_order=act_order)
+    fast = Int4Linear.from_gptq(lin, group)
+    assert fast.pad == -in_f % 128 and fast.weight_packed.numel() > 0
+    ref = dequantize_gptq(lin.qweight, lin.qzeros, lin.scales.float(), lin.g_idx, 4)
+    x = torch.randn(3, in_f, dtype=torch.bfloat16)
+    y = fast(x)
+    assert y.shape == (3, 64)
+    torch.testing.assert_close(y.float(), x.float() @ ref.float().t(), atol=0.05, rtol=0.02)

@@ -14,6 +14,8 @@ torch 2.11); the CPU kernel takes them unpacked as int32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,8 +31,15 @@ INT4_MULTIROW = 16
 
 
 def supported(in_features: int, out_features: int, group_size: int) -> bool:
-    return (in_features % (INNER_K_TILES * 16) == 0 and out_features % 8 == 0
-            and group_size in (32, 64, 128, 256) and in_features % group_size == 0)
+    """Whether tinygemm takes the layer: any width of whole groups (a width that is not a multiple
+    of its 128-column tiles is padded with zero columns, Int4Linear.pad)."""
+    return out_features % 8 == 0 and group_size in (32, 64, 128, 256) and in_features % group_size == 0
+
+
+def padded_width(in_features: int, group_size: int) -> int:
+    """in_features rounded up to whole tinygemm tiles (INNER_K_TILES x 16 columns) and groups."""
+    tile = math.lcm(INNER_K_TILES * 16, group_size)
+    return -(-in_features // tile) * tile
 
 
 def triton_supported(in_features: int, group_size: int) -> bool:
@@ -95,6 +104,12 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
+        # tinygemm multiplies whole 128-column tiles: a narrower last tile gets zero columns (codes
+        # 8, scale 0, zero 0: weight 0) and x zeros there, so any width of whole groups runs it
+        self.pad = padded_width(self.in_features, group_size) - self.in_features
+        if self.pad:
+            q = torch.cat([q, torch.full((q.shape[0], self.pad), 8, dtype=q.dtype, device=q.device)], dim=1)
+            sz = torch.cat([sz, sz.new_zeros(self.pad // group_size, *sz.shape[1:])])
         self.register_buffer("weight_packed", pack(q, device))
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=torch.bfloat16))
         self.register_buffer("perm", None if perm is None else perm.to(device))
@@ -108,6 +123,8 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.perm is not None:
             x2 = x2[:, self.perm]
+        if self.pad:
+            x2 = F.pad(x2, (0, self.pad))  # [M, in + pad]
         y = self._mm(x2, self.weight_packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
