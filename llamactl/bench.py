@@ -212,6 +212,7 @@ def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) ->
         "ttft_s": median(ttft),
         "prefill_tok_s": batch * prompt_len / median(ttft),
         "decode_tok_s": median(decode) if decode else 0.0,
+        "decode_tok_s_per_row": (median(decode) if decode else 0.0) / batch,
         "decode_tok_s_spread": spread(decode),
         "latency_ms_p50": percentile(lat, 50) if lat else None,
         "latency_ms_p95": percentile(lat, 95) if lat else None,

@@ -13,7 +13,8 @@ from llamactl.errors import InputError
 COLUMNS = [  # (header, key, format)
     ("model", "model", "{}"), ("stage", "stage", "{}"), ("batch", "batch", "{}"), ("prompt", "prompt_len", "{}"),
     ("gen", "gen_len", "{}"), ("TTFT ms", "ttft_s", "ms"), ("prefill tok/s", "prefill_tok_s", "{:,.0f}"),
-    ("decode tok/s", "decode_tok_s", "{:,.1f}"), ("ms/token p50", "latency_ms_p50", "{:.2f}"),
+    ("decode tok/s", "decode_tok_s", "{:,.1f}"), ("per row", "decode_tok_s_per_row", "{:,.1f}"),
+    ("ms/token p50", "latency_ms_p50", "{:.2f}"),
     ("p95", "latency_ms_p95", "{:.2f}"), ("speed-up", "speedup", "{:.2f}x"), ("peak mem", "peak_mem_bytes", "bytes"),
     ("weights", "weight_bytes", "bytes"), ("KV cache", "kv_bytes", "bytes"), ("attention", "attention_backend", "{}"),
     ("of ceiling", "bandwidth_ceiling_frac", "{:.0%}"),
