@@ -467,3 +467,17 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, monkeypatch):
         eng.stop()
         out[batched] = got
     assert calls == [4] and out[True] == out[False]
+
+
+def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
+    out = tmp_path / "serve.json"
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--serve", "embedded", "--device", "cpu",
+                        "--concurrency", "2", "--requests", "2", "--prompt-len", "8", "--gen-len", "4",
+                        "--format", "json", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "--max-seq 20" in r.stderr  # the slots sized to the load: 2 x 8 prompt words + 4
+    row = json.loads(out.read_text())["results"][0]
+    assert row["model"] == "docs-llama-17m" and row["errors"] == 0 and row["output_tokens_mean"] == 4
+    url = json.loads(out.read_text())["env"]["url"]
+    with pytest.raises(httpx.ConnectError):  # stopped after the run
+        httpx.get(url + "/health", timeout=5)
