@@ -120,10 +120,11 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     backend = attention_backend(model, batch, device)
     if dec.kernels["decode_attention"] != "sdpa":
         backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
-    return {"runs": timed, "backend": backend, "kv_bytes": _kv_alloc(model), "gemv": dec.plan.label, "plan": dec.plan}
+    return {"runs": timed, "backend": backend, "kv_bytes": kv_alloc_bytes(model), "gemv": dec.plan.label, "plan": dec.plan}
 
 
-def _kv_alloc(model) -> int:
+def kv_alloc_bytes(model) -> int:
+    """Bytes of the KV cache the model has allocated (every slot, every position)."""
     return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size() for l in model.model.layers)
 
 

@@ -620,6 +620,15 @@ def bench(
     if quality:
         bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options)
     report.add_speedups(result["results"])
+    env = result["env"]
+    _emit_result(result, fmt, output,
+                 f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s")
+
+
+def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None:
+    """A bench result on stdout in --format (a table titled `title`), and in -o's file too."""
+    from llamactl import report
+
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
         from llamactl.artifact import atomic_write_text
@@ -629,8 +638,7 @@ def bench(
         ui.emit_text(text(result))
     else:
         headers, body = report.rows(result["results"])
-        env = result["env"]
-        ui.table(f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s", headers, body)
+        ui.table(title, headers, body)
 
 
 def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
@@ -657,16 +665,7 @@ def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_q
                 result = loadtest.run(load, measured)
         else:
             result = loadtest.run(load, measured)
-    text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
-    if output:
-        from llamactl.artifact import atomic_write_text
-
-        atomic_write_text(Path(output), (text or report.to_markdown)(result))
-    if text:
-        ui.emit_text(text(result))
-    else:
-        headers, body = report.rows(result["results"])
-        ui.table(f"load test of {result['env']['url']}", headers, body)
+    _emit_result(result, fmt, output, f"load test of {result['env']['url']}")
 
 
 def main() -> None:

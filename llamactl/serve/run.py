@@ -80,8 +80,9 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         engine.warm_up()
         name = serve.model_name or label
         app = build_app(Service(engine.start(), tok, name, m.args.vocab_size, serve.api_key))
-        cache = engine.max_batch * engine.max_seq * sum(
-            l.self_attn.kv_cache.k.element_size() * l.self_attn.kv_cache.k[0, :, 0].numel() * 2 for l in m.model.layers)
+        from llamactl.bench import kv_alloc_bytes
+
+        cache = kv_alloc_bytes(m)
 
         def ready(url: str) -> None:
             from llamactl.ui import human_bytes
