@@ -15,7 +15,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from llamactl.errors import InputError
@@ -40,7 +40,6 @@ class Load:
     timeout_s: float = 600.0
     seed: int = 0
     warmup: int = 1  # untimed requests first, one at a time (a server's lazy start-up)
-    extra: dict = field(default_factory=dict)
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -164,7 +163,7 @@ async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
             results, wall = await _level(client, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
             row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
                    "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
-                   "url": load.url, **summarize(results, wall), **load.extra}
+                   "url": load.url, **summarize(results, wall)}
             rows.append(row)
             on_row(row)
     return rows

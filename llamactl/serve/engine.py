@@ -121,7 +121,6 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
-        self.steps = 0
         self._thread = threading.Thread(target=self._run, name="llamactl-engine", daemon=True)
 
     # -- for callers (any thread) --------------------------------------------------------------
@@ -301,7 +300,6 @@ class Engine:
         self._tok[:b].copy_(out)
         tokens = out.tolist()  # the one host read a step
         now = time.perf_counter()
-        self.steps += 1
         for r in live:
             r.pos += 1
             self._emit(r, tokens[r.slot], now)
