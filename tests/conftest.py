@@ -16,9 +16,12 @@ from llamactl.load import DEFAULT_MODEL
 
 # the compile caches' signing key (llamactl.compile.signing_key) of this test session, not the user's
 if "LLAMACTL_TEST_CONFIG" not in os.environ:
+    import atexit
     import tempfile
 
-    os.environ["LLAMACTL_TEST_CONFIG"] = os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="llamactl-config-")
+    _config = tempfile.mkdtemp(prefix="llamactl-config-")
+    os.environ["LLAMACTL_TEST_CONFIG"] = os.environ["XDG_CONFIG_HOME"] = _config
+    atexit.register(shutil.rmtree, _config, ignore_errors=True)  # the run's key goes with the run
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # The trained model of ../shared/models; the embedded copy is the same files.
