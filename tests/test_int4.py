@@ -174,3 +174,39 @@ def test_int4_kernel_runs_widths_that_are_not_whole_tiles(in_f, group, act_order
     y = fast(x)
     assert y.shape == (3, 64)
     torch.testing.assert_close(y.float(), x.float() @ ref.float().t(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("in_f,group", [(160, 64), (576, 128), (100, 32)])
+def test_rtn_groups_need_not_divide_the_width(in_f, group):
+    """A short last group (issue 26): every column within half a step of its group's grid, the
+    GPTQ tensors sized with ceil(in / g), and the portable layer reproducing the codes."""
+    torch.manual_seed(in_f)
+    w = torch.randn(48, in_f)
+    codes, zeros, scales, g_idx = rtn_quantize(w, 4, group, sym=True)
+    groups = -(-in_f // group)
+    assert codes.shape == (48, in_f) and zeros.shape == scales.shape == (groups, 48)
+    assert int(g_idx[-1]) == groups - 1 and int((g_idx == groups - 1).sum()) == in_f - (groups - 1) * group
+    deq = (codes - zeros.t()[:, g_idx.long()]) * scales.t()[:, g_idx.long()]
+    assert ((deq - w).abs() <= scales.t()[:, g_idx.long()] * 0.51).all()  # symmetric: half a step (fp16 scales)
+    lin = gptq_layer(out_f=48, in_f=in_f, group=group)  # packs through GPTQLinear's ceil-sized buffers
+    assert lin.scales.shape == (groups, 48)
+
+
+@pytest.mark.parametrize("in_f,group,act_order", [(160, 64, False), (160, 64, True), (576, 128, False)])
+def test_int4_kernels_take_a_short_last_group(in_f, group, act_order):
+    """tinygemm (CPU) and llamactl's Triton int4 layer (interpreted here) on a width that is not a
+    multiple of the group: the short group is padded with its zero point, x with zeros."""
+    from llamactl.layers.int4 import TritonInt4Linear, _gptq_codes, int4_linear, supported, triton_supported
+
+    lin = gptq_layer(out_f=64, in_f=in_f, group=group, act_order=act_order)
+    ref = dequantize_gptq(lin.qweight, lin.qzeros, lin.scales.float(), lin.g_idx, 4).float()  # [64, in]
+    x = torch.randn(3, in_f, dtype=torch.bfloat16)
+    want = x.float() @ ref.t()
+    assert supported(in_f, 64, group) and triton_supported(in_f, group)
+    if _kernel_available("cpu"):
+        fast = Int4Linear.from_gptq(lin, group)
+        torch.testing.assert_close(fast(x).float(), want, atol=0.05, rtol=0.02)
+    tri = int4_linear(*_gptq_codes(lin), lin.g_idx, group, None, torch.device("cpu"), triton=True)
+    assert isinstance(tri, TritonInt4Linear) and tri.in_features == in_f and not tri.can_fuse()
+    for rows in (1, 3):
+        torch.testing.assert_close(tri(x[:rows]).float(), want[:rows], atol=0.05, rtol=0.02)

@@ -230,10 +230,39 @@ def _assert_refused(r, out, *fragments):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
 
 
-def test_group_size_must_divide_in_features(tiny128, tmp_path):
+def test_a_group_size_that_does_not_divide_the_width_works(tiny128, tmp_path):
+    """--group-size 48 on 128-wide layers: groups of 48, 48 and 32 (issue 26); quality reported,
+    the folder generates, and the weights are each layer's RTN with that short last group."""
     out = tmp_path / "o"
-    _assert_refused(quantize_cli(tiny128, "-o", out, "--method", "rtn", "--group-size", "48"), out,
-                    "--group-size 48 does not divide", "model.layers.0.self_attn.q_proj")
+    r = quantize_cli(tiny128, "-o", out, "--method", "rtn", "--group-size", "48", "--eval-tokens", "512", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["quality"]["kl_mean"] > 0
+    art = open_artifact(out)
+    assert art.tensor_index()["model.layers.0.self_attn.q_proj.scales"]["shape"][0] == 3
+    child = load_model(art, torch.device("cpu"), torch.float32)
+    parent = load_model(open_artifact(tiny128), torch.device("cpu"), torch.float32)
+    w = parent.model.layers[0].self_attn.q_proj.weight.detach()
+    codes, zeros, scales, g_idx = rtn_quantize(w, 4, 48, True)
+    want = (codes - zeros.t()[:, g_idx.long()]) * scales.t()[:, g_idx.long()]
+    torch.testing.assert_close(child.model.layers[0].self_attn.q_proj.dequantized(torch.float32), want)
+    g = runner.invoke(app, ["generate", str(out), "-p", "The kernel", "-n", "4", "--json"])
+    assert g.exit_code == 0, g.output
+
+
+@needs_gptq
+def test_transformers_loads_a_short_last_group(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    wide = make_hf_model(tmp_path / "w192", hidden=192, heads=4, kv_heads=2, seed=3)  # g128: 128 + 64 columns
+    out = tmp_path / "rtn"
+    assert quantize_cli(wide, "-o", out, "--method", "rtn", "--group-size", "128", "--eval-tokens", "0").exit_code == 0
+    ref = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=torch.float32)
+    ours = load_model(open_artifact(out), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 8192, (1, 32))
+    ours.setup_caches(1, 32)
+    with torch.no_grad():
+        a, b = ours(ids, torch.arange(32)), ref(ids).logits.float()
+    assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
 def test_unsupported_bits(tiny128, tmp_path):

@@ -1,8 +1,9 @@
 """The GPTQ checkpoint format (transformers/optimum/GPTQModel "gptq", v1), packing and a runtime module.
 
-Per linear layer with weight W: [out, in], b bits, group size g (in / g groups):
-  qweight: int32 [in * b / 32, out]   b-bit codes packed along the input dimension
-  qzeros:  int32 [groups, out * b / 32] zero points packed along the output dimension, stored minus 1 (v1)
+Per linear layer with weight W: [out, in], b bits, group size g (ceil(in / g) groups; when g does
+not divide the width the last group is shorter, as GPTQModel's loaders size it):
+  qweight: int32 [ceil(in * b / 32), out]   b-bit codes packed along the input dimension
+  qzeros:  int32 [groups, ceil(out * b / 32)] zero points packed along the output, stored minus 1 (v1)
   scales:  fp16  [groups, out]
   g_idx:   int32 [in]                 group of each input column (not monotone under act-order)
   W[o, i] = scales[g_idx[i], o] * (code[i, o] - zero[g_idx[i], o])
@@ -15,21 +16,22 @@ from torch import nn
 
 
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: [R, C] ints in [0, 2^bits) -> int32 [R * bits / 32, C], packed along rows (low bits first)."""
+    """codes: [R, C] ints in [0, 2^bits) -> int32 [ceil(R * bits / 32), C], packed along rows (low
+    bits first); a last word that is not full is padded with zero codes, as GPTQModel packs it."""
     per = 32 // bits
     r, c = codes.shape
-    codes = codes.to(torch.int64).view(r // per, per, c)
+    codes = torch.nn.functional.pad(codes.to(torch.int64), (0, 0, 0, -r % per)).view(-1, per, c)
     shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
     packed = (codes << shifts).sum(dim=1)  # [R / per, C], fits in 32 bits unsigned
     return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 
 
-def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R / per, C] -> int32 codes [R, C]."""
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> torch.Tensor:
+    """int32 [ceil(R / per), C] -> int32 codes [R, C] (R = rows, or every packed row)."""
     per = 32 // bits
     shifts = (torch.arange(per, dtype=torch.int32, device=packed.device) * bits).view(1, per, 1)
     codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R / per, per, C]
-    return codes.reshape(-1, packed.shape[-1])
+    return codes.reshape(-1, packed.shape[-1])[:rows]
 
 
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
@@ -48,8 +50,8 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
 
 def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool = True) -> torch.Tensor:
     """The float weight [out, in] (in the dtype of scales) of a GPTQ-packed layer."""
-    codes = unpack_rows(qweight, bits)  # [in, out]
-    zeros = unpack_rows(qzeros.t().contiguous(), bits).t()  # [groups, out]
+    codes = unpack_rows(qweight, bits, g_idx.numel())  # [in, out]
+    zeros = unpack_rows(qzeros.t().contiguous(), bits, scales.shape[1]).t()  # [groups, out]
     if v1:  # writers keep zero points >= 1 so that v1's "stored = zero - 1" never wraps
         zeros = (zeros + 1) & ((1 << bits) - 1)
     g = g_idx.long()
@@ -64,9 +66,10 @@ class GPTQLinear(nn.Module):
                  v1: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.v1 = in_features, out_features, bits, v1
-        groups = 1 if group_size in (-1, 0) else in_features // group_size
-        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
-        self.register_buffer("qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32))
+        groups = 1 if group_size in (-1, 0) else -(-in_features // group_size)
+        words = lambda n: -(-n * bits // 32)  # noqa: E731
+        self.register_buffer("qweight", torch.zeros(words(in_features), out_features, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.zeros(groups, words(out_features), dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None

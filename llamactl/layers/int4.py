@@ -31,9 +31,9 @@ INT4_MULTIROW = 16
 
 
 def supported(in_features: int, out_features: int, group_size: int) -> bool:
-    """Whether tinygemm takes the layer: any width of whole groups (a width that is not a multiple
-    of its 128-column tiles is padded with zero columns, Int4Linear.pad)."""
-    return out_features % 8 == 0 and group_size in (32, 64, 128, 256) and in_features % group_size == 0
+    """Whether tinygemm takes the layer: any width (a short last group and a width that is not a
+    multiple of its 128-column tiles are padded with zero columns, Int4Linear.pad)."""
+    return out_features % 8 == 0 and group_size in (32, 64, 128, 256)
 
 
 def padded_width(in_features: int, group_size: int) -> int:
@@ -43,7 +43,9 @@ def padded_width(in_features: int, group_size: int) -> int:
 
 
 def triton_supported(in_features: int, group_size: int) -> bool:
-    return in_features % 32 == 0 and group_size % 32 == 0 and in_features % group_size == 0
+    """Whether llamactl's int4 kernels take the layer: groups of whole 32-column words (a short
+    last group is padded to a whole one, TritonInt4Linear.pad)."""
+    return group_size % 32 == 0
 
 
 def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):
@@ -57,31 +59,45 @@ def sort_by_group(codes: torch.Tensor, g_idx: torch.Tensor, group_size: int):
     return codes[:, perm], perm
 
 
+def whole_groups(codes: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """codes: [out, in] in group order, zeros: [groups, out] -> codes [out, groups * group_size]: a
+    short last group filled with its zero point (weight exactly 0), so kernels see whole groups."""
+    pad = zeros.shape[0] * group_size - codes.shape[1]
+    if pad <= 0:
+        return codes
+    fill = zeros[-1].to(codes.dtype)[:, None].expand(-1, pad)  # [out, pad]
+    return torch.cat([codes, fill], dim=1)
+
+
 def int4_linear(codes, zeros, scales, g_idx, group_size: int, bias, device: torch.device, triton: bool) -> nn.Module:
     """The 4-bit layer for `device` from GPTQ-style codes [out, in], zeros/scales [groups, out]:
     llamactl's kernels where `triton` (layers.plan.kernels_run), else tinygemm."""
+    in_features = codes.shape[1]
     if triton:
         codes, perm = sort_by_group(codes, g_idx, group_size)
-        return TritonInt4Linear(codes, zeros, scales, perm, group_size, bias, device)
+        return TritonInt4Linear(whole_groups(codes, zeros, group_size), zeros, scales, perm, group_size, bias, device,
+                                in_features)
     q, sz, perm = tinygemm_params(codes, zeros, scales, g_idx, group_size)
-    return Int4Linear(q, sz, perm, group_size, bias, device)
+    return Int4Linear(q, sz, perm, group_size, bias, device, in_features)
 
 
 def tinygemm_params(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                     group_size: int):
-    """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] ->
-    (q [out, in] int32 in group order, scales_and_zeros [groups, out, 2] float32, perm [in] or None)."""
+    """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] -> (q [out, groups * group_size]
+    int32 in group order, scales_and_zeros [groups, out, 2] float32, perm [in] or None)."""
     codes, perm = sort_by_group(codes, g_idx, group_size)
+    codes = whole_groups(codes, zeros, group_size)
     scale = scales.float()
     zero = (8 - zeros.float()) * scale
     return codes.to(torch.int32).contiguous(), torch.stack([scale, zero], dim=-1).contiguous(), perm
 
 
-def dequantize_tinygemm(q: torch.Tensor, sz: torch.Tensor, perm: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def dequantize_tinygemm(q: torch.Tensor, sz: torch.Tensor, perm: torch.Tensor | None, group_size: int,
+                        in_features: int | None = None) -> torch.Tensor:
     """The float weight [out, in] in the checkpoint's column order (the reference for tests)."""
     n, k = q.shape
     w = (q.view(n, k // group_size, group_size).float() - 8) * sz[..., 0].t()[:, :, None] + sz[..., 1].t()[:, :, None]
-    w = w.view(n, k)
+    w = w.view(n, k)[:, : in_features or k]
     if perm is not None:
         out = torch.empty_like(w)
         out[:, perm] = w
@@ -100,16 +116,21 @@ def pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """y = x W^T with W in 4 bits, groups along the input dimension, bf16 activations."""
 
-    def __init__(self, q, sz, perm, group_size: int, bias: torch.Tensor | None, device: torch.device):
+    def __init__(self, q, sz, perm, group_size: int, bias: torch.Tensor | None, device: torch.device,
+                 in_features: int | None = None):
+        """q: [out, groups * group_size] (tinygemm_params), in_features: the layer's real width
+        (less than q's when the last group is short)."""
         super().__init__()
-        self.out_features, self.in_features = q.shape
+        self.out_features, width = q.shape
+        self.in_features = in_features or width
         self.group_size = group_size
         # tinygemm multiplies whole 128-column tiles: a narrower last tile gets zero columns (codes
-        # 8, scale 0, zero 0: weight 0) and x zeros there, so any width of whole groups runs it
-        self.pad = padded_width(self.in_features, group_size) - self.in_features
-        if self.pad:
-            q = torch.cat([q, torch.full((q.shape[0], self.pad), 8, dtype=q.dtype, device=q.device)], dim=1)
-            sz = torch.cat([sz, sz.new_zeros(self.pad // group_size, *sz.shape[1:])])
+        # 8, scale 0, zero 0: weight 0) and x zeros there and in a short last group's columns
+        extra = padded_width(width, group_size) - width
+        self.pad = extra + width - self.in_features
+        if extra:
+            q = torch.cat([q, torch.full((q.shape[0], extra), 8, dtype=q.dtype, device=q.device)], dim=1)
+            sz = torch.cat([sz, sz.new_zeros(extra // group_size, *sz.shape[1:])])
         self.register_buffer("weight_packed", pack(q, device))
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=torch.bfloat16))
         self.register_buffer("perm", None if perm is None else perm.to(device))
@@ -133,7 +154,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_gptq(cls, lin, group_size: int) -> "Int4Linear":
         q, sz, perm = tinygemm_params(*_gptq_codes(lin), lin.g_idx, _group(lin, group_size))
-        return cls(q, sz, perm, _group(lin, group_size), lin.bias, lin.qweight.device)
+        return cls(q, sz, perm, _group(lin, group_size), lin.bias, lin.qweight.device, lin.in_features)
 
 
 def _group(lin, group_size: int) -> int:
@@ -142,8 +163,8 @@ def _group(lin, group_size: int) -> int:
 
 def _gptq_codes(lin):
     """A 4-bit GPTQLinear -> (codes [out, in], zeros [groups, out], scales [groups, out])."""
-    codes = unpack_rows(lin.qweight, 4).t()  # [out, in]
-    zeros = unpack_rows(lin.qzeros.t().contiguous(), 4).t()  # [groups, out]
+    codes = unpack_rows(lin.qweight, 4, lin.in_features).t()  # [out, in]
+    zeros = unpack_rows(lin.qzeros.t().contiguous(), 4, lin.out_features).t()  # [groups, out]
     if lin.v1:
         zeros = (zeros + 1) & 0xF
     return codes, zeros, lin.scales
@@ -177,17 +198,20 @@ class TritonInt4Linear(nn.Module, FusedIO):
     """
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None, device: torch.device):
-        """codes: [out, in] in group order, zeros/scales: [groups, out], perm: [in] or None."""
+                 group_size: int, bias: torch.Tensor | None, device: torch.device, in_features: int | None = None):
+        """codes: [out, groups * group_size] in group order (whole_groups), zeros/scales: [groups, out],
+        perm: [in] or None, in_features: the real width (less than codes' when the last group is short)."""
         super().__init__()
         from llamactl.kernels.gemv import pack_int4
 
         self._set(pack_int4(codes.to(device)), scales.t().to(device=device, dtype=torch.float16),
                   zeros.t().to(device=device, dtype=torch.uint8), None if perm is None else perm.to(device), group_size,
-                  None if bias is None else bias.to(device=device, dtype=torch.bfloat16))
+                  None if bias is None else bias.to(device=device, dtype=torch.bfloat16), in_features)
 
-    def _set(self, qweight, scales, zeros, perm, group_size: int, bias) -> None:
-        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 8
+    def _set(self, qweight, scales, zeros, perm, group_size: int, bias, in_features: int | None = None) -> None:
+        self.out_features, width = qweight.shape[0], qweight.shape[1] * 8
+        self.in_features = in_features or width
+        self.pad = width - self.in_features  # a short last group's columns: x is zero there
         self.group_size = group_size
         self.register_buffer("qweight", qweight.contiguous())  # [out, in // 8] int32
         self.register_buffer("scales", scales.contiguous())  # [out, groups] fp16
@@ -198,7 +222,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self._init_fused_io()
 
     def can_fuse(self) -> bool:
-        return self.bias is None and self.perm is None  # act-order layers gather x first: not fused
+        # act-order layers gather x first, a short last group pads it: not fused
+        return self.bias is None and self.perm is None and self.pad == 0
 
     @classmethod
     def concat(cls, mods: list["TritonInt4Linear"]) -> "TritonInt4Linear | None":
@@ -206,7 +231,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         input orders (act-order permutations) or group sizes differ."""
         first = mods[0]
         if any(m.group_size != first.group_size or m.perm is not None or (m.bias is None) != (first.bias is None)
-               for m in mods):
+               or m.pad for m in mods):
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
@@ -228,7 +253,9 @@ class TritonInt4Linear(nn.Module, FusedIO):
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
-        if x2.shape[0] == 1:  # an act-order row
+        if self.pad:
+            x2 = F.pad(x2, (0, self.pad))  # [M, groups * group_size]
+        if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
         elif x2.shape[0] <= INT4_MULTIROW:  # a small decode batch: every weight read once for all rows

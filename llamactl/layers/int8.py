@@ -96,12 +96,12 @@ def _from_module(mod, triton: bool) -> Int8Kernel | None:
     if isinstance(mod, Int8Linear):
         return Int8Kernel(mod.weight, mod.SCB.float() / 127.0, mod.bias, triton)
     if isinstance(mod, GPTQLinear) and mod.bits == 8 and mod.scales.shape[0] == 1:
-        zeros = unpack_rows(mod.qzeros.t().contiguous(), 8).t()  # [1, out]
+        zeros = unpack_rows(mod.qzeros.t().contiguous(), 8, mod.out_features).t()  # [1, out]
         if mod.v1:
             zeros = (zeros + 1) & 0xFF
         if not bool((zeros == 128).all()):
             return None  # asymmetric: zero points are not expressible here
-        codes = unpack_rows(mod.qweight, 8).t()  # [out, in], in 0..255
+        codes = unpack_rows(mod.qweight, 8, mod.in_features).t()  # [out, in], in 0..255
         return Int8Kernel(codes - 128, mod.scales[0].float(), mod.bias, triton)
     return None
 

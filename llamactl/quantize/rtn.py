@@ -38,17 +38,24 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, cl
                  col_weight: torch.Tensor | None = None):
     """weight: [out, in] -> (codes [out, in], zeros [groups, out], scales [groups, out], g_idx [in]).
 
+    Any group size works on any width: groups = ceil(in / g), the last one shorter when g does not
+    divide the width (GPTQ's g_idx says so; its loaders size scales with the same ceil). The short
+    group is padded with zeros while its range is found, which changes nothing: the range always
+    includes 0, and a zero weight quantizes to exactly 0.
+
     With clip_search, each group's range is shrunk by the factor in CLIP_GRID that minimises the
     squared error, weighted per input column by col_weight: [in] (for example the mean squared
     activation of that input) when given.
     """
     out_f, in_f = weight.shape
-    g = in_f if group_size in (-1, 0) else group_size
-    w = weight.float().view(out_f, in_f // g, g)  # [out, groups, g]
+    g = in_f if group_size in (-1, 0) else min(group_size, in_f)
+    groups = -(-in_f // g)
+    pad = groups * g - in_f
+    w = torch.nn.functional.pad(weight.float(), (0, pad)).view(out_f, groups, g)  # [out, groups, g]
     scale, zero = group_params(w, bits, sym)
     if clip_search:
         cw = torch.ones(in_f) if col_weight is None else col_weight.float()
-        cw = cw.to(w.device).view(1, in_f // g, g)
+        cw = torch.nn.functional.pad(cw.to(w.device), (0, pad)).view(1, groups, g)
         best = torch.full(scale.shape, float("inf"), device=w.device)
         for r in CLIP_GRID:
             s, z = group_params(w, bits, sym, r)
@@ -57,9 +64,9 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, cl
             best = torch.where(better, err, best)
             scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     scale = scale.half().float()  # the checkpoint stores fp16 scales: round against those
-    codes = quantize_groups(w, scale, zero, bits).view(out_f, in_f).to(torch.int32)
+    codes = quantize_groups(w, scale, zero, bits).view(out_f, groups * g)[:, :in_f].to(torch.int32)
     g_idx = torch.arange(in_f, dtype=torch.int32, device=weight.device) // g
-    return codes, zero.t().contiguous(), scale.t().contiguous(), g_idx
+    return codes.contiguous(), zero.t().contiguous(), scale.t().contiguous(), g_idx
 
 
 def write_rtn(art, opts, folder, progress) -> dict:

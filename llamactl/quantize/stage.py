@@ -7,6 +7,7 @@ folder into place.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,11 +34,6 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
     if opts.method in ("gptq", "rtn"):
         if opts.group_size not in (-1,) and opts.group_size < 1:
             raise InputError(f"--group-size {opts.group_size} is not valid", "use a positive size such as 128, or -1")
-        if opts.group_size > 0:
-            for name, (fin, _) in target_linears(art, opts.lm_head).items():
-                if fin % opts.group_size:
-                    raise InputError(f"--group-size {opts.group_size} does not divide the {fin} input features of {name}",
-                                     "choose a divisor, for example 32, 64 or 128, or -1 for one group per row")
     if opts.method == "gptq" and not 0 < opts.damp < 1:
         raise InputError(f"--damp {opts.damp} is outside (0, 1)", "the usual value is 0.01")
     if opts.gptq_variant not in GPTQ_VARIANTS:
@@ -92,6 +88,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     t0 = time.perf_counter()
     with staged_output(out, force, log) as tmp:
         engine = _run_method(art, opts, tmp, dev, progress, log)
+        engine |= _short_groups(art, opts, tmp, log)
         copy_side_files(art.path, tmp)
         seconds = time.perf_counter() - t0
         metrics: dict[str, Any] = {"quantize_seconds": round(seconds, 2)}
@@ -104,6 +101,32 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
             metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
         params = used_params(opts) | {"engine": engine}
         return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
+
+
+# The group sizes GPTQModel's kernels (transformers' GPTQ loader) accept, as of 7.6.0.
+GPTQMODEL_GROUPS = (-1, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _short_groups(art, opts, folder: Path, log) -> dict[str, Any]:
+    """Where the group size does not divide a layer's width (its last group is shorter), point
+    transformers at GPTQModel's torch kernel, the one of its kernels that pads (its others need
+    whole groups), and say who reads the folder."""
+    if opts.method not in ("gptq", "rtn") or opts.group_size <= 0:
+        return {}
+    short = sorted({fin for fin, _ in target_linears(art, opts.lm_head).values() if fin % opts.group_size})
+    if not short:
+        return {}
+    widths = ", ".join(f"{w} = {w // opts.group_size} x {opts.group_size} + {w % opts.group_size}" for w in short)
+    log(f"--group-size {opts.group_size} leaves a shorter last group in layers {widths} wide")
+    if opts.group_size not in GPTQMODEL_GROUPS:
+        log(f"transformers' GPTQ loader (GPTQModel) takes group sizes {', '.join(map(str, GPTQMODEL_GROUPS))}: "
+            "only llamactl reads this folder")
+        return {"short_last_group": short}
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["backend"] = "torch"
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log("config.json names GPTQModel's torch kernel (backend: torch) for transformers, whose other kernels need whole groups")
+    return {"short_last_group": short, "transformers_backend": "torch"}
 
 
 def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
