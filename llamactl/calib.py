@@ -27,8 +27,8 @@ class CalibSpec:
     name: str
     source: dict[str, Any]
     text_field: str = "text"
-    n_samples: int = 128
-    seq_len: int = 2048
+    n_samples: int = 64  # 64 x 512: chosen from the measured curve in docs/quantize-quality.md
+    seq_len: int = 512
     seed: int = 0
     base_dir: str = field(default="", compare=False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -320,8 +321,8 @@ def quantize(
     gptq_variant: Annotated[str, typer.Option("--gptq-variant", help="GPTQModel algorithm: gptq, gptaq or foem.")] = "gptq",
     lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Quantize lm_head too (kept 16-bit by default).")] = False,
     calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
-    n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 128).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 2048).")] = None,
+    n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 512).")] = None,
     eval_file: EvalOpt = None,
     eval_tokens: EvalTokensOpt = 32768,
     device: DeviceOpt = "auto",
@@ -393,6 +394,45 @@ def convert_heads(
                 f"{q['top1_agreement'] * 100:.0f}%)" + (f"; {' and '.join(repair)} {'repair' if len(repair) > 1 else 'repairs'} most of it" if repair else ""))
 
 
+@app.command()
+def convert(
+    source: Annotated[str, typer.Argument(metavar="SRC", help="A Meta checkpoint folder (params.json, consolidated.NN.pth), a .gguf file, or a Hugging Face folder.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Output: a folder (Hugging Face), or FILE.gguf.")],
+    to: Annotated[str, typer.Option(help="hf or gguf; auto: gguf when -o ends in .gguf.")] = "auto",
+    gguf_type: Annotated[str, typer.Option("--type", help="GGUF tensor type: auto (16-bit as stored, quantized layers as their own 32-blocks), f32, f16, bf16, q8_0, q4_0, q4_1.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="16-bit dtype of a Hugging Face output: auto (the source's; bf16 for GGUF), bf16, f16, f32.")] = "auto",
+    tokenizer: Annotated[Optional[str], typer.Option(help="A Hugging Face folder whose tokenizer a Meta checkpoint without tokenizer.model takes.")] = None,
+    context: Annotated[Optional[int], typer.Option(min=1, help="Context length of a Meta checkpoint (default: its release's: 4096 Llama 2, 8192 Llama 3, 131072 Llama 3.1).")] = None,
+    dequantize: Annotated[bool, typer.Option("--dequantize", help="GGUF -> HF: dequantize Q4_0/Q8_0 layers too (kept quantized by default).")] = False,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens of the KL check when layers are requantized for GGUF; 0 skips it.")] = 4096,
+    allow_pickle: PickleOpt = False,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Convert between Meta checkpoints, GGUF files and Hugging Face folders."""
+    from llamactl.interop.stage import ConvertOptions, convert as run
+
+    opts = ConvertOptions(to=to, type=gguf_type, dtype=dtype, tokenizer=tokenizer, context=context,
+                          keep_quantized=not dequantize, allow_pickle=allow_pickle, eval_tokens=eval_tokens)
+    result = run(source, output, opts, force=force, log=ui.log)
+    if json_out:
+        ui.emit_json(result)
+        return
+    p, m = result["params"], result.get("metrics") or {}
+    rows = [("source", f"{p['source']['kind']}: {p['source']['path']}"), ("output", result["output"])]
+    if p["to"] == "gguf":
+        rows += [("tensor types", ", ".join(f"{k} {v}" for k, v in sorted(m["tensor_types"].items()))),
+                 ("size", f"{ui.human_bytes(m['bytes'])} ({m['bits_per_weight']:.2f} bits per weight)"),
+                 ("exact / requantized layers", f"{m['exact_layers']} / {m['requantized_layers']}")]
+        if m.get("added_kl"):
+            k = m["added_kl"]
+            rows.append(("added KL (requantized)", f"{k['kl_mean']:.5f} nats over {k['tokens']} tokens, top-1 {k['top1_agreement'] * 100:.1f}%"))
+    else:
+        rows += [("tensor types", ", ".join(f"{k} {v}" for k, v in sorted(p.get("tensor_types", {}).items())) or "-"),
+                 ("kept quantized", p.get("kept_quantized") or "no"), ("tokenizer", json.dumps(p.get("tokenizer")))]
+    ui.table("convert", ["", ""], rows)
+
+
 @app.command("compile")
 def compile_cmd(
     model: ModelArg = None,
@@ -445,6 +485,8 @@ def _report(manifest: dict, json_out: bool) -> None:
                  ("KL, p99", "0", f"{q['kl_p99']:.5f}"),
                  ("top-1 agreement", "100%", f"{q['top1_agreement'] * 100:.2f}%")]
     rows.append(("time", "", f"{m.get('quantize_seconds', 0):.1f} s"))
+    if "eval_seconds" in m:
+        rows.append(("quality report time", "", f"{m['eval_seconds']:.1f} s"))
     title = f"{manifest['stage']} -> {manifest['output']}" + (f" ({q['tokens']} eval tokens)" if q else "")
     ui.table(title, ["", "parent", "child"], rows)
 

@@ -84,6 +84,7 @@ def test_rtn_cli_writes_gptq_checkpoint_with_manifest_and_report(tiny128, tmp_pa
     for key in ("kl_mean", "ppl", "ppl_parent", "top1_agreement"):
         assert isinstance(q[key], float)
     assert q["kl_mean"] > 0 and 0 < q["top1_agreement"] <= 1 and q["tokens"] >= 1000
+    assert report["metrics"]["eval_seconds"] > 0  # the quality report's time, apart from quantizing's
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "gptq" and cfg["bits"] == 4 and cfg["group_size"] == 64
     man = json.loads((out / MANIFEST).read_text())
@@ -153,6 +154,7 @@ def test_gptq_through_gptqmodel(tiny128, tmp_path, monkeypatch):
     eng = report["params"]["engine"]
     assert eng["name"] == "gptqmodel" and eng["act_group_aware"] is False and eng["damp_percent"] == 0.01
     assert eng["calibration"]["n_samples"] == 8 and eng["calibration"]["tokens"] == 8 * 64
+    assert "expect about" in r.stderr  # the expected time, said before the work (issue 26)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["checkpoint_format"] == "gptq" and cfg["desc_act"] is False
     assert report["quality"]["kl_mean"] > 0
@@ -326,6 +328,8 @@ def test_calib_specs_and_packing(tmp_path):
 
     assert {"docs", "wikitext2", "c4"} <= set(available_specs())
     tok = load_tokenizer(open_artifact(DEFAULT_MODEL))
+    default = resolve_spec("docs")
+    assert (default.n_samples, default.seq_len) == (64, 512)  # the measured choice (docs/quantize-quality.md)
     s = build_samples(resolve_spec("docs", n_samples=4, seq_len=256), tok)
     assert s.shape == (4, 256)
     txt = tmp_path / "short.txt"

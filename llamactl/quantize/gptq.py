@@ -39,6 +39,19 @@ def clean_stale_offload(log) -> None:
             log(f"removed {p}, GPTQModel's offload folder of a run that was killed")
 
 
+# GPTQModel 7.6.0 on 2 CPU cores, the embedded 17M model (docs/quantize-quality.md, calibration
+# curve): about 15 s of fixed cost, then 0.9 ms per calibration token.
+CPU_FIXED_S, CPU_S_PER_TOKEN, CPU_REF_PARAMS, CPU_REF_CORES = 15.0, 0.9e-3, 17e6, 2
+
+
+def expected_cpu_seconds(art, tokens: int) -> float:
+    """A rough time for GPTQ on this CPU: the measured run scaled by tokens, parameters and cores."""
+    from llamactl.info import params_from_config
+
+    scale = params_from_config(art.args) / CPU_REF_PARAMS * CPU_REF_CORES / max(1, len(os.sched_getaffinity(0)))
+    return CPU_FIXED_S + CPU_S_PER_TOKEN * tokens * scale
+
+
 def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
     """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
     clean_stale_offload(log)
@@ -59,6 +72,9 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
     if samples.shape[0] < spec.n_samples:
         log(f"calibration set {spec.name!r} gave {samples.shape[0]} samples of {spec.seq_len} tokens, not {spec.n_samples}")
 
+    if dev.type == "cpu":
+        log(f"GPTQ on {samples.numel():,} calibration tokens: expect about {expected_cpu_seconds(art, samples.numel()):.0f} s "
+            "on this CPU (scaled from a measured run; fewer tokens with --n-samples/--seq-len)")
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, os.cpu_count() or 1)))
     log_path = folder / ENGINE_LOG
     with progress("gptq layers", art.args.num_hidden_layers) as advance, open(log_path, "w") as engine_log, \

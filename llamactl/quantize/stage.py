@@ -98,7 +98,9 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
         if eval_tokens > 0:
             log("measuring quality against the parent")
+            t1 = time.perf_counter()
             metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
+            metrics["eval_seconds"] = round(time.perf_counter() - t1, 2)
         params = used_params(opts) | {"engine": engine}
         return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}
 
