@@ -22,6 +22,7 @@ _llamactl() {
         compile:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
         compile:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
         compile:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
+        convert:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
         convert-heads:--grouping) COMPREPLY=( $(compgen -W "contiguous similarity" -- "$cur") ); return ;;
         convert-heads:--merge) COMPREPLY=( $(compgen -W "fit mean" -- "$cur") ); return ;;
         convert-heads:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
@@ -42,12 +43,13 @@ _llamactl() {
         serve:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
     esac
     if [ -z "$cmd" ]; then
-        COMPREPLY=( $(compgen -W "bench compile convert-heads generate inspect quantize serve --quiet -q --version --help -h" -- "$cur") )
+        COMPREPLY=( $(compgen -W "bench compile convert convert-heads generate inspect quantize serve --quiet -q --version --help -h" -- "$cur") )
         return
     fi
     case "$cmd" in
         bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --model --api-key --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
+        convert) opts="--output -o --to --type --dtype --tokenizer --context --dequantize --eval-tokens --allow-pickle --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
         generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --ignore-eos --compile --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;

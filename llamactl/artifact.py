@@ -17,7 +17,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from llamactl import __version__
 from llamactl.config import LlamaArgs
@@ -414,6 +414,48 @@ def staged_output(out: Path, force: bool, log=lambda message: None) -> Iterator[
             raise
 
 
+def check_output_file(out: Path, force: bool, inputs: list[Path], kind: str, is_kind: Callable[[Path], bool]) -> None:
+    """check_output for a one-file output (a GGUF): --force replaces only a file of the same kind."""
+    out = Path(out)
+    target = out.resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if target == src or src in target.parents:
+            raise InputError(f"output {out} is the input or inside it", "inputs are never modified: choose another -o")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+        if out.is_symlink() or not out.is_file() or not is_kind(out):
+            raise OutputExistsError(f"output {out} exists and is not a {kind} file",
+                                    f"--force replaces only {kind} files: choose another -o path")
+    check_writable_file(out, "-o")
+
+
+@contextlib.contextmanager
+def staged_file(out: Path, force: bool, kind: str, is_kind: Callable[[Path], bool], log=lambda message: None) -> Iterator[Path]:
+    """Yield a temporary file name beside `out`; rename it into place only if the block succeeds
+    (reserved and cleaned as staged_output does)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for p in clean_stale(out):
+        log(f"removed {p}, left by a run that was killed")
+    with _reserve(out):
+        check_output_file(out, force, [], kind, is_kind)
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            yield tmp
+            if out.exists() and not force:
+                raise OutputExistsError(f"output {out} appeared while this run worked; nothing was replaced",
+                                        "pass --force to replace it, or choose another -o path")
+            _follow_umask(tmp)
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
 def copy_side_files(src: Path, dst: Path) -> None:
     """Copy tokenizer files and generation_config.json from a parent folder."""
     for name in TOKENIZER_FILES + SIDE_FILES:
@@ -484,6 +526,49 @@ def save_weights(state: dict[str, Any], folder: Path, max_shard_bytes: int = 2 <
     total = sum(t.numel() * t.element_size() for t in state.values())
     (folder / ST_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
+
+
+class ShardWriter:
+    """Safetensors shards written as tensors arrive (so a conversion holds at most one shard in
+    memory), named and indexed as save_weights names them when closed."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = 2 << 30):
+        self.folder, self.max = folder, max_shard_bytes
+        self.pending: dict[str, Any] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []  # (temporary name, tensor names)
+        self.total = 0
+
+    def add(self, name: str, tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = f".shard-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.folder / tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.pending, self.size = {}, 0
+
+    def close(self) -> list[str]:
+        if self.pending or not self.files:
+            self._flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        weight_map = {}
+        for (tmp, tensors), name in zip(self.files, names):
+            os.replace(self.folder / tmp, self.folder / name)
+            _follow_umask(self.folder / name)
+            weight_map.update({t: name for t in tensors})
+        if n > 1:
+            (self.folder / ST_INDEX).write_text(
+                json.dumps({"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+        return names
 
 
 def atomic_write_text(path: Path, text: str) -> None:

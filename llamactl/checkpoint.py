@@ -30,14 +30,20 @@ def iter_checkpoint(art: Artifact) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, fh.get_tensor(name)
     else:
         for f in art.weight_files:
-            try:
-                sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # a pickle that weights_only refuses, or a corrupt file
-                raise CheckpointError(f"{f} could not be loaded safely ({_refusal(e)})",
-                                      "only plain tensor files load; convert it to safetensors with the tool that made it")
-            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-                raise CheckpointError(f"{f} is not a plain dict of tensors", "convert it to safetensors")
-            yield from sd.items()
+            yield from load_tensor_pickle(f).items()
+
+
+def load_tensor_pickle(f) -> dict[str, torch.Tensor]:
+    """A pickled dict of tensors, memory-mapped, through torch.load(weights_only=True): nothing in
+    the file runs; anything but plain tensors is refused with one line."""
+    try:
+        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a pickle that weights_only refuses, or a corrupt file
+        raise CheckpointError(f"{f} could not be loaded safely ({_refusal(e)})",
+                              "only plain tensor files load; convert it to safetensors with the tool that made it")
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise CheckpointError(f"{f} is not a plain dict of tensors", "convert it to safetensors")
+    return sd
 
 
 def load_tokenizer(art: Artifact):

@@ -66,12 +66,13 @@ def describe(art: Artifact) -> dict[str, Any]:
         if a.tie_word_embeddings and "lm_head.weight" not in index:
             info["params_note"] = "lm_head shares the embedding matrix"
     else:
-        info["params"] = _params_from_config(a)
+        info["params"] = params_from_config(a)
         info["memory_bytes"] = None
     return info
 
 
-def _params_from_config(a) -> int:
+def params_from_config(a) -> int:
+    """Parameters of the model a config describes (weights, embeddings once when tied, norms)."""
     attn = a.hidden_size * a.head_dim * (2 * a.num_attention_heads + 2 * a.num_key_value_heads)
     mlp = 3 * a.hidden_size * a.intermediate_size
     per_layer = attn + mlp + 2 * a.hidden_size
