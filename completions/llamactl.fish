@@ -58,7 +58,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from compile' -F
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l output -s o -r -d 'Output: a folder (Hugging Face), or FILE.gguf.'
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l to -r -d 'hf or gguf; auto: gguf when -o ends in .gguf.'
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l type -r -d 'GGUF tensor type: auto (16-bit as stored, quantized layers as their own 32-blocks), f32, f16, bf16, q8_0, q4_0, q4_1.'
-complete -c llamactl -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'auto float32 bfloat16 float16' -d '16-bit dtype of a Hugging Face output: auto (the sources; bf16 for GGUF), bf16, f16, f32.'
+complete -c llamactl -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'auto float32 bfloat16 float16' -d 'dtype of a Hugging Face output: auto (the sources; bf16 for a quantized GGUF), bf16, f16, f32.'
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l tokenizer -r -d 'A Hugging Face folder whose tokenizer a Meta checkpoint without tokenizer.model takes.'
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l context -r -d 'Context length of a Meta checkpoint (default: its releases: 4096 Llama 2, 8192 Llama 3, 131072 Llama 3.1).'
 complete -c llamactl -n '__fish_seen_subcommand_from convert' -l dequantize -d 'GGUF -> HF: dequantize Q4_0/Q8_0 layers too (kept quantized by default).'

@@ -400,7 +400,7 @@ def convert(
     output: Annotated[str, typer.Option("--output", "-o", help="Output: a folder (Hugging Face), or FILE.gguf.")],
     to: Annotated[str, typer.Option(help="hf or gguf; auto: gguf when -o ends in .gguf.")] = "auto",
     gguf_type: Annotated[str, typer.Option("--type", help="GGUF tensor type: auto (16-bit as stored, quantized layers as their own 32-blocks), f32, f16, bf16, q8_0, q4_0, q4_1.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="16-bit dtype of a Hugging Face output: auto (the source's; bf16 for GGUF), bf16, f16, f32.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="dtype of a Hugging Face output: auto (the source's; bf16 for a quantized GGUF), bf16, f16, f32.")] = "auto",
     tokenizer: Annotated[Optional[str], typer.Option(help="A Hugging Face folder whose tokenizer a Meta checkpoint without tokenizer.model takes.")] = None,
     context: Annotated[Optional[int], typer.Option(min=1, help="Context length of a Meta checkpoint (default: its release's: 4096 Llama 2, 8192 Llama 3, 131072 Llama 3.1).")] = None,
     dequantize: Annotated[bool, typer.Option("--dequantize", help="GGUF -> HF: dequantize Q4_0/Q8_0 layers too (kept quantized by default).")] = False,

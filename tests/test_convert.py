@@ -329,3 +329,23 @@ def test_gguf_bad_inputs(tmp_path):
     refused(convert(src, "-o", good), "already exists", "--force")
     refused(convert(good, "-o", tmp_path / "x.gguf"), "converts to a Hugging Face folder first")
     assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@needs_gguf
+def test_llama31_rope_scaling_survives_every_direction(tmp_path):
+    """Llama 3.1's RoPE scaling: Meta's use_scaled_rope becomes rope_type llama3; GGUF carries it
+    as llama.cpp's rope_freqs factors and reads back as the same config and logits."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    hf = make_hf_model(tmp_path / "hf", rope=rope, heads=4, kv_heads=2, seed=4)
+    meta = make_meta(hf, tmp_path / "meta")
+    params = json.loads((meta / "params.json").read_text())
+    (meta / "params.json").write_text(json.dumps({**params, "use_scaled_rope": True, "rope_theta": 500000.0}))
+    assert convert(meta, "-o", tmp_path / "m", "--allow-pickle", "--tokenizer", hf).exit_code == 0
+    got = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert got["rope_parameters"] == rope and got["max_position_embeddings"] == 131072
+    assert convert(hf, "-o", tmp_path / "r.gguf").exit_code == 0
+    assert convert(tmp_path / "r.gguf", "-o", tmp_path / "back").exit_code == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == rope
+    ids = torch.arange(2, 40)
+    torch.testing.assert_close(llamactl_logits(tmp_path / "back", ids), llamactl_logits(hf, ids), rtol=0, atol=0)

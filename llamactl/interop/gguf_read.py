@@ -93,7 +93,7 @@ def _llama3_rope(t, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
     factors = torch.from_numpy(np.asarray(t.data, dtype=np.float32).reshape(-1).copy())
     rope = {"rope_theta": theta, "rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    args = LlamaArgs.from_hf({"hidden_size": head_dim, "num_attention_heads": 1, "num_hidden_layers": 1,
+    args = LlamaArgs.from_hf({"model_type": "llama", "hidden_size": head_dim, "num_attention_heads": 1, "num_hidden_layers": 1,
                               "intermediate_size": 1, "vocab_size": 1, "head_dim": head_dim, "rope_parameters": rope})
     if not torch.allclose(_rope_freqs(args), factors, rtol=1e-3):
         raise CheckpointError(f"{path}: rope_freqs is not Llama 3.1's RoPE scaling", "llamactl reads default and llama3 RoPE")
@@ -120,10 +120,11 @@ def _array(t) -> np.ndarray:
                               "requantize the file with llama.cpp to a supported type (Q8_0, Q4_K_M, ...)")
 
 
-def convert_gguf(path: Path, folder: Path, writer, dtype: torch.dtype, keep_quantized: bool,
+def convert_gguf(path: Path, folder: Path, writer, dtype: torch.dtype | None, keep_quantized: bool,
                  log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write the file's tensors to `writer` (artifact.ShardWriter) and its tokenizer into
-    `folder`; returns (config.json, facts for the manifest)."""
+    `folder`; returns (config.json, facts for the manifest). dtype None: the file's own float type
+    of its embedding (F32, F16 or BF16), bf16 where that is quantized."""
     from llamactl.interop import gguf_blocks
     from llamactl.layers.gptq import pack_gptq
 
@@ -138,6 +139,8 @@ def convert_gguf(path: Path, folder: Path, writer, dtype: torch.dtype, keep_quan
     missing = sorted(n for n in by_gguf if n not in tensors and n != "output.weight")
     if missing:
         raise CheckpointError(f"{path}: tensors {', '.join(missing[:3])} are missing", "the file is incomplete; convert it again")
+    if dtype is None:
+        dtype = {"F32": torch.float32, "F16": torch.float16}.get(tensors["token_embd.weight"].tensor_type.name, torch.bfloat16)
     linear_types = {tensors[n].tensor_type.name for n in tensors if n.startswith("blk.") and not n.endswith("norm.weight")}
     kept = next(iter(linear_types)) if keep_quantized and len(linear_types) == 1 and linear_types <= set(KEPT) else None
     types: dict[str, int] = {}

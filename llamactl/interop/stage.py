@@ -97,7 +97,7 @@ def convert(src: str | Path, out: str | Path, opts: ConvertOptions, *, force: bo
         else:
             from llamactl.interop.gguf_read import convert_gguf
 
-            config, facts = convert_gguf(src, tmp, writer, dtype or torch.bfloat16, opts.keep_quantized, log)
+            config, facts = convert_gguf(src, tmp, writer, dtype, opts.keep_quantized, log)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         from llamactl.load import check_tensors
