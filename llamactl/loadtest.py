@@ -160,13 +160,34 @@ async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
                                  "check the server, --model and --api-key")
         rows = []
         for c in load.concurrency:
+            before = await _engine_times(client)
             results, wall = await _level(client, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
+            after = await _engine_times(client)
             row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
                    "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
                    "url": load.url, **summarize(results, wall)}
+            if before and after:  # llamactl's server: where its step loop spent the level's time
+                row["engine"] = {k: after[k] - before.get(k, 0) if not k.endswith("_max_seconds") else after[k]
+                                 for k in after}
             rows.append(row)
             on_row(row)
     return rows
+
+
+async def _engine_times(client) -> dict[str, float] | None:
+    """llamactl_engine_* values of a llamactl server's /metrics (None for other servers)."""
+    try:
+        resp = await client.get("/metrics")
+    except Exception:
+        return None
+    if resp.status_code != 200:
+        return None
+    out = {}
+    for line in resp.text.splitlines():
+        if line.startswith("llamactl_engine_"):
+            name, _, value = line.partition(" ")
+            out[name.removeprefix("llamactl_engine_")] = float(value)
+    return out or None
 
 
 async def _first_model(client, url: str) -> str:

@@ -289,8 +289,10 @@ def test_unknown_routes_and_methods_are_json_errors(server):
 
 def test_metrics_are_prometheus_text(server):
     server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+    assert server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": -1}).status_code == 400
     text = server.client.get("/metrics").text
     for name in ("llamactl_requests_running", "llamactl_requests_waiting", "llamactl_generation_tokens_total",
+                 "llamactl_engine_decode_seconds", "llamactl_engine_prefill_max_seconds",
                  "llamactl_time_to_first_token_seconds_bucket", "llamactl_inter_token_latency_seconds_count",
                  'llamactl_requests_finished_total{finish_reason="length"}', 'llamactl_requests_rejected_total{status="400"}'):
         assert name in text, name
@@ -311,6 +313,9 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
         assert row["output_tokens_mean"] == 6 and row["output_tok_s"] > 0 and row["decode_tok_s"] == row["output_tok_s"]
         assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p95"] <= row["ttft_ms_p99"]
         assert row["itl_ms_p50"] > 0 and row["e2e_s_p50"] > 0 and row["prompt_tokens_mean"] >= 12
+        eng = row["engine"]  # the level's share of the step loop's time, from the server's /metrics
+        assert eng["decode_rows"] == 3 * 5 and eng["decode_steps"] >= 5 and eng["prefill_tokens"] == 3 * row["prompt_tokens_mean"]
+        assert 0 < eng["prefill_seconds"] and 0 < eng["decode_seconds"] < row["duration_s"]
     from llamactl.report import compare, load_report
 
     diffs, _ = compare(load_report(out), load_report(out), 0.05)  # --compare gates load tests too

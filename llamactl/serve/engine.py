@@ -54,6 +54,27 @@ class Event:
     error: str = ""
 
 
+@dataclass
+class EngineTimes:
+    """Where the step loop's time goes (seconds and counts since start; /metrics exports them).
+    Each time includes its host read, so it is the device's work plus the launch overhead."""
+
+    prefill_s: float = 0.0
+    prefill_forwards: int = 0
+    prefill_tokens: int = 0
+    prefill_max_s: float = 0.0  # the slowest forward: a first shape's plan costs land here
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0  # summed over steps: rows that received a token
+    emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
+
+    def prefilled(self, seconds: float, tokens: int) -> None:
+        self.prefill_s += seconds
+        self.prefill_forwards += 1
+        self.prefill_tokens += tokens
+        self.prefill_max_s = max(self.prefill_max_s, seconds)
+
+
 class QueueFull(Exception):
     """Every slot is busy and the queue holds --max-queue requests."""
 
@@ -121,6 +142,7 @@ class Engine:
         self._cv = threading.Condition()
         self._stopping = False
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
+        self.times = EngineTimes()
         self._thread = threading.Thread(target=self._run, name="llamactl-engine", daemon=True)
 
     # -- for callers (any thread) --------------------------------------------------------------
@@ -252,6 +274,7 @@ class Engine:
                 n = len(r.prompt) - r.prefilled if budget is None else min(budget, len(r.prompt) - r.prefilled)
                 chunk = r.prompt[r.prefilled : r.prefilled + n]
                 padded = min(-(-n // self.pad_to) * self.pad_to, self.max_seq - r.prefilled)
+                t0 = time.perf_counter()
                 ids = torch.tensor([chunk + [0] * (padded - n)], device=self.device)  # [1, padded]
                 tok = self.decoder.prefill(ids, slot=r.slot, start=r.prefilled, valid=n)  # [1]
                 r.prefilled += n
@@ -260,7 +283,13 @@ class Engine:
                 if r.decoding:
                     self._tok[r.slot] = tok[0]
                     r.pos = len(r.prompt)
-                    self._emit(r, int(tok[0]), time.perf_counter())
+                    first = int(tok[0])  # the host read
+                    self.times.prefilled(time.perf_counter() - t0, n)
+                    self._emit(r, first, time.perf_counter())
+                else:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    self.times.prefilled(time.perf_counter() - t0, n)
             if budget is not None and budget <= 0:
                 break
 
@@ -276,11 +305,14 @@ class Engine:
                 room -= len(r.prompt)
         if len(group) < 2:
             return budget
+        t0 = time.perf_counter()
         s = min(-(-max(len(r.prompt) for r in group) // self.pad_to) * self.pad_to, self.max_seq)
         ids = torch.tensor([r.prompt + [0] * (s - len(r.prompt)) for r in group], device=self.device)  # [k, s]
         toks = self.decoder.prefill_slots(ids, [r.slot for r in group], [len(r.prompt) for r in group])  # [k]
         self._tok[torch.tensor([r.slot for r in group], device=self.device)] = toks
-        now, first = time.perf_counter(), toks.tolist()
+        first = toks.tolist()  # the host read
+        now = time.perf_counter()
+        self.times.prefilled(now - t0, sum(len(r.prompt) for r in group))
         for r, t in zip(group, first):
             r.prefilled = r.pos = len(r.prompt)
             self._emit(r, t, now)
@@ -296,13 +328,18 @@ class Engine:
         pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots[:b]]
         self.rows.greedy = all(r.params.temperature == 0 for r in self._slots[:b] if r is not None)
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)  # eager SDPA: the cache rows in use
+        t0 = time.perf_counter()
         out = self.decoder.step(self._tok[:b], torch.tensor(pos, device=self.device), kv_len)  # [b]
         self._tok[:b].copy_(out)
         tokens = out.tolist()  # the one host read a step
         now = time.perf_counter()
+        self.times.decode_s += now - t0
+        self.times.decode_steps += 1
+        self.times.decode_rows += len(live)
         for r in live:
             r.pos += 1
             self._emit(r, tokens[r.slot], now)
+        self.times.emit_s += time.perf_counter() - now
 
     def _emit(self, r: Request, token: int, now: float) -> None:
         if token in self.eos_ids and not r.params.ignore_eos:

@@ -28,6 +28,16 @@ class Metrics:
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("llamactl_inter_token_latency_seconds", "Time between a request's tokens.",
                              buckets=_STEP, registry=r)
+        for field, help_ in (("prefill_s", "Seconds in prefill forwards (each with its host read)."),
+                             ("prefill_forwards", "Prefill forwards run."),
+                             ("prefill_tokens", "Prompt tokens prefilled."),
+                             ("prefill_max_s", "The slowest prefill forward, seconds."),
+                             ("decode_s", "Seconds in decode steps (each with its host read)."),
+                             ("decode_steps", "Decode steps run."),
+                             ("decode_rows", "Tokens the decode steps gave to requests."),
+                             ("emit_s", "Seconds handing tokens to callers on the engine's thread.")):
+            name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
+            Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
         self.e2e = Histogram("llamactl_request_latency_seconds", "Arrival to the last token.", buckets=_LATENCY,
                              registry=r)
 
