@@ -254,3 +254,31 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
           "vs generate:", [agree(together[i], want[i]) for i in range(4)])
     assert all(together[i][:3] == alone[i][:3] == want[i][:3] for i in range(4))
     assert sum(agree(together[i], want[i]) for i in range(4)) / 4 >= 0.6
+
+
+def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
+    """192-wide layers in groups of 128 (a short last group, issue 26): the Triton int4 layers pad
+    it, at one row (GEMV), a few (multirow) and a prefill (dequantize + cuBLAS)."""
+    from typer.testing import CliRunner
+
+    from conftest import make_hf_model
+    from llamactl.cli import app
+    from llamactl.layers.int4 import TritonInt4Linear
+
+    src = make_hf_model(tmp_path / "w192", hidden=192, heads=4, kv_heads=2, seed=3)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(src), "--method", "rtn", "--group-size", "128", "-o", str(out),
+                                   "--device", "cpu", "--eval-tokens", "0"])
+    assert res.exit_code == 0, res.output
+    fast = load_model(open_artifact(out), torch.device("cuda"), torch.bfloat16)
+    ref = load_model(open_artifact(out), torch.device("cuda"), torch.float32)
+    assert any(isinstance(m, TritonInt4Linear) and m.pad for m in fast.modules())
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 192, device="cuda")
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            a = fast.model.layers[0].get_submodule(name)
+            b = ref.model.layers[0].get_submodule(name)
+            if a.in_features != 192:
+                continue
+            y, want = a(x.to(torch.bfloat16)).float(), b(x)
+            assert ((y - want).norm() / want.norm()) < 2e-2, (name, rows)
