@@ -8,13 +8,20 @@ is what CUDA graphs and torch.compile need.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llamactl.config import LlamaArgs
+
+# SDPA's kernels for prefill on CUDA, without cuDNN's: cuDNN builds a plan for each new shape (an
+# H200 spent 1.1 s on the first 192-token prompt, 40 ms after; docs/bench/README.md), which lands
+# in the time to first token of every prompt length a server or `generate` has not seen.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -171,7 +178,8 @@ class Attention(nn.Module):
             # sequence axis. No K/V copy, and SDPA's fused kernels accept the mask.
             q = q.reshape(b, self.n_kv_heads, rep * s, self.head_dim)  # [B, H_kv, rep*S, D]
             mask = mask.repeat(1, 1, rep, 1)  # [1 or B, 1, rep*S, max_seq]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
+        with sdpa_kernel(PREFILL_SDPA) if q.is_cuda else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
         return add_linear(self.o_proj, y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim), residual)
 
