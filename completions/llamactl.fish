@@ -101,6 +101,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from generate' -l kernels -x -a 
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l pins-file -r -d 'Pinned kernel configs to run over the packaged ones (a file `llamactl bench --tune` wrote) (default: LLAMACTL_PINS_FILE).'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l json -d 'Print one JSON object on stdout instead of tables.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l allow-pickle -d 'Allow .bin/.pth weights (loaded with weights_only=True).'
+complete -c llamactl -n '__fish_seen_subcommand_from generate' -l tp -r -d 'Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -l help -s h -d 'Show help.'
 complete -c llamactl -n '__fish_seen_subcommand_from generate' -F
 complete -c llamactl -n '__fish_seen_subcommand_from inspect' -l json -d 'Print one JSON object on stdout instead of tables.'

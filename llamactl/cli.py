@@ -97,6 +97,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cud
 DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_check_dtype,
     help="auto, float32, bfloat16 or float16; auto = the checkpoint's on a GPU, float32 on the CPU for small models.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow .bin/.pth weights (loaded with weights_only=True).")]
 
 
@@ -134,6 +135,7 @@ def generate(
     pins_file: PinsFileOpt = None,
     json_out: JsonOpt = False,
     allow_pickle: PickleOpt = False,
+    tp: TpOpt = 1,
 ):
     """Generate text, streamed to stdout; timing goes to stderr."""
     from llamactl import generate as gen
@@ -141,6 +143,9 @@ def generate(
     from llamactl.load import load
 
     options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    world = _tensor_parallel(tp, model, device, allow_pickle)
+    if world and compile_:
+        raise InputError("--compile with --tp is not supported yet", "drop --compile (CUDA graphs still capture each rank's step)")
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
@@ -154,10 +159,14 @@ def generate(
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
         raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
-    art, m, tok, _ = load(model, device, dtype, allow_pickle, options)
+    art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
+    if world and temperature > 0 and seed is None:
+        from llamactl.tp import shared_seed
+
+        seed = shared_seed()  # every rank must draw the same tokens
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     mode, buckets, entry = None, None, None
     if compile_:
@@ -183,7 +192,8 @@ def generate(
     _warn_about_gemv(plan, result.device, entry, quant_inputs)
     if json_out:
         ui.emit_json({"model": str(art.path), **vars(result),
-                      "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now")})
+                      "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now"),
+                      "tensor_parallel": m.tp.describe() if world else None})
         return
     compiled = ""
     if compile_:
@@ -193,6 +203,35 @@ def generate(
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
            f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
            f"{result.extra.get('attention_backend')}[/dim]")
+
+
+def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool):
+    """--tp N: start N processes of this command (unless torchrun did) and join their group;
+    None for --tp 1. Rank 0 prints; the others only their errors."""
+    if tp == 1:
+        return None
+    from llamactl import tp as tpm
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    if not tpm.under_launcher():
+        from llamactl.artifact import open_artifact, resolve_model_path
+
+        art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
+        tpm.check_shard_fits(art, tp)  # one line before any process starts
+        if dev.type == "cuda" and torch_cuda_count() < tp:
+            raise InputError(f"--tp {tp} needs {tp} GPUs; {torch_cuda_count()} visible", f"use --tp {torch_cuda_count()} or fewer")
+        raise typer.Exit(tpm.launch(tp, sys.argv[1:]))
+    world = tpm.join(tp, dev)
+    if world.rank:
+        ui.follow()
+    return world
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 @app.command()

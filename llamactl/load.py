@@ -45,12 +45,13 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact) -> torch.dtype
     return stored
 
 
-def _skeleton(art: Artifact):
-    """The runtime model on the meta device with the format's modules swapped in, its renamer and format."""
+def _skeleton(art: Artifact, args=None):
+    """The runtime model on the meta device with the format's modules swapped in, its renamer and
+    format; args: another shape than the folder's (a tensor-parallel rank's, tp.local_args)."""
     from llamactl.model import LlamaModel
 
     with torch.device("meta"):
-        model = LlamaModel(art.args)
+        model = LlamaModel(args or art.args)
     fmt = None
     if art.quantization:
         from llamactl.quantize.formats import for_checkpoint
@@ -121,10 +122,68 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
     return model.eval()
 
 
+def load_shard(art: Artifact, device: torch.device, dtype: torch.dtype, group, rank: int, world: int,
+               options: RuntimeOptions | None = None, read=None) -> "LlamaModel":
+    """Tensor parallelism (tp.py): rank `rank`'s model of `world` (its heads and features, the
+    rest replicated), reading only its slices of the safetensors files; the row-parallel layers'
+    outputs are summed over `group`. read(name, n) is called with the elements read of each
+    tensor (tests count what a rank reads)."""
+    from safetensors import safe_open
+
+    from llamactl.layers.plan import kernels_run
+    from llamactl.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
+
+    if art.weight_format != "safetensors":
+        raise InputError(f"{art.path}: --tp reads safetensors shards", "convert the weights to safetensors")
+    bits, group_size = group_of(art)
+    args = art.args
+    shard = plan_shard(args, rank, world, group_size if bits else None, 32 // bits if bits else 1)
+    model, rename, fmt = _skeleton(art, local_args(args, shard))
+    refs = dict(model.state_dict())
+    expected = {k: tuple(v.shape) for k, v in refs.items()}
+    state: dict[str, torch.Tensor] = {}
+    for f in art.weight_files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                view = fh.get_slice(name)
+                cut = slices(name, tuple(view.get_shape()), shard, args.head_dim, bits, group_size)
+                t = view[cut] if cut is not None else view[:]
+                if read is not None:
+                    read(name, t.numel())
+                if name.endswith(".g_idx") and cut is not None and group_size and group_size > 0:
+                    t = t - shard_offset(name, shard, args.head_dim) // group_size  # groups from 0 on this rank
+                if name.endswith(".bias") and name.rpartition(".")[0].endswith(ROW) and rank:
+                    t = torch.zeros_like(t)  # a row-parallel bias is added once, by rank 0
+                key = _runtime_name(art, rename, expected, name, t.shape)
+                if key is None:
+                    continue
+                ref = refs[key]
+                target = dtype if t.is_floating_point() and ref.is_floating_point() and ref.dtype == torch.float32 else ref.dtype
+                state[key] = t.to(device=device, dtype=target)
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    _check_complete(art, expected, state)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    if fmt:
+        fmt.finish(art, model, dtype, kernels_run(device, options or RuntimeOptions())[0])
+    for layer in model.model.layers:
+        layer.self_attn.tp_group = layer.mlp.tp_group = group
+    model.tp = shard
+    return model.eval()
+
+
 def load(model: str | None, device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
-         options: RuntimeOptions | None = None) -> tuple[Artifact, Any, Any, torch.device]:
-    """Open, validate and load an artifact: (artifact, model, tokenizer, device)."""
+         options: RuntimeOptions | None = None, world=None) -> tuple[Artifact, Any, Any, torch.device]:
+    """Open, validate and load an artifact: (artifact, model, tokenizer, device). world: a
+    tensor-parallel group (tp.join): this rank's shard of the model."""
     art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
     dev = resolve_device(device)
+    if world is not None:
+        if dev.type == "cuda":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        check_tensors(art)
+        model_ = load_shard(art, dev, resolve_dtype(dtype, dev, art), world.group, world.rank, world.size, options)
+        return art, model_, load_tokenizer(art), dev
     model_ = load_model(art, dev, resolve_dtype(dtype, dev, art), options)
     return art, model_, load_tokenizer(art), dev

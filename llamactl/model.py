@@ -132,6 +132,7 @@ class Attention(nn.Module):
         self.decode_kernel = ""
         self.attn_min_chunk = 64
         self.pdl = False
+        self.tp_group = None  # tensor parallelism: o_proj's outputs are summed over this group (tp.py)
 
     def forward(self, x, cos, sin, mask, input_pos, residual, slot: int | None = None):
         # x: [B, S, hidden] (normed), cos/sin: [S, D] ([B, S, D] per row), mask: [1 or B, 1, S, max_seq]
@@ -156,7 +157,7 @@ class Attention(nn.Module):
                                       v.reshape(b, self.n_kv_heads, d), ck, cv, cos[:, 0] if rows else cos[0],
                                       sin[:, 0] if rows else sin[0], input_pos.view(-1), self.attn_min_chunk,
                                       self.pdl)  # [B, H_kv, rep, D]
-            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual)
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual, self.tp_group)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -169,7 +170,7 @@ class Attention(nn.Module):
 
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos.view(-1),
                                  self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
-            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual)
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
         if mask.shape[-1] < k.shape[2]:  # the caller cut the cache to the positions that matter (eager steps)
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
         if rep > 1:
@@ -181,7 +182,8 @@ class Attention(nn.Module):
         with sdpa_kernel(PREFILL_SDPA) if q.is_cuda else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
-        return add_linear(self.o_proj, y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim), residual)
+        y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H * D]
+        return add_linear(self.o_proj, y, residual, self.tp_group)
 
 
 class MLP(nn.Module):
@@ -191,17 +193,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections()
+        self.tp_group = None  # tensor parallelism: down_proj's outputs are summed over this group (tp.py)
 
     def forward(self, x, residual):
         # x: [B, S, hidden] (normed), residual: [B, S, hidden] -> residual + mlp(x)
         if self.gate_up_proj is not None:
             if getattr(self.gate_up_proj, "glu_out", False):  # its kernel applies SwiGLU to its output
-                return add_linear(self.down_proj, self.gate_up_proj(x), residual)  # [B, S, intermediate] in
+                # [B, S, intermediate] in
+                return add_linear(self.down_proj, self.gate_up_proj(x), residual, self.tp_group)
             h = self.gate_up_proj(x)  # [B, S, 2 * intermediate]
             if getattr(self.down_proj, "glu", False):  # the kernel applies SwiGLU itself
-                return add_linear(self.down_proj, h, residual)
-            return add_linear(self.down_proj, swiglu(h), residual)
-        return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual)
+                return add_linear(self.down_proj, h, residual, self.tp_group)
+            return add_linear(self.down_proj, swiglu(h), residual, self.tp_group)
+        return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual, self.tp_group)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -236,8 +240,14 @@ class DecoderLayer(nn.Module):
         return _layer_forward(self, x, cos, sin, mask, input_pos, slot)
 
 
-def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x), in one kernel where the layer fuses the add (layers.fused.GemvLinear)."""
+def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, group=None) -> torch.Tensor:
+    """residual + linear(x), in one kernel where the layer fuses the add (layers.fused.GemvLinear).
+    group: a tensor-parallel row-parallel layer: linear(x) is this rank's share of the sum, added
+    up across the group (one all-reduce) before the residual."""
+    if group is not None:
+        import torch.distributed._functional_collectives as funcol
+
+        return residual + funcol.all_reduce(linear(x), "sum", group)
     if getattr(linear, "fuses_residual", False):
         return linear(x, residual=residual)
     return residual + linear(x)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-_state = {"quiet": False}
+_state = {"quiet": False, "follower": False}
 
 
 def _console(stderr: bool) -> Console:
@@ -27,6 +27,12 @@ def set_quiet(quiet: bool) -> None:
     _state["quiet"] = quiet
 
 
+def follow() -> None:
+    """A tensor-parallel rank other than 0: rank 0 speaks for the group; errors still print."""
+    _state["quiet"] = _state["follower"] = True
+    sys.stdout = open(os.devnull, "w")
+
+
 def log(message: str, markup: bool = True) -> None:
     """A progress or status line on stderr (silenced by --quiet), never broken into several lines
     (logs are grepped); markup=False prints brackets in the message as they are."""
@@ -35,7 +41,8 @@ def log(message: str, markup: bool = True) -> None:
 
 
 def warn(message: str) -> None:
-    _console(stderr=True).print(f"[yellow]warning:[/yellow] {message}")
+    if not _state["follower"]:
+        _console(stderr=True).print(f"[yellow]warning:[/yellow] {message}")
 
 
 def error(message: str, hint: str | None = None) -> None:
