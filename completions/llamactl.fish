@@ -41,6 +41,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from bench' -l requests -r -d 'L
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l rate -r -d 'Load test: Poisson arrivals of this many requests a second (at most --concurrency in flight) instead of a closed loop.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l model -r -d 'Load test: the model name to send (default: the servers first in /v1/models).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l api-key -r -d 'Load test: the servers API key (default: LLAMACTL_API_KEY).'
+complete -c llamactl -n '__fish_seen_subcommand_from bench' -l tp -r -d 'Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l help -s h -d 'Show help.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -F
 complete -c llamactl -n '__fish_seen_subcommand_from compile' -l output -s o -r -d 'Output folder (default: MODEL-compiled).'

@@ -123,6 +123,31 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     return {"runs": timed, "backend": backend, "kv_bytes": kv_alloc_bytes(model), "gemv": dec.plan.label, "plan": dec.plan}
 
 
+def allreduce_ms_per_step(model, batch: int, steps: int = 20) -> float:
+    """The all-reduces of one decode step alone (two a layer, [batch, hidden] each), in ms."""
+    import time
+
+    import torch.distributed._functional_collectives as funcol
+
+    group = model.model.layers[0].mlp.tp_group
+    x = torch.ones(batch, 1, model.args.hidden_size, device=model.device, dtype=model.dtype)
+    n = 2 * model.args.num_hidden_layers
+
+    def run():
+        for _ in range(n):
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    run()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return (time.perf_counter() - t0) * 1000 / steps
+
+
 def kv_alloc_bytes(model) -> int:
     """Bytes of the KV cache the model has allocated (every slot, every position)."""
     return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size() for l in model.model.layers)
@@ -373,6 +398,10 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
             row["bandwidth_ceiling_frac"] = row["decode_tok_s"] / row["ceiling_tok_s"]
             if row.get("kv_bytes") is None:
                 row["kv_bytes"] = kv_bytes_per_token(model) * batch * (p + trial.gen_len)
+            if getattr(model, "tp", None) is not None:  # one rank's shard: its bytes, its fraction
+                row["world_size"] = model.tp.world
+                row["tensor_parallel"] = model.tp.describe()
+                row["allreduce_ms_per_step"] = allreduce_ms_per_step(model, batch)
         results.append(row)
         on_result(row)
 

@@ -15,10 +15,11 @@ from llamactl.options import RuntimeOptions
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
                  synthetic_quant: str | None = None, compile_warn: Callable[[str], None] | None = None,
-                 options: RuntimeOptions | None = None, trust_cache: bool = False) -> list[Target]:
+                 options: RuntimeOptions | None = None, trust_cache: bool = False, world=None) -> list[Target]:
     """The models to time. compile_warn (when a compile mode is timed): load each model folder's
     `llamactl compile` cache for this machine, warning through it where one does not match.
-    options: the runtime's (quantized layers on llamactl's kernels where they run)."""
+    options: the runtime's (quantized layers on llamactl's kernels where they run). world: a
+    tensor-parallel group (tp.join): each model's shard of this rank."""
     from llamactl.layers.plan import kernels_run
 
     from llamactl.artifact import open_artifact
@@ -31,10 +32,16 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
         for quant in (synthetic_quant or "none").split(","):
             targets.append(synthetic_target(synthetic, quant.strip(), device, dtype,
-                                             kernels_run(device, options or RuntimeOptions())[0]))
+                                             kernels_run(device, options or RuntimeOptions())[0], world))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
-        model = load_model(art, device, resolve_dtype(dtype_name, device, art), options)
+        if world is not None:
+            from llamactl.load import load_shard
+
+            model = load_shard(art, device, resolve_dtype(dtype_name, device, art), world.group, world.rank, world.size,
+                               options)
+        else:
+            model = load_model(art, device, resolve_dtype(dtype_name, device, art), options)
         if compile_warn:
             load_compile_cache(art, model.device, model.dtype, compile_warn, trust_cache)
         targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
@@ -44,14 +51,25 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
-def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool) -> Target:
-    from llamactl.synthetic import build_synthetic
+def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool,
+                     world=None) -> Target:
+    from llamactl.synthetic import build_synthetic, synthetic_args
 
     if quant not in ("none", "int4", "int8"):
         raise InputError(f"--synthetic-quant {quant!r} is not supported", "use int4, int8 or none (a comma list for several)")
     if quant != "none" and dtype != torch.bfloat16:
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
-    model = build_synthetic(shape, device, dtype)
+    shard = None
+    if world is not None:
+        from llamactl.tp import plan_shard
+
+        shard = plan_shard(synthetic_args(shape), world.rank, world.size, 128 if quant == "int4" else None,
+                           8 if quant == "int4" else 1)
+    model = build_synthetic(shape, device, dtype, shard=shard)
+    if world is not None:
+        for layer in model.model.layers:
+            layer.self_attn.tp_group = layer.mlp.tp_group = world.group
+        model.tp = shard
     label = f"synthetic:{shape}"
     if quant == "int4":
         from llamactl.quantize.rtn import quantize_linears_int4

@@ -205,7 +205,8 @@ def generate(
            f"{result.extra.get('attention_backend')}[/dim]")
 
 
-def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool):
+def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool, synthetic: str | None = None,
+                     synthetic_quant: str | None = None):
     """--tp N: start N processes of this command (unless torchrun did) and join their group;
     None for --tp 1. Rank 0 prints; the others only their errors."""
     if tp == 1:
@@ -215,10 +216,16 @@ def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool
 
     dev = resolve_device(device)
     if not tpm.under_launcher():
-        from llamactl.artifact import open_artifact, resolve_model_path
+        if synthetic:
+            from llamactl.synthetic import synthetic_args
 
-        art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
-        tpm.check_shard_fits(art, tp)  # one line before any process starts
+            for q in (synthetic_quant or "none").split(","):
+                for rank in range(tp):
+                    tpm.plan_shard(synthetic_args(synthetic), rank, tp, 128 if q == "int4" else None, 8 if q == "int4" else 1)
+        else:
+            from llamactl.artifact import open_artifact, resolve_model_path
+
+            tpm.check_shard_fits(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle), tp)
         if dev.type == "cuda" and torch_cuda_count() < tp:
             raise InputError(f"--tp {tp} needs {tp} GPUs; {torch_cuda_count()} visible", f"use --tp {torch_cuda_count()} or fewer")
         raise typer.Exit(tpm.launch(tp, sys.argv[1:]))
@@ -226,6 +233,16 @@ def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool
     if world.rank:
         ui.follow()
     return world
+
+
+def _rank_device(device: str):
+    """This rank's device: its own GPU (tp.join chose it), or the CPU."""
+    import torch
+
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
 
 
 def torch_cuda_count() -> int:
@@ -610,6 +627,7 @@ def bench(
     rate: Annotated[Optional[float], typer.Option("--rate", min=0.001, help="Load test: Poisson arrivals of this many requests a second (at most --concurrency in flight) instead of a closed loop.")] = None,
     served_model: Annotated[Optional[str], typer.Option("--model", help="Load test: the model name to send (default: the server's first in /v1/models).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
+    tp: TpOpt = 1,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
     from llamactl import report
@@ -644,8 +662,11 @@ def bench(
     from llamactl import bench_targets as bt
     from llamactl.load import resolve_device
 
+    if tp > 1 and (quality or stages or tune or profile or len(models or []) > 1):
+        raise InputError("--tp times one model's decode", "drop --quality, --stages, --tune, --profile and extra models")
+    world = _tensor_parallel(tp, (models or [None])[0], device, False, synthetic, synthetic_quant)
     trial = core.Trial(prompt_lens=prompt_len, gen_len=gen_len, batches=batch, warmup=warmup, repeat=repeat)
-    dev = resolve_device(device)
+    dev = resolve_device(device) if world is None else _rank_device(device)
     options = _runtime_options(pins_file=pins_file)
     if tune:
         if dev.type != "cuda":
@@ -672,8 +693,10 @@ def bench(
         from llamactl.quality import check_eval_file
 
         check_eval_file(eval_file)
+    if world and "compile" in modes:
+        raise InputError("--mode compile with --tp is not supported yet", "use --mode graphs or eager")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
-                              ui.warn if "compile" in modes else None, options, trust_cache)
+                              ui.warn if "compile" in modes else None, options, trust_cache, world)
     dt = targets[0].model.dtype
     hf = bt.hf_stages(targets[0], dev, dt) if stages else []
     ui.log(f"benchmarking {len(targets)} model(s) on {dev} ({str(dt).replace('torch.', '')})")
@@ -702,6 +725,8 @@ def bench(
         bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options)
     report.add_speedups(result["results"])
     env = result["env"]
+    if world and world.rank:
+        return  # rank 0 reports for the group
     _emit_result(result, fmt, output,
                  f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s")
 

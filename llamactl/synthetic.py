@@ -42,11 +42,16 @@ def hf_config(args: LlamaArgs) -> dict:
 
 
 @torch.no_grad()
-def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A LlamaModel of shape `name` with N(0, 0.02) weights, allocated on `device` directly."""
+def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, shard=None):
+    """A LlamaModel of shape `name` with N(0, 0.02) weights, allocated on `device` directly;
+    shard: one tensor-parallel rank's part of it (tp.Shard), the rank's seed its own."""
     from llamactl.model import LlamaModel
 
     args = synthetic_args(name)
+    if shard is not None:
+        from llamactl.tp import local_args
+
+        args, seed = local_args(args, shard), seed + shard.rank
     _check_memory(name, args, device, dtype)
     with torch.device("meta"):
         model = LlamaModel(args)

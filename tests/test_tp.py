@@ -102,3 +102,15 @@ def test_shard_plans_and_their_refusals():
         plan_shard(args, 0, 3)
     with pytest.raises(InputError, match="whole units of 512"):
         plan_shard(args, 0, 4, group_size=512)
+
+
+@pytest.mark.slow
+def test_bench_reports_the_world_and_its_all_reduces(tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--synthetic", "tiny", "--device", "cpu", "--dtype", "float32",
+                        "--prompt-len", "16", "--gen-len", "8", "--warmup", "0", "--repeat", "1", "--tp", "2",
+                        "--format", "json", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert row["world_size"] == 2 and row["allreduce_ms_per_step"] > 0 and row["decode_tok_s"] > 0
+    assert row["tensor_parallel"]["query_heads"] == [0, 4]  # rank 0's shard: its bytes, its fraction of the ceiling
