@@ -47,7 +47,7 @@ def trained_model_path() -> Path:
 
 def make_hf_model(folder: Path, *, kv_heads: int = 4, heads: int = 4, rope: dict | None = None,
                   tie: bool = False, max_pos: int = 256, seed: int = 0, shard_bytes: str | None = None,
-                  hidden: int = 64, layers: int = 2, head_dim: int | None = None) -> Path:
+                  hidden: int = 64, layers: int = 2, head_dim: int | None = None, vocab: int = 8192) -> Path:
     """Save a random LlamaForCausalLM with the embedded model's tokenizer (vocab 8192)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +57,7 @@ def make_hf_model(folder: Path, *, kv_heads: int = 4, heads: int = 4, rope: dict
         kwargs["rope_parameters"] = rope
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
                       tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=3, **kwargs)
     model = LlamaForCausalLM(cfg)

@@ -349,3 +349,21 @@ def test_llama31_rope_scaling_survives_every_direction(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == rope
     ids = torch.arange(2, 40)
     torch.testing.assert_close(llamactl_logits(tmp_path / "back", ids), llamactl_logits(hf, ids), rtol=0, atol=0)
+
+
+@needs_gguf
+def test_a_vocabulary_larger_than_the_tokenizer_is_padded(tmp_path):
+    """An embedding with more rows than the tokenizer has tokens (vocabularies padded to a
+    multiple, as many releases are): the GGUF lists a token per row, the extra ones unused."""
+    import gguf
+
+    src = make_hf_model(tmp_path / "wide", vocab=8256, seed=8)
+    assert convert(src, "-o", tmp_path / "w.gguf").exit_code == 0
+    r = gguf.GGUFReader(str(tmp_path / "w.gguf"))
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == 8256
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    assert types[-1] == 5 and types[8191] != 5
+    back = tmp_path / "back"
+    assert convert(tmp_path / "w.gguf", "-o", back).exit_code == 0
+    ids = torch.arange(5, 30)
+    torch.testing.assert_close(llamactl_logits(back, ids), llamactl_logits(src, ids), rtol=0, atol=0)

@@ -115,8 +115,10 @@ def _rope_freqs(args) -> torch.Tensor | None:
     return (rope_inv_freq(plain) / rope_inv_freq(args)).float()
 
 
-def tokenizer_metadata(folder: Path) -> dict[str, Any]:
-    """The tokenizer.ggml.* values for a folder's tokenizer.json (byte-level BPE or SentencePiece BPE)."""
+def tokenizer_metadata(folder: Path, vocab_size: int) -> dict[str, Any]:
+    """The tokenizer.ggml.* values for a folder's tokenizer.json (byte-level BPE or SentencePiece
+    BPE), its list padded to the model's vocab_size rows with unused `[PADn]` tokens, as
+    llama.cpp's converter pads it (llama.cpp wants a token per embedding row)."""
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no tokenizer.json", "GGUF needs the tokenizer's vocabulary; add tokenizer.json")
@@ -133,10 +135,13 @@ def tokenizer_metadata(folder: Path) -> dict[str, Any]:
     for tok, a in added.items():
         vocab[tok] = a["id"]
     size = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(size)]
+    if size > vocab_size:
+        raise CheckpointError(f"{path} has {size} tokens, more than the model's {vocab_size} embedding rows",
+                              "use the tokenizer that came with this checkpoint")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     for tok, i in vocab.items():
         tokens[i] = tok
-    types = [1] * size  # NORMAL
+    types = [1] * size + [5] * (vocab_size - size)  # NORMAL, then UNUSED padding
     for tok, a in added.items():
         types[a["id"]] = 3 if a.get("special") else 4  # CONTROL or USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
@@ -151,7 +156,7 @@ def tokenizer_metadata(folder: Path) -> dict[str, Any]:
                 types[i] = 6  # BYTE
         if model.get("unk_token") in vocab:
             types[vocab[model["unk_token"]]] = 2  # UNKNOWN
-        meta |= {"model": "llama", "pre": "default", "scores": [-float(i) for i in range(size)]}
+        meta |= {"model": "llama", "pre": "default", "scores": [-float(i) for i in range(vocab_size)]}
     cfg_path = folder / "tokenizer_config.json"
     tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     meta["add_bos"] = bool(tcfg.get("add_bos_token", True))
@@ -186,7 +191,7 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
     if kind in ("f32", "f16", "bf16"):
         float_kind = kind
     model = load_model(art, torch.device("cpu"), src_dtype if not art.quantization else torch.float32)
-    meta = tokenizer_metadata(art.path)
+    meta = tokenizer_metadata(art.path, a.vocab_size)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(art.path.name)
     w.add_context_length(a.max_position_embeddings)
