@@ -359,10 +359,10 @@ def is_quantized(model) -> bool:
     return bool(quant_input_layers(model))
 
 
-def stage_name(mode: str, plan) -> str:
+def stage_name(mode: str, plan, device_type: str = "cuda") -> str:
     """A row's stage for people, from its mode and what ran (the row's plan has the fields)."""
     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
-             "compile": "llamactl + compile + CUDA graphs"}[mode]
+             "compile": "llamactl + compile + CUDA graphs" if device_type == "cuda" else "llamactl + compile"}[mode]
     stage += " + Triton kernels" if plan.kernels else ""
     stage += " + PDL" if plan.pdl else ""
     return stage + (f" + {QUANT_INPUT_LABELS[plan.inputs]}" if plan.inputs != "float" else "")
@@ -421,15 +421,14 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 _free(device)
             for target in targets:
                 for mode, opts in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model), options):
-                    if mode != "eager" and device.type != "cuda":
-                        stage = {"graphs": "llamactl + CUDA graphs", "compile": "llamactl + compile + CUDA graphs"}[mode]
-                        add({"model": target.label, "stage": stage}, target.model, batch, p, None,
+                    if mode == "graphs" and device.type != "cuda":
+                        add({"model": target.label, "stage": "llamactl + CUDA graphs"}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
                     raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, opts)
                     for w in raw["plan"].warnings:
                         warn(w)
-                    add({"model": target.label, "stage": stage_name(mode, raw["plan"]), "options": opts.as_dict()},
+                    add({"model": target.label, "stage": stage_name(mode, raw["plan"], device.type), "options": opts.as_dict()},
                         target.model, batch, p, raw)
     return {"env": environment(device, dtype, bw), "results": results}
 

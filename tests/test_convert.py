@@ -218,9 +218,8 @@ def test_meta_bad_inputs(gqa, tmp_path):
 
 
 @needs_gguf
-def test_hf_to_gguf_and_back_is_exact_and_transformers_reads_it(tmp_path):
-    """16-bit: HF -> GGUF -> HF returns the same tensors and tokenizer; transformers' GGUF loader
-    gives the logits of the original folder."""
+def test_hf_to_gguf_and_back_is_exact(tmp_path):
+    """16-bit: HF -> GGUF -> HF returns the same tensors and tokenizer."""
     src = trained_model_path()
     gguf_file = tmp_path / "m.gguf"
     r = convert(src, "-o", gguf_file, "--json")
@@ -232,21 +231,33 @@ def test_hf_to_gguf_and_back_is_exact_and_transformers_reads_it(tmp_path):
     assert r.exit_code == 0, r.output
     a, b = hf_state(src), hf_state(back)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     t0, t1 = AutoTokenizer.from_pretrained(str(src)), AutoTokenizer.from_pretrained(str(back))
     text = "The kernel <s> schedules\n\n  ünïcode 123 </s>"
     assert t0(text).input_ids == t1(text).input_ids and len(t1) == len(t0)
-    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    got = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
-    ids = torch.tensor([t0(text).input_ids])
-    with torch.no_grad():
-        assert torch.equal(ref(ids).logits, got(ids).logits)
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_file))
     assert json.loads(reader.fields["llamactl.source"].contents())["kind"] == "hf"
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
+
+
+@needs_gguf
+@pytest.mark.quant
+@pytest.mark.skipif(find_spec("accelerate") is None, reason="transformers' GGUF loader needs accelerate (the bnb extra)")
+def test_transformers_gguf_loader_reads_our_file(tmp_path):
+    """transformers' own GGUF loader (from_pretrained(gguf_file=...)) gives the logits of the folder
+    the file came from, exactly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = trained_model_path()
+    assert convert(src, "-o", tmp_path / "m.gguf").exit_code == 0
+    ids = torch.tensor([AutoTokenizer.from_pretrained(str(src))("The kernel <s> schedules\n\n  ünïcode 123").input_ids])
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got(ids).logits)
 
 
 @needs_gguf
