@@ -50,6 +50,8 @@ class Int8Kernel(nn.Module, FusedIO):
         self.register_buffer("scales", scales.to(torch.bfloat16).clone(memory_format=torch.contiguous_format))
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self.triton = triton  # batch-1 rows through llamactl's GEMV
+        # torch's int8 kernel on this device, probed here: a probe inside a compiled step would break its graph
+        self.torch_mm = not triton and torch_kernel(weight.device.type)
         self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
         self._init_fused_io()
 
@@ -82,7 +84,7 @@ class Int8Kernel(nn.Module, FusedIO):
             from llamactl.kernels.multirow import multirow_mm
 
             y = multirow_mm(x2, self.weight, self.scales)
-        elif torch_kernel(x.device.type) and not self.triton:  # torch's CUDA kernel is slow for prefill
+        elif self.torch_mm:  # torch's CUDA kernel is slow for prefill
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:  # prefill on CUDA: dequantize the layer for cuBLAS
             y = torch.nn.functional.linear(x2, self.weight.to(torch.bfloat16)) * self.scales
