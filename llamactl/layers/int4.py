@@ -113,6 +113,18 @@ def pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(device), INNER_K_TILES)
 
 
+@torch.library.custom_op("llamactl::int4pack_mm_cpu", mutates_args=())
+def int4pack_mm_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    """PyTorch's CPU tinygemm as an opaque op: Inductor's own lowering of it fails on the CPU
+    ("group size must be a scalar", torch 2.13), so a compiled CPU step calls it as it is."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+
+
+@int4pack_mm_cpu.register_fake
+def _(x, packed, group_size, sz):
+    return x.new_empty(x.shape[0], sz.shape[1])
+
+
 class Int4Linear(nn.Module):
     """y = x W^T with W in 4 bits, groups along the input dimension, bf16 activations."""
 
@@ -135,8 +147,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=torch.bfloat16))
         self.register_buffer("perm", None if perm is None else perm.to(device))
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=torch.bfloat16), requires_grad=False)
-        self._mm = (torch.ops.aten._weight_int4pack_mm if device.type == "cuda"
-                    else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        self._mm = torch.ops.aten._weight_int4pack_mm if device.type == "cuda" else int4pack_mm_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
