@@ -179,22 +179,11 @@ class Attention(nn.Module):
             # sequence axis. No K/V copy, and SDPA's fused kernels accept the mask.
             q = q.reshape(b, self.n_kv_heads, rep * s, self.head_dim)  # [B, H_kv, rep*S, D]
             mask = mask.repeat(1, 1, rep, 1)  # [1 or B, 1, rep*S, max_seq]
-        if s == 1 and not q.is_cuda:  # a CPU decode step: SDPA's flash kernel costs ~0.7 ms a call at this size
-            y = small_attention(q, k, v, mask)
-        else:
-            with sdpa_kernel(PREFILL_SDPA) if q.is_cuda else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
+        with sdpa_kernel(PREFILL_SDPA) if q.is_cuda else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, rep*S, D]
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
         y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H * D]
         return add_linear(self.o_proj, y, residual, self.tp_group)
-
-
-def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention as two matmuls and a softmax: q: [B, H, R, D] (R: a few query rows), k/v: [B, H,
-    L, D], mask: bool [1 or B, 1, R, L] -> [B, H, R, D]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, R, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
 
 
 class MLP(nn.Module):
