@@ -43,30 +43,36 @@ def test_compile_writes_a_keyed_cache(compiled, trained_model):
 def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypatch):
     """Loading the cache puts each carried build where Inductor looks for it (its cache dir, same
     relative path), so the warm start loads it instead of running the C++ compiler; builds it
-    already has are left alone, and a damaged one is left out with a warning."""
+    already has are left alone, and a damaged one is left out with a warning. (How many builds a
+    step makes is Inductor's business: 2 in a fresh CI environment, more elsewhere.)"""
     import shutil
 
     from llamactl import compile as comp
     from llamactl.artifact import open_artifact
 
     out, entry = compiled
-    copy = tmp_path / "c"
-    shutil.copytree(out, copy)  # the module's artifact stays intact for the other tests
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    carried = copy / "compile-cache" / entry["cpu_builds"]
     names = sorted(entry["cpu_build_sha256"])
-    assert len(names) >= 3
-    kept = tmp_path / "inductor" / names[0]
-    kept.parent.mkdir(parents=True)
-    kept.write_bytes(b"built here")
-    (carried / names[1]).write_bytes(b"damaged")
-    warnings = []
-    assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is not None
-    present = sorted(str(p.relative_to(tmp_path / "inductor")) for p in (tmp_path / "inductor").glob("*/*.so"))
-    assert present == [n for n in names if n != names[1]]
-    assert kept.read_bytes() == b"built here"
-    assert len(warnings) == 1 and "damaged" in warnings[0] and names[1].split("/")[1] in warnings[0]
-    assert not list((tmp_path / "inductor").glob("*/.*llamactl-tmp"))
+    assert len(names) >= 2
+
+    def load(case: str, damage: str | None, keep: str | None):
+        copy, cache = tmp_path / case / "c", tmp_path / case / "inductor"
+        shutil.copytree(out, copy)  # the module's artifact stays intact for the other tests
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        if keep:
+            (cache / keep).parent.mkdir(parents=True)
+            (cache / keep).write_bytes(b"built here")
+        if damage:
+            (copy / "compile-cache" / entry["cpu_builds"] / damage).write_bytes(b"damaged")
+        warnings = []
+        assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is not None
+        assert not list(cache.glob("*/.*llamactl-tmp"))
+        return sorted(str(p.relative_to(cache)) for p in cache.glob("*/*.so")), warnings, cache
+
+    present, warnings, cache = load("kept", None, names[0])
+    assert present == names and not warnings and (cache / names[0]).read_bytes() == b"built here"
+    present, warnings, _ = load("damaged", names[0], None)
+    assert present == names[1:]
+    assert len(warnings) == 1 and "damaged" in warnings[0] and names[0].split("/")[1] in warnings[0]
 
 
 def test_a_cache_from_elsewhere_is_not_loaded_without_trust(compiled, tmp_path, monkeypatch):
