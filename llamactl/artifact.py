@@ -289,6 +289,18 @@ def check_output(out: Path, force: bool, inputs: list[Path] = ()) -> None:
     output without --force; with --force, anything but a folder llamactl wrote (one with a
     llamactl.json) or an empty folder; and an output whose parent cannot be written."""
     out = Path(out)
+    if _existing(out, force, inputs):
+        if out.is_symlink() or not out.is_dir():
+            raise OutputExistsError(f"output {out} exists and is not a folder", "--force replaces only folders: choose another -o path")
+        if not (out / MANIFEST).is_file() and any(out.iterdir()):
+            raise OutputExistsError(f"output {out} is a folder llamactl did not write (no {MANIFEST})",
+                                    "--force replaces only llamactl's outputs or empty folders: choose another -o path")
+    check_writable_dir(out.parent, "-o")
+
+
+def _existing(out: Path, force: bool, inputs: list[Path]) -> bool:
+    """What check_output and check_output_file share: refuse an output that is an input, inside
+    one or holding one, and an existing output without --force; whether it exists."""
     target = out.resolve()
     for src in inputs:
         src = Path(src).resolve()
@@ -296,15 +308,11 @@ def check_output(out: Path, force: bool, inputs: list[Path] = ()) -> None:
             raise InputError(f"output {out} is the input folder or inside it", "inputs are never modified: choose another -o")
         if target in src.parents:
             raise InputError(f"output {out} contains the input {src}", "replacing it would delete the input: choose another -o")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
-        if out.is_symlink() or not out.is_dir():
-            raise OutputExistsError(f"output {out} exists and is not a folder", "--force replaces only folders: choose another -o path")
-        if not (out / MANIFEST).is_file() and any(out.iterdir()):
-            raise OutputExistsError(f"output {out} is a folder llamactl did not write (no {MANIFEST})",
-                                    "--force replaces only llamactl's outputs or empty folders: choose another -o path")
-    check_writable_dir(out.parent, "-o")
+    if not (out.exists() or out.is_symlink()):
+        return False
+    if not force:
+        raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+    return True
 
 
 def check_writable_dir(folder: Path, option: str) -> None:
@@ -417,14 +425,7 @@ def staged_output(out: Path, force: bool, log=lambda message: None) -> Iterator[
 def check_output_file(out: Path, force: bool, inputs: list[Path], kind: str, is_kind: Callable[[Path], bool]) -> None:
     """check_output for a one-file output (a GGUF): --force replaces only a file of the same kind."""
     out = Path(out)
-    target = out.resolve()
-    for src in inputs:
-        src = Path(src).resolve()
-        if target == src or src in target.parents:
-            raise InputError(f"output {out} is the input or inside it", "inputs are never modified: choose another -o")
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise OutputExistsError(f"output {out} already exists", "pass --force to replace it, or choose another -o path")
+    if _existing(out, force, inputs):
         if out.is_symlink() or not out.is_file() or not is_kind(out):
             raise OutputExistsError(f"output {out} exists and is not a {kind} file",
                                     f"--force replaces only {kind} files: choose another -o path")

@@ -97,14 +97,21 @@ def load_model(art: Artifact, device: torch.device, dtype: torch.dtype,
                options: RuntimeOptions | None = None) -> "LlamaModel":
     """Build the runtime model for `art` on `device`; raises CheckpointError on missing tensors.
     options.kernels: quantized layers on llamactl's kernels where they run (else torch's)."""
-    from llamactl.layers.plan import kernels_run
-
     check_tensors(art)  # before reading any data
     model, rename, fmt = _skeleton(art)
+    return _assemble(art, model, rename, fmt, iter_checkpoint(art), device, dtype, options)
+
+
+def _assemble(art: Artifact, model, rename, fmt, tensors, device: torch.device, dtype: torch.dtype,
+              options: RuntimeOptions | None) -> "LlamaModel":
+    """Assign (name, tensor) pairs of the checkpoint to the skeleton `model` (named and checked as
+    the runtime names them, cast, complete), tie, and put the format's fast layers in."""
+    from llamactl.layers.plan import kernels_run
+
     refs = dict(model.state_dict())
     expected = {k: tuple(v.shape) for k, v in refs.items()}
     state: dict[str, torch.Tensor] = {}
-    for name, t in iter_checkpoint(art):
+    for name, t in tensors:
         name = _runtime_name(art, rename, expected, name, t.shape)
         if name is None:
             continue
@@ -130,7 +137,6 @@ def load_shard(art: Artifact, device: torch.device, dtype: torch.dtype, group, r
     tensor (tests count what a rank reads)."""
     from safetensors import safe_open
 
-    from llamactl.layers.plan import kernels_run
     from llamactl.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
 
     if art.weight_format != "safetensors":
@@ -139,38 +145,27 @@ def load_shard(art: Artifact, device: torch.device, dtype: torch.dtype, group, r
     args = art.args
     shard = plan_shard(args, rank, world, group_size if bits else None, 32 // bits if bits else 1)
     model, rename, fmt = _skeleton(art, local_args(args, shard))
-    refs = dict(model.state_dict())
-    expected = {k: tuple(v.shape) for k, v in refs.items()}
-    state: dict[str, torch.Tensor] = {}
-    for f in art.weight_files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                view = fh.get_slice(name)
-                cut = slices(name, tuple(view.get_shape()), shard, args.head_dim, bits, group_size)
-                t = view[cut] if cut is not None else view[:]
-                if read is not None:
-                    read(name, t.numel())
-                if name.endswith(".g_idx") and cut is not None and group_size and group_size > 0:
-                    t = t - shard_offset(name, shard, args.head_dim) // group_size  # groups from 0 on this rank
-                if name.endswith(".bias") and name.rpartition(".")[0].endswith(ROW) and rank:
-                    t = torch.zeros_like(t)  # a row-parallel bias is added once, by rank 0
-                key = _runtime_name(art, rename, expected, name, t.shape)
-                if key is None:
-                    continue
-                ref = refs[key]
-                target = dtype if t.is_floating_point() and ref.is_floating_point() and ref.dtype == torch.float32 else ref.dtype
-                state[key] = t.to(device=device, dtype=target)
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    _check_complete(art, expected, state)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    if fmt:
-        fmt.finish(art, model, dtype, kernels_run(device, options or RuntimeOptions())[0])
+
+    def sliced():
+        for f in art.weight_files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    view = fh.get_slice(name)
+                    cut = slices(name, tuple(view.get_shape()), shard, args.head_dim, bits, group_size)
+                    t = view[cut] if cut is not None else view[:]
+                    if read is not None:
+                        read(name, t.numel())
+                    if name.endswith(".g_idx") and cut is not None and group_size and group_size > 0:
+                        t = t - shard_offset(name, shard, args.head_dim) // group_size  # groups from 0 on this rank
+                    if name.endswith(".bias") and name.rpartition(".")[0].endswith(ROW) and rank:
+                        t = torch.zeros_like(t)  # a row-parallel bias is added once, by rank 0
+                    yield name, t
+
+    model = _assemble(art, model, rename, fmt, sliced(), device, dtype, options)
     for layer in model.model.layers:
         layer.self_attn.tp_group = layer.mlp.tp_group = group
     model.tp = shard
-    return model.eval()
+    return model
 
 
 def load(model: str | None, device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,

@@ -128,18 +128,24 @@ def test_rtn_on_trained_model_costs_little(trained_model, tmp_path):
 
 @needs_gptq
 def test_transformers_loads_our_gptq_checkpoint(tiny128, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path / "rtn"
     assert quantize_cli(tiny128, "-o", out, "--method", "rtn", "--asym", "--eval-tokens", "0").exit_code == 0
-    ref = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=torch.float32)
-    ours = load_model(open_artifact(out), torch.device("cpu"), torch.float32)
+    a, b = _ours_and_transformers_logits(out)
+    # GPTQModel's CPU kernel computes in 16-bit: measured relative error ~3e-3.
+    assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
+def _ours_and_transformers_logits(folder) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits [1, 32, V] of llamactl's and transformers' loads of `folder` for one random prompt."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), device_map="cpu", dtype=torch.float32)
+    ours = load_model(open_artifact(folder), torch.device("cpu"), torch.float32)
     ids = torch.randint(0, 8192, (1, 32))
     ours.setup_caches(1, 32)
     with torch.no_grad():
         a, b = ours(ids, torch.arange(32)), ref(ids).logits.float()
-    # GPTQModel's CPU kernel computes in 16-bit: measured relative error ~3e-3.
-    assert ((a - b).norm() / b.norm()).item() < 2e-2
+    return a, b
 
 
 @needs_gptq
@@ -253,17 +259,10 @@ def test_a_group_size_that_does_not_divide_the_width_works(tiny128, tmp_path):
 
 @needs_gptq
 def test_transformers_loads_a_short_last_group(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     wide = make_hf_model(tmp_path / "w192", hidden=192, heads=4, kv_heads=2, seed=3)  # g128: 128 + 64 columns
     out = tmp_path / "rtn"
     assert quantize_cli(wide, "-o", out, "--method", "rtn", "--group-size", "128", "--eval-tokens", "0").exit_code == 0
-    ref = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=torch.float32)
-    ours = load_model(open_artifact(out), torch.device("cpu"), torch.float32)
-    ids = torch.randint(0, 8192, (1, 32))
-    ours.setup_caches(1, 32)
-    with torch.no_grad():
-        a, b = ours(ids, torch.arange(32)), ref(ids).logits.float()
+    a, b = _ours_and_transformers_logits(out)
     assert ((a - b).norm() / b.norm()).item() < 2e-2
 
 
