@@ -53,7 +53,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
 
 def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool,
                      world=None) -> Target:
-    from llamactl.synthetic import build_synthetic, synthetic_args
+    from llamactl.synthetic import build_synthetic
 
     if quant not in ("none", "int4", "int8"):
         raise InputError(f"--synthetic-quant {quant!r} is not supported", "use int4, int8 or none (a comma list for several)")
@@ -61,10 +61,9 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
     shard = None
     if world is not None:
-        from llamactl.tp import plan_shard
+        from llamactl.tp import plan_synthetic
 
-        shard = plan_shard(synthetic_args(shape), world.rank, world.size, 128 if quant == "int4" else None,
-                           8 if quant == "int4" else 1)
+        shard = plan_synthetic(shape, quant, world.rank, world.size)
     model = build_synthetic(shape, device, dtype, shard=shard)
     if world is not None:
         for layer in model.model.layers:
