@@ -180,14 +180,17 @@ def convert_gguf(path: Path, folder: Path, writer, dtype: torch.dtype | None, ke
     elif keep_quantized and linear_types - {"F32", "F16", "BF16"}:
         log(f"decoder linears dequantized to {config['dtype']}: their types ({', '.join(sorted(linear_types))}) "
             f"are not all one of {', '.join(KEPT)}")
-    tok = _tokenizer(path, folder)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise CheckpointError(f"{path}: metadata tokenizer.ggml.tokens is missing", "a LLaMA GGUF file carries its vocabulary")
+    tok = _tokenizer(path, folder, len(tokens.data))
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return config, {"kind": "gguf", "tensor_types": types, "kept_quantized": kept, "tokenizer": tok}
 
 
-def _tokenizer(path: Path, folder: Path) -> dict[str, Any]:
-    """tokenizer.json and its config through transformers' GGUF tokenizer builder."""
+def _tokenizer(path: Path, folder: Path, n: int) -> dict[str, Any]:
+    """tokenizer.json and its config through transformers' GGUF tokenizer builder (the file lists n tokens)."""
     from transformers import AutoTokenizer
 
     try:
@@ -196,7 +199,6 @@ def _tokenizer(path: Path, folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: its tokenizer could not be rebuilt ({type(e).__name__}: {e})",
                               "the file's tokenizer.ggml.* metadata is incomplete")
     tok.save_pretrained(str(folder))
-    n = len(open_gguf(path).fields["tokenizer.ggml.tokens"].data)
     _drop_tokens_beyond(folder, n)
     return {"class": type(tok).__name__, "tokens": n, "chat_template": bool(getattr(tok, "chat_template", None))}
 

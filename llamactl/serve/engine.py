@@ -57,7 +57,8 @@ class Event:
 @dataclass
 class EngineTimes:
     """Where the step loop's time goes (seconds and counts since start; /metrics exports them).
-    Each time includes its host read, so it is the device's work plus the launch overhead."""
+    Each time includes its host read, so it is the device's work plus the launch overhead; a
+    prompt chunk that is not a prompt's last has no read, and counts its launch alone."""
 
     prefill_s: float = 0.0
     prefill_forwards: int = 0
@@ -286,9 +287,7 @@ class Engine:
                     first = int(tok[0])  # the host read
                     self.times.prefilled(time.perf_counter() - t0, n)
                     self._emit(r, first, time.perf_counter())
-                else:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
+                else:  # no host read here: its device time lands in the next read (no sync to time it)
                     self.times.prefilled(time.perf_counter() - t0, n)
             if budget is not None and budget <= 0:
                 break
