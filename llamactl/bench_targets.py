@@ -53,7 +53,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
 
 def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool,
                      world=None) -> Target:
-    from llamactl.synthetic import build_synthetic
+    from llamactl.synthetic import build_synthetic, synthetic_args
 
     if quant not in ("none", "int4", "int8"):
         raise InputError(f"--synthetic-quant {quant!r} is not supported", "use int4, int8 or none (a comma list for several)")
@@ -63,7 +63,7 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
     if world is not None:
         from llamactl.tp import plan_synthetic
 
-        shard = plan_synthetic(shape, quant, world.rank, world.size)
+        shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
     model = build_synthetic(shape, device, dtype, shard=shard)
     if world is not None:
         for layer in model.model.layers:

@@ -217,9 +217,11 @@ def _tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool
     dev = resolve_device(device)
     if not tpm.under_launcher():
         if synthetic:
+            from llamactl.synthetic import synthetic_args
+
             for q in (synthetic_quant or "none").split(","):
                 for rank in range(tp):
-                    tpm.plan_synthetic(synthetic, q.strip(), rank, tp)
+                    tpm.plan_synthetic(synthetic_args(synthetic), q.strip(), rank, tp)
         else:
             from llamactl.artifact import open_artifact, resolve_model_path
 

@@ -201,13 +201,11 @@ def launch(tp: int, argv: list[str]) -> int:
     return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=threads))
 
 
-def plan_synthetic(shape: str, quant: str, rank: int, world: int) -> Shard:
-    """The shard of a --synthetic shape, quantized in memory as bench_targets does it (int4: RTN
-    groups of 128 in 8-value words)."""
-    from llamactl.synthetic import synthetic_args
-
+def plan_synthetic(args, quant: str, rank: int, world: int) -> Shard:
+    """The shard of a --synthetic shape's args, quantized in memory as bench_targets does it
+    (int4: RTN groups of 128 in 8-value words)."""
     int4 = quant == "int4"
-    return plan_shard(synthetic_args(shape), rank, world, 128 if int4 else None, 8 if int4 else 1)
+    return plan_shard(args, rank, world, 128 if int4 else None, 8 if int4 else 1)
 
 
 def check_shard_fits(art, world: int) -> None:
