@@ -19,6 +19,7 @@ from `--tp N` alone, which starts them through torch.distributed.run (launch()).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
@@ -171,7 +172,16 @@ def join(tp: int, device: torch.device) -> World | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        # left to the interpreter's exit, gloo's threads are torn down still joinable and abort the rank
+        atexit.register(_leave)
     return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, backend)
+
+
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shared_seed() -> int:

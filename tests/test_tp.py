@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from conftest import make_hf_model
 from llamactl.artifact import open_artifact
+from llamactl.cli import app
 from llamactl.load import load_model, load_shard
 from llamactl.tp import plan_shard
 
@@ -19,8 +21,13 @@ PROMPT = ["-p", "The kernel schedules", "-n", "10", "--device", "cpu", "--dtype"
 
 
 def generate(folder: Path, *extra: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "llamactl", "generate", str(folder), *PROMPT, *extra],
-                       capture_output=True, text=True, timeout=300)
+    """--tp N runs start their processes; the one-process reference runs here (CliRunner), saving a start."""
+    argv = ["generate", str(folder), *PROMPT, *extra]
+    if "--tp" not in extra:
+        r = CliRunner().invoke(app, argv)
+        assert r.exit_code == 0, r.output[-3000:]
+        return json.loads(r.stdout)
+    r = subprocess.run([sys.executable, "-m", "llamactl", *argv], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
@@ -48,9 +55,8 @@ def test_two_processes_give_the_tokens_of_one(gqa_bf16, tmp_path):
     sampled = ["--temperature", "0.9", "--seed", "7"]
     assert generate(gqa_bf16, *sampled, "--tp", "2")["token_ids"] == generate(gqa_bf16, *sampled)["token_ids"]
     q = tmp_path / "int4"
-    r = subprocess.run([sys.executable, "-m", "llamactl", "quantize", str(gqa_bf16), "-o", str(q), "--method", "rtn",
-                        "--group-size", "32", "--eval-tokens", "0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(app, ["quantize", str(gqa_bf16), "-o", str(q), "--method", "rtn", "--group-size", "32", "--eval-tokens", "0"])
+    assert r.exit_code == 0, r.output
     assert generate(q, "--temperature", "0", "--tp", "2")["token_ids"] == generate(q, "--temperature", "0")["token_ids"]
 
 
