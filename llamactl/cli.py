@@ -263,6 +263,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
     model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
+    mode: Annotated[str, typer.Option(help="The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).")] = "auto",
     synthetic: Annotated[Optional[str], typer.Option(help="Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
     synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int4 (RTN, group 128), int8 (per channel) or none.")] = None,
     device: DeviceOpt = "auto",
@@ -278,7 +279,7 @@ def serve(
 
     opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
                         prefill_chunk=prefill_chunk, drain_s=drain_timeout, api_key=api_key or key_from_env(),
-                        model_name=model_name)
+                        model_name=model_name, mode=_serve_mode(mode))
     options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")
@@ -287,6 +288,14 @@ def serve(
     ui.log(f"stopped ({stopped_by or 'the server ended'})", markup=False)
     if stopped_by == "SIGINT":
         raise typer.Exit(130)
+
+
+def _serve_mode(mode: str) -> str | None:
+    from llamactl.decode import MODES
+
+    if mode != "auto" and mode not in MODES:
+        raise typer.BadParameter(f"--mode {mode}: use auto, {', '.join(MODES)}")
+    return None if mode == "auto" else mode
 
 
 def _warn_about_gemv(plan, device: str, compiled: dict | None, quant_inputs: str | None) -> None:
@@ -645,7 +654,7 @@ def bench(
 
         load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=prompt,
                              gen_len=gen_len, rate=rate, model=served_model, api_key=api_key or key_from_env())
-        _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, fmt, output)
+        _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, _serve_mode(mode), fmt, output)
         return
     if compare_files:
         diffs, ok = report.compare(report.load_report(compare_files[0]), report.load_report(compare_files[1]),
@@ -748,7 +757,7 @@ def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None
 
 
 def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
-               dtype: str, fmt: str, output: str | None) -> None:
+               dtype: str, mode: str | None, fmt: str, output: str | None) -> None:
     """bench --url / --serve: run the load test (starting and stopping a server for --serve)."""
     from llamactl import loadtest, report
 
@@ -766,7 +775,7 @@ def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_q
 
             room = 2 * load.prompt_len + load.gen_len  # a word may be more than one token
             with spawned(serve_model, max(load.concurrency), room, device, dtype, synthetic, synthetic_quant,
-                         load.api_key, ui.log) as url:
+                         load.api_key, ui.log, mode) as url:
                 load.url = url
                 result = loadtest.run(load, measured)
         else:

@@ -90,13 +90,17 @@ class Decoder:
         self.max_seq = max(self.max_seq, max_seq)
         model.setup_caches(batch, self.max_seq)
         self._step = self._eager_step
-        self.compile_regions = mode == "compile" and compile_regions(self.device, self.options)
+        # regions (torch's invoke_subgraph) fail on a dynamic row dimension (torch 2.13: KeyError
+        # in stamp_out_subgraph), so a server's compiled step traces the whole model
+        self.compile_regions = mode == "compile" and rows is None and compile_regions(self.device, self.options)
         for layer in model.model.layers:
             layer.compile_region = self.compile_regions
         if self.compile_regions:
             unfold_cache_writes(model)
         if mode == "compile":
-            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=False,
+            # a server's batch buckets (rows): one compile for every bucket of 2 rows or more, the
+            # row dimension marked dynamic (_rows_dynamic), one for a lone row; else one shape, static
+            self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=None if rows is not None else False,
                                        options=_inductor_options(compile_mode, self.plan.kernels))
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
@@ -176,7 +180,7 @@ class Decoder:
         if not self.use_graph or kind not in self._graphs:
             pos_t = pos.view(-1, 1) if rows else torch.tensor([pos], device=self.device)  # [B, 1] or [1]
             if not self.use_graph:
-                return self._step(tok.view(-1, 1), pos_t, kv_len if self.mode == "eager" else None)
+                return self._step(*self._rows_dynamic(tok.view(-1, 1), pos_t), kv_len if self.mode == "eager" else None)
             self._capture(kind, tok.view(-1, 1), pos_t)
         static_tok, static_pos, graph, out = self._graphs[kind]
         static_tok.copy_(tok.view(-1, 1))
@@ -187,11 +191,20 @@ class Decoder:
         graph.replay()
         return out
 
+    def _rows_dynamic(self, tok: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tok [B, 1], pos [B, 1] of a compiled step with rows: B marked dynamic between 2 and the
+        cache's rows less one, so those buckets share one compile; 1 row (specialized by torch) and
+        all the rows (the step then takes the whole cache, not a slice) compile apart."""
+        if self.mode == "compile" and self.rows is not None and pos.dim() == 2 and 1 < tok.shape[0] < self.batch:
+            torch._dynamo.mark_dynamic(tok, 0, min=2, max=self.batch - 1)
+            torch._dynamo.mark_dynamic(pos, 0, min=2, max=self.batch - 1)
+        return tok, pos
+
     def _capture(self, kind: tuple, tok: torch.Tensor, pos: torch.Tensor) -> None:
         # Warm up on a side stream (compilation, cuBLAS handles), then capture one step. The
         # warm-up steps run this step's own token and position: they write the K/V the step
         # writes, so the cache is as if they had not run.
-        static_tok, static_pos = tok.clone(), pos.clone()
+        static_tok, static_pos = self._rows_dynamic(tok.clone(), pos.clone())
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

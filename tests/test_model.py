@@ -204,3 +204,32 @@ def test_a_batch_bucket_steps_the_first_rows_alone(tiny_gqa):
     assert part.shape == (2,) and torch.equal(part, full[:2])
     with pytest.raises(ValueError, match="5 rows for a cache of 4"):
         dec.step(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_a_compiled_step_serves_its_batch_buckets_with_one_compile(tiny_gqa):
+    """A server's compiled step (rows at their own positions) compiles once for every bucket of 2
+    rows up to the cache's rows less one, and gives the eager step's tokens (CPU float32)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+    from llamactl.sampling import RowSampling
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]
+    out = {}
+    with torch.inference_mode():
+        for mode in ("eager", "compile"):
+            dec = Decoder(model, 4, 40, mode, rows=RowSampling.make([{}] * 4, "cpu"))
+            dec.rows.greedy = True
+            toks = torch.cat([dec.prefill(p.view(1, -1), slot=r) for r, p in enumerate(prompts)])
+            pos = torch.tensor([p.numel() for p in prompts])
+            steps = [dec.step(toks[:2], pos[:2]).clone()]
+            graphs = counters["stats"]["unique_graphs"]
+            steps.append(dec.step(toks, pos).clone())  # 3 rows: the same compile as 2
+            out[mode] = (steps, counters["stats"]["unique_graphs"] - graphs)
+    assert out["compile"][1] == 0
+    assert all(torch.equal(a, b) for a, b in zip(out["eager"][0], out["compile"][0]))

@@ -20,6 +20,7 @@ class ServeOptions:
     drain_s: float = 30.0
     api_key: str | None = None
     model_name: str | None = None  # None: the model folder's name
+    mode: str | None = None  # the decode step (decode.MODES); None: graphs on CUDA, eager on the CPU
 
 
 DEFAULT_MAX_SEQ = 4096  # cache positions a slot holds by default: memory grows with max_batch x this
@@ -81,7 +82,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             raise InputError(f"--max-seq {serve.max_seq} is longer than the model's context ({ctx})",
                              f"use --max-seq {ctx} or less")
         engine = Engine(m, eos, serve.max_batch, serve.max_queue,
-                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), options=options, prefill_chunk=serve.prefill_chunk)
+                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk)
         for w in engine.decoder.plan.warnings:
             warn(w)
         engine.warm_up()

@@ -19,11 +19,11 @@ READY = re.compile(r"serving .* on (http://\S+) ")
 @contextlib.contextmanager
 def spawned(model: str, max_batch: int, max_seq: int, device: str, dtype: str, synthetic: str | None,
             synthetic_quant: str | None, api_key: str | None, log: Callable[[str], None],
-            start_timeout_s: float = 1800) -> Iterator[str]:
+            mode: str | None = None, start_timeout_s: float = 1800) -> Iterator[str]:
     """Start the server (model is ignored with synthetic), yield its URL once it listens, SIGTERM
     it at the end. max_seq: the tokens a slot holds (a load test's prompt and answer, with room)."""
     cmd = [sys.executable, "-m", "llamactl", "serve", "--port", "0", "--max-batch", str(max_batch),
-           "--max-seq", str(max_seq), "--device", device, "--dtype", dtype]
+           "--max-seq", str(max_seq), "--device", device, "--dtype", dtype] + (["--mode", mode] if mode else [])
     cmd += ["--synthetic", synthetic] + (["--synthetic-quant", synthetic_quant] if synthetic_quant else []) \
         if synthetic else [model]
     env = dict(os.environ)
