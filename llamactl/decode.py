@@ -83,6 +83,8 @@ class Decoder:
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
         self.rows = rows
+        if rows is not None:
+            rows.prepare(model.args.vocab_size)
         self.options = options or RuntimeOptions()
         self.plan = prepare(model, self.options)
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]

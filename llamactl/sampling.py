@@ -24,11 +24,18 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 13)
 
 
-def uniforms(seed: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
-    """seed: [B] int64, pos: [B] int64 -> [B, V] uniforms in (0, 1), one draw per vocab id."""
-    ids = torch.arange(vocab, device=seed.device)  # [V]
+def vocab_hash(vocab: int, device) -> torch.Tensor:
+    """[V] int64: each vocab id's share of the hash (the same for every row and step)."""
+    return _mix(torch.arange(vocab, device=device) + 7) * _A % _P
+
+
+def uniforms(seed: torch.Tensor, pos: torch.Tensor, vocab: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """seed: [B] int64, pos: [B] int64 -> [B, V] uniforms in (0, 1), one draw per vocab id.
+    ids: vocab_hash(vocab), made once (a compiled step then reads it instead of deriving it
+    from an arange, which Inductor 2.11 indexed in int32 and overflowed)."""
+    ids = vocab_hash(vocab, seed.device) if ids is None else ids  # [V]
     h = (_mix(seed % _P) * _B % _P + _mix(pos % _P + 1) * _C % _P) % _P  # [B]
-    h = _mix((h[:, None] + _mix(ids + 7)[None, :] * _A % _P) % _P)  # [B, V]
+    h = _mix((h[:, None] + ids[None, :]) % _P)  # [B, V]
     return (_mix(h).double() + 0.5).div(_P).float()
 
 
@@ -41,6 +48,12 @@ class RowSampling:
     top_p: torch.Tensor
     seed: torch.Tensor
     greedy: bool = False  # the host's word that every row's temperature is 0 (steps skip the draw)
+    ids: torch.Tensor | None = None  # vocab_hash of the model's vocabulary (prepare())
+
+    def prepare(self, vocab: int) -> None:
+        """Make the vocabulary's share of the hash now, outside any compiled step."""
+        if self.ids is None or self.ids.numel() != vocab:
+            self.ids = vocab_hash(vocab, self.seed.device)
 
     @classmethod
     def make(cls, rows: list[dict], device) -> "RowSampling":
@@ -70,6 +83,6 @@ class RowSampling:
         cut = ordered.masked_fill(drop, float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
         x = x.masked_fill(torch.empty_like(x).scatter_(-1, order, cut) == float("-inf"), float("-inf"))
-        u = uniforms(seed, pos, v)
+        u = uniforms(seed, pos, v, self.ids if self.ids is not None and self.ids.numel() == v else None)
         drawn = (x - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: exactly softmax(x)
         return torch.where(t > 0, drawn, logits.argmax(-1))

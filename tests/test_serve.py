@@ -486,3 +486,20 @@ def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
     url = json.loads(out.read_text())["env"]["url"]
     with pytest.raises(httpx.ConnectError):  # stopped after the run
         httpx.get(url + "/health", timeout=5)
+
+
+def test_a_failed_compile_of_the_step_is_one_line_naming_graphs():
+    from llamactl.errors import InputError
+    from llamactl.serve.run import _warm_up
+
+    class Broken:
+        mode = "compile"
+
+        def warm_up(self):
+            raise RuntimeError("InductorError: SubprocException: An exception occurred\nTraceback ...")
+
+    with pytest.raises(InputError, match=r"torch.compile of the decode step failed \(RuntimeError: InductorError.*--mode graphs"):
+        _warm_up(Broken())
+    Broken.mode = "graphs"
+    with pytest.raises(RuntimeError):
+        _warm_up(Broken())

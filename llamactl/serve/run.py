@@ -55,6 +55,19 @@ def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: 
     return target.label.replace(":", "-").replace(" ", "-"), target.model, tok, set(), dev
 
 
+def _warm_up(engine) -> None:
+    """Capture (and with --mode compile, compile) every batch bucket's step before serving; a
+    failed compile is one line that names the way out."""
+    try:
+        engine.warm_up()
+    except Exception as e:
+        if engine.mode != "compile":
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"torch.compile of the decode step failed ({type(e).__name__}: {first})",
+                         "serve with --mode graphs, the default on CUDA") from e
+
+
 def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
         serve: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None],
         synthetic: str | None = None, synthetic_quant: str | None = None) -> str | None:
@@ -85,7 +98,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                         serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk)
         for w in engine.decoder.plan.warnings:
             warn(w)
-        engine.warm_up()
+        _warm_up(engine)
         name = serve.model_name or label
         app = build_app(Service(engine.start(), tok, name, m.args.vocab_size, serve.api_key))
         from llamactl.bench import kv_alloc_bytes
