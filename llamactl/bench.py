@@ -85,9 +85,11 @@ def weight_bytes(model) -> tuple[int, int]:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
-    emb = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is emb if hasattr(model.lm_head, "weight") else False
-    return total, 0 if tied else emb.numel() * emb.element_size()
+    emb = model.model.embed_tokens
+    if not isinstance(emb, torch.nn.Embedding):  # a low-bit table (its head, when tied, a kernel's copy)
+        return total, sum(t.numel() * t.element_size() for t in emb.buffers())
+    tied = model.lm_head.weight is emb.weight if hasattr(model.lm_head, "weight") else False
+    return total, 0 if tied else emb.weight.numel() * emb.weight.element_size()
 
 
 def kv_bytes_per_token(model) -> int:

@@ -333,13 +333,20 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
         ("rope", f"{info['rope_type']}, theta {info['rope_theta']:g}"),
         ("weights on disk", f"{ui.human_bytes(info['disk_bytes'])} in {info['weight_files']} {info['weight_format']} file(s)"),
         ("weights in memory", ui.human_bytes(info["memory_bytes"])),
-        ("embeddings", "tied: lm_head shares the embedding matrix" if info["tie_word_embeddings"] else "untied lm_head"),
+        ("embeddings", _embedding_line(info)),
         ("KV cache (bf16/fp16)", _kv_line(info)),
         ("quantization", "none" if not q else ", ".join(f"{k}={v}" for k, v in q.items() if not isinstance(v, (dict, list)))),
         ("lineage", " <- ".join(f"{e['stage']} ({e['path']})" + (f" [parent {e['parent_status']}]" if e.get("parent_status")
                                                                     not in (None, "ok") else "")
                                for e in info["lineage"]) or "none (plain Hugging Face folder)"),
     ])
+
+
+def _embedding_line(info: dict) -> str:
+    table = (((info.get("quantization") or {}).get("meta")) or {}).get("embed_tokens")
+    bits = "" if not table else (f"{table['bits']}-bit table ("
+                                 + ("per row" if table["group_size"] == -1 else f"groups of {table['group_size']}") + "), ")
+    return bits + ("tied: lm_head shares the embedding matrix" if info["tie_word_embeddings"] else "untied lm_head")
 
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
@@ -385,6 +392,7 @@ def quantize(
     clip_search: Annotated[bool, typer.Option("--clip-search", help="Search each group's clipping range (rtn: llamactl's grid; gptq: GPTQModel's mse grid).")] = False,
     gptq_variant: Annotated[str, typer.Option("--gptq-variant", help="GPTQModel algorithm: gptq, gptaq or foem.")] = "gptq",
     lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Quantize lm_head too (kept 16-bit by default).")] = False,
+    embed_bits: Annotated[int, typer.Option("--embed-bits", help="The token embedding table: 16 (kept), 8 (per row, symmetric) or 4 (groups of --group-size); a tied model's head is the same table. Read by llamactl (and its GGUF export) only.")] = 16,
     calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
     n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 512).")] = None,
@@ -401,7 +409,7 @@ def quantize(
 
     bits = bits if bits is not None else BITS.get(method, (4,))[0]
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
-                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, calib=calib, n_samples=n_samples, seq_len=seq_len)
+                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len)
     manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
                    progress=ui.progress, log=ui.log)
     _report(manifest, json_out)
@@ -544,6 +552,9 @@ def _report(manifest: dict, json_out: bool) -> None:
     rows = [("weight bytes", ui.human_bytes(m.get("parent_weight_bytes")), ui.human_bytes(m.get("weight_bytes")))]
     if "compression" in m:
         rows.append(("compression", "1.00x", f"{m['compression']:.2f}x"))
+    if "file_bpw" in m:
+        parent_bpw = m["file_bpw"] * m["parent_weight_bytes"] / m["weight_bytes"]
+        rows.append(("file bits per parameter", f"{parent_bpw:.2f}", f"{m['file_bpw']:.2f}"))
     if q:
         rows += [("perplexity", f"{q['ppl_parent']:.3f}", f"{q['ppl']:.3f} ({(q['ppl'] / q['ppl_parent'] - 1) * 100:+.2f}%)"),
                  ("KL(parent || child), mean", "0", f"{q['kl_mean']:.5f}"),

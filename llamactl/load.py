@@ -32,13 +32,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, art: Artifact) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on a GPU; float32 on the CPU for models under 2B parameters."""
+    """`auto`: the checkpoint's dtype on a GPU; on the CPU bfloat16 for GPTQ-format (int4/int8)
+    checkpoints, whose CPU kernels take bf16 (in float32 every layer dequantizes each call: the
+    embedded model's RTN int4 decoded 10 tok/s against 129 in bf16), else float32 for models
+    under 2B parameters."""
     if name not in DTYPES:
         raise InputError(f"--dtype {name!r} is not supported", f"use one of {', '.join(DTYPES)}")
     if DTYPES[name] is not None:
         return DTYPES[name]
     stored = checkpoint_dtype(art)
     if device.type == "cpu":
+        if (art.quantization or {}).get("quant_method") == "gptq":
+            return torch.bfloat16
         a = art.args
         approx_params = a.num_hidden_layers * (4 * a.hidden_size**2 + 3 * a.hidden_size * a.intermediate_size)
         return torch.float32 if approx_params < 2e9 else torch.bfloat16

@@ -314,15 +314,19 @@ class LlamaModel(nn.Module):
 
     def tie_weights(self):
         if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            emb = self.model.embed_tokens
+            if isinstance(emb, nn.Embedding):
+                self.lm_head.weight = emb.weight
+            else:  # a low-bit table (layers.embedding): the head is a GPTQ layer over the same tensors
+                self.lm_head = emb.head()
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype  # (the final norm may be folded into lm_head)
+        return self.model.norm.weight.dtype  # the runtime's (the embedding table may be low-bit)
 
     def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None):
         """Allocate KV caches, RoPE tables and the causal mask for up to `max_seq` positions."""

@@ -232,8 +232,11 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
         w.add_tensor(name, arr, raw_dtype=raw)
         written[raw.name] = written.get(raw.name, 0) + 1
 
-    emb = model.model.embed_tokens.weight.detach()
-    add("token_embd.weight", *_float_array(emb, float_kind))
+    emb = model.model.embed_tokens
+    if isinstance(emb, torch.nn.Embedding):
+        add("token_embd.weight", *_float_array(emb.weight.detach(), float_kind))
+    else:  # a low-bit table: [V, D] as a GPTQ layer of D inputs, which llama.cpp's blocks take as they are
+        add("token_embd.weight", *_linear_tensor(emb.head(), None, "auto", float_kind, notes))
     freqs = _rope_freqs(a)
     if freqs is not None:
         add("rope_freqs.weight", *_float_array(freqs, "f32"))

@@ -59,6 +59,16 @@ def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool = True) 
     return w.t().contiguous()
 
 
+def gptq_buffers(module: nn.Module, in_features: int, out_features: int, bits: int, group_size: int) -> None:
+    """Register a GPTQ layer's buffers on `module`: qweight, qzeros, scales, g_idx (zeros, to be assigned)."""
+    groups = 1 if group_size in (-1, 0) else -(-in_features // group_size)
+    words = lambda n: -(-n * bits // 32)  # noqa: E731
+    module.register_buffer("qweight", torch.zeros(words(in_features), out_features, dtype=torch.int32))
+    module.register_buffer("qzeros", torch.zeros(groups, words(out_features), dtype=torch.int32))
+    module.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+    module.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+
+
 class GPTQLinear(nn.Module):
     """A linear layer stored in the GPTQ format; forward dequantizes (the plain, portable path)."""
 
@@ -66,12 +76,8 @@ class GPTQLinear(nn.Module):
                  v1: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.v1 = in_features, out_features, bits, v1
-        groups = 1 if group_size in (-1, 0) else -(-in_features // group_size)
-        words = lambda n: -(-n * bits // 32)  # noqa: E731
-        self.register_buffer("qweight", torch.zeros(words(in_features), out_features, dtype=torch.int32))
-        self.register_buffer("qzeros", torch.zeros(groups, words(out_features), dtype=torch.int32))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
-        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+        self.group_size = group_size
+        gptq_buffers(self, in_features, out_features, bits, group_size)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:

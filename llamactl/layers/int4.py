@@ -157,6 +157,7 @@ class Int4Linear(nn.Module):
             x2 = x2[:, self.perm]
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # [M, in + pad]
+        x2 = x2.contiguous()  # the head's input (the last position of a prefill) is a strided view
         y = self._mm(x2, self.weight_packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
@@ -169,6 +170,7 @@ class Int4Linear(nn.Module):
 
 
 def _group(lin, group_size: int) -> int:
+    group_size = getattr(lin, "group_size", group_size)  # a layer's own (a low-bit head's may differ)
     return group_size if group_size > 0 else lin.in_features
 
 

@@ -56,6 +56,9 @@ def _gptq_swap(art, model) -> None:
     names = sorted(n[: -len(".qweight")] for n in art.tensor_index() if n.endswith(".qweight"))
     if not names:
         raise CheckpointError(f"{art.path}: config.json says GPTQ but no tensor ends in .qweight")
+    if "model.embed_tokens" in names:
+        names.remove("model.embed_tokens")
+        _swap_embedding(art, model, fmt == "gptq")
 
     def make(lin: torch.nn.Linear) -> GPTQLinear:
         with torch.device("meta"):
@@ -64,12 +67,34 @@ def _gptq_swap(art, model) -> None:
     swap_linears(model, names, make)
 
 
+def embedding_scheme(art) -> dict | None:
+    """{"bits", "group_size", ...} of a low-bit embedding table (quantize --embed-bits), or None."""
+    return ((art.quantization or {}).get("meta") or {}).get("embed_tokens")
+
+
+def _swap_embedding(art, model, v1: bool) -> None:
+    from llamactl.layers.embedding import QuantEmbedding
+
+    scheme = embedding_scheme(art)
+    if not scheme or int(scheme.get("bits", 0)) not in (4, 8):
+        raise CheckpointError(f"{art.path}: model.embed_tokens is packed but quantization_config.meta.embed_tokens "
+                              "does not say its bits (4 or 8)", "re-quantize the parent with llamactl quantize --embed-bits")
+    a = art.args
+    with torch.device("meta"):
+        model.model.embed_tokens = QuantEmbedding(a.vocab_size, a.hidden_size, int(scheme["bits"]),
+                                                  int(scheme.get("group_size", -1)), v1)
+
+
 def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
     """bf16 compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
-    dequantizing per call; 8-bit layers with one group per row on the int8 kernels."""
+    dequantizing per call; 8-bit layers with one group per row on the int8 kernels. A low-bit
+    embedding table looks rows up in the runtime's dtype."""
     from llamactl.layers.int4 import use_int4_kernels
     from llamactl.layers.int8 import use_int8_kernels
 
+    emb = model.model.embed_tokens
+    if not isinstance(emb, torch.nn.Embedding):
+        emb.dtype = dtype
     if dtype != torch.bfloat16:
         return []
     q = art.quantization

@@ -23,6 +23,7 @@ class QuantOptions:
     clip_search: bool = False
     gptq_variant: str = "gptq"  # gptq, gptaq (asymmetric calibration) or foem, from GPTQModel
     lm_head: bool = False
+    embed_bits: int = 16  # the token embedding table: 16 (as it is), 8 (per row) or 4 (groups of group_size)
     calib: str = "docs"
     n_samples: int | None = None
     seq_len: int | None = None
@@ -49,9 +50,9 @@ def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
 
 # the options each method uses: the manifest records these and nothing else
 USED = {
-    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head"),
+    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "embed_bits"),
     "gptq": ("method", "bits", "group_size", "sym", "desc_act", "damp", "clip_search", "gptq_variant", "lm_head",
-             "calib", "n_samples", "seq_len", "seed"),
+             "embed_bits", "calib", "n_samples", "seq_len", "seed"),
     "nf4": ("method", "bits"),
     "int8": ("method", "bits"),
 }

@@ -69,6 +69,17 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, cl
     return codes.contiguous(), zero.t().contiguous(), scale.t().contiguous(), g_idx
 
 
+def quantize_embedding(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
+                       clip_search: bool = False) -> dict[str, torch.Tensor]:
+    """weight: [V, D] -> the GPTQ tensors (qweight, qzeros, scales, g_idx) of the table
+    (layers.embedding), RTN per group of `group_size` along each row (a shorter last group where
+    it does not divide D)."""
+    from llamactl.layers.gptq import pack_gptq
+
+    codes, zeros, scales, g_idx = rtn_quantize(weight, bits, group_size, sym, clip_search)
+    return pack_gptq(codes, zeros, scales, g_idx, bits)
+
+
 def write_rtn(art, opts, folder, progress) -> dict:
     """Quantize every target linear of `art` with RTN and write a GPTQ-format folder."""
     import json

@@ -8,6 +8,7 @@ folder into place.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,8 +46,16 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
                          "drop them, or use --method gptq")
     if opts.method != "gptq" and opts.desc_act:
         raise InputError("--desc-act applies to --method gptq only")
-    if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head):
-        raise InputError(f"--clip-search and --quantize-lm-head are not available with --method {opts.method}")
+    if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head or opts.embed_bits != 16):
+        raise InputError(f"--clip-search, --quantize-lm-head and --embed-bits are not available with --method {opts.method}",
+                         "use --method rtn or gptq")
+    from llamactl.layers.embedding import EMBED_BITS
+
+    if opts.embed_bits not in EMBED_BITS:
+        raise InputError(f"--embed-bits {opts.embed_bits} is not supported", f"use {', '.join(map(str, EMBED_BITS))}")
+    if opts.embed_bits != 16 and opts.lm_head and art.args.tie_word_embeddings:
+        raise InputError("--quantize-lm-head with --embed-bits on a tied model: its head is its embedding table",
+                         f"drop --quantize-lm-head (--embed-bits {opts.embed_bits} quantizes the one table both use)")
     _require_engine(opts.method)
     if opts.method == "gptq":
         from llamactl.calib import check_spec, resolve_spec
@@ -89,6 +98,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     with staged_output(out, force, log) as tmp:
         engine = _run_method(art, opts, tmp, dev, progress, log)
         engine |= _short_groups(art, opts, tmp, log)
+        engine |= _embedding(art, opts, tmp, log)
         copy_side_files(art.path, tmp)
         seconds = time.perf_counter() - t0
         metrics: dict[str, Any] = {"quantize_seconds": round(seconds, 2)}
@@ -96,6 +106,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         metrics["weight_bytes"] = child.disk_bytes
         metrics["parent_weight_bytes"] = art.disk_bytes
         metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
+        metrics["file_bpw"] = round(8 * child.disk_bytes / parameters(art), 3)
         if eval_tokens > 0:
             log("measuring quality against the parent")
             t1 = time.perf_counter()
@@ -129,6 +140,44 @@ def _short_groups(art, opts, folder: Path, log) -> dict[str, Any]:
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     log("config.json names GPTQModel's torch kernel (backend: torch) for transformers, whose other kernels need whole groups")
     return {"short_last_group": short, "transformers_backend": "torch"}
+
+
+def parameters(art: Artifact) -> int:
+    """The parent's parameters: every tensor of its weight files once (a tied head is not stored)."""
+    return sum(math.prod(meta["shape"]) for meta in art.tensor_index().values())
+
+
+def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
+    """--embed-bits 8 or 4: the written folder's embedding table replaced by its GPTQ-packed form
+    (layers.embedding; RTN: there are no inputs to calibrate a lookup with). A tied model keeps
+    one table, which its head reads too; an lm_head copy is dropped."""
+    if opts.embed_bits == 16:
+        return {}
+    from llamactl.artifact import save_weights
+    from llamactl.checkpoint import iter_checkpoint
+    from llamactl.quantize.rtn import quantize_embedding
+
+    staged = open_artifact(folder)
+    files = list(staged.weight_files)
+    state = dict(iter_checkpoint(staged))
+    table = state.pop("model.embed_tokens.weight")
+    if art.args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+    per_row = opts.embed_bits == 8  # the int8 kernels' layout: the tied head runs on them
+    scheme = {"bits": opts.embed_bits, "group_size": -1 if per_row else opts.group_size,
+              "sym": True if per_row else opts.sym, "clip_search": opts.clip_search, "method": "rtn"}
+    packed = quantize_embedding(table, opts.embed_bits, scheme["group_size"], scheme["sym"], opts.clip_search)
+    state |= {f"model.embed_tokens.{k}": v for k, v in packed.items()}
+    for f in files + [folder / "model.safetensors.index.json"]:
+        f.unlink(missing_ok=True)
+    save_weights(state, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].setdefault("meta", {})["embed_tokens"] = scheme
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log(f"embedding table in {opts.embed_bits} bits ({'per row' if per_row else f'groups of {opts.group_size}'})"
+        + ("; the tied head reads it" if art.args.tie_word_embeddings else "")
+        + ": llamactl and its GGUF export read this folder, transformers does not")
+    return {"embed_tokens": scheme}
 
 
 def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
