@@ -130,10 +130,11 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
     one). inputs ("int8", "fp16", "int16"): also (label, kind) for a quantized model on a GPU, scored
     through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
     on dequantized weights, with its inputs as they are)."""
-    from llamactl.artifact import lineage, open_artifact
+    from llamactl.artifact import lineage, open_artifact, resolve_model_path
     from llamactl.bench import is_quantized
     from llamactl.layers.plan import prepare
     from llamactl.quality import decode_logits, measure, prefill_logits
+    from llamactl.info import params_from_config
 
     options = options or RuntimeOptions()
     out = {}
@@ -142,7 +143,7 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
             for kind in ("float", *inputs):
                 out[t.label, kind] = {"skipped": "synthetic weights: quality is meaningless"}
             continue
-        ref_path = reference
+        ref_path = None if reference is None else str(resolve_model_path(reference))  # `embedded` names the packaged model
         if ref_path is None:  # the root of the manifest chain, if every link of it is intact
             chain = lineage(t.artifact)
             broken = next((e for e in chain if e.get("parent_status") not in (None, "ok")), None)
@@ -170,6 +171,7 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
                         parent_model=t.model if own else None, child_model=t.model,
                         child_logits=prefill_logits if kind == "float" else decode_logits).to_dict()
             q["reference"] = None if own else str(ref_art.path)
+            q["file_bpw"] = round(8 * t.artifact.disk_bytes / params_from_config(ref_art.args), 3)  # this folder's files
             q["scored"] = "prefill" if kind == "float" else f"decode steps, {QUANT_INPUT_LABELS[kind]}"
             if own:  # no reference: only perplexity is meaningful
                 q = {k: v for k, v in q.items() if k not in ("kl_mean", "kl_p99", "top1_agreement", "ppl_parent")}

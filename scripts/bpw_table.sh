@@ -10,14 +10,11 @@ row() { python - "$@" <<'PY'
 import json, os, sys
 name, bpw_src, quality = sys.argv[1:4]
 q = json.load(open(quality))
-if "results" in q:
-    q = q["results"][0]["quality"]
-else:
-    q = q["metrics"]["quality"]
+q = q["results"][0]["quality"] if "results" in q else q["quality"]  # bench's JSON, or quantize --json's
 if bpw_src.endswith(".gguf"):  # the whole file over the parent's parameters, as quantize counts them
     from llamactl.artifact import open_artifact, resolve_model_path
-    from llamactl.quantize.stage import parameters
-    bpw = 8 * os.path.getsize(bpw_src) / parameters(open_artifact(resolve_model_path(None)))
+    from llamactl.info import params_from_config
+    bpw = 8 * os.path.getsize(bpw_src) / params_from_config(open_artifact(resolve_model_path(None)).args)
 else:
     bpw = json.load(open(bpw_src))["metrics"]["file_bpw"]
 print(f"| {name} | {bpw:.2f} | {q['kl_mean']:.4f} | {q['top1_agreement'] * 100:.1f}% | {q['ppl']:.2f} | {q['tokens']} |")
@@ -28,7 +25,8 @@ echo "| --- | --- | --- | --- | --- | --- |" | tee -a "$out/table.md"
 # llamactl: RTN and GPTQ, linears alone, then the embedding table and the head in low bits
 while IFS='|' read -r name args; do
   [ -z "$name" ] && continue
-  llamactl quantize embedded -o "$out/$name" $args --eval-tokens "$n" --force --json > "$out/$name.json" 2> "$out/$name.err" \
+  { grep -q file_bpw "$out/$name.json" 2> /dev/null ||  # a finished point is kept (rerun: delete its .json)
+    llamactl quantize embedded -o "$out/$name" $args --eval-tokens "$n" --force --json > "$out/$name.json" 2> "$out/$name.err"; } \
     && row "llamactl $name" "$out/$name.json" "$out/$name.json" | tee -a "$out/table.md" || tail -3 "$out/$name.err"
 done <<'LIST'
 rtn4-g128|--method rtn
@@ -54,8 +52,8 @@ for t in Q4_0 IQ4_XS Q4_K_M Q5_K_M Q6_K Q8_0; do
   for im in none imatrix; do
     name="$t-$im"; flag=(); [ $im = imatrix ] && flag=(--imatrix "$out/imatrix.dat")
     "$bin/llama-quantize" "${flag[@]}" "$out/bf16.gguf" "$out/$name.gguf" "$t" > "$out/$name.q.log" 2>&1 || { tail -2 "$out/$name.q.log"; continue; }
-    llamactl convert "$out/$name.gguf" -o "$out/$name-hf" --dtype float32 --force --json > /dev/null 2> "$out/$name.c.err" || { tail -2 "$out/$name.c.err"; continue; }
-    llamactl bench "$out/$name-hf" --quality --reference embedded --eval-tokens "$n" --device cpu --gen-len 1 --prompt-len 8 \
+    llamactl convert "$out/$name.gguf" -o "$out/$name-hf" --dtype f32 --force --json > /dev/null 2> "$out/$name.c.err" || { tail -2 "$out/$name.c.err"; continue; }
+    llamactl bench "$out/$name-hf" --quality --reference embedded --eval-tokens "$n" --device cpu --gen-len 2 --prompt-len 8 \
       --warmup 0 --repeat 1 --format json -o "$out/$name.bench.json" > /dev/null 2> "$out/$name.b.err" \
       && row "llama.cpp $name" "$out/$name.gguf" "$out/$name.bench.json" | tee -a "$out/table.md" || tail -2 "$out/$name.b.err"
   done

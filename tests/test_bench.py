@@ -124,6 +124,12 @@ def test_quality_against_the_manifest_root(trained_model, tmp_path):
     qual = json.loads(r.stdout)["results"][0]["quality"]
     assert qual["reference"] == str(trained_model.resolve()) and qual["scored"] == "prefill"
     assert qual["kl_mean"] > 0 and qual["ppl"] > qual["ppl_parent"] * 0.98
+    assert 4 < qual["file_bpw"] < 10  # 4-bit linears, 16-bit embedding and head
+    # the packaged model is named as in every command
+    r = bench(q, "--quality", "--reference", "embedded", "--eval-tokens", "256", "--prompt-len", "8", "--gen-len", "4",
+              "--warmup", "0", "--repeat", "1", "--format", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["results"][0]["quality"]["kl_mean"] > 0
 
 
 def test_decode_scoring_matches_prefill_scoring(trained_model):

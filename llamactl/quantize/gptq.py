@@ -85,10 +85,14 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         from gptqmodel.version import __version__ as gptqmodel_version
 
         offload = Path(tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-"))
+        # lm_head=True alone, GPTQModel 7.6.0 quantizes the head to 8 bits in groups of 32 with its
+        # mse search (module_looper): the head takes the layers' settings, as --quantize-lm-head says
+        head = {"lm_head": {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym, "desc_act": opts.desc_act,
+                            "mse": 2.4 if opts.clip_search else 0.0}} if opts.lm_head else None
         qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                               damp_percent=opts.damp, act_group_aware=False, lm_head=opts.lm_head,
                               mse=2.4 if opts.clip_search else 0.0, offload_to_disk_path=str(offload),
-                              **_variant(opts.gptq_variant))
+                              dynamic=head, **_variant(opts.gptq_variant))
         try:
             model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
             layers = model.model.model.layers

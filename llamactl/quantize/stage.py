@@ -8,13 +8,13 @@ folder into place.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
+from llamactl.info import params_from_config
 from llamactl.quality import check_eval_file, measure, no_progress
 
 from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, target_linears, used_params  # noqa: F401
@@ -106,7 +106,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         metrics["weight_bytes"] = child.disk_bytes
         metrics["parent_weight_bytes"] = art.disk_bytes
         metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
-        metrics["file_bpw"] = round(8 * child.disk_bytes / parameters(art), 3)
+        metrics["file_bpw"] = round(8 * child.disk_bytes / params_from_config(art.args), 3)
         if eval_tokens > 0:
             log("measuring quality against the parent")
             t1 = time.perf_counter()
@@ -140,11 +140,6 @@ def _short_groups(art, opts, folder: Path, log) -> dict[str, Any]:
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     log("config.json names GPTQModel's torch kernel (backend: torch) for transformers, whose other kernels need whole groups")
     return {"short_last_group": short, "transformers_backend": "torch"}
-
-
-def parameters(art: Artifact) -> int:
-    """The parent's parameters: every tensor of its weight files once (a tied head is not stored)."""
-    return sum(math.prod(meta["shape"]) for meta in art.tensor_index().values())
 
 
 def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
