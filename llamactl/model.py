@@ -322,11 +322,15 @@ class LlamaModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.norm.weight.device
+        emb = self.model.embed_tokens
+        return (emb.weight if isinstance(emb, nn.Embedding) else emb.qweight).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.norm.weight.dtype  # the runtime's (the embedding table may be low-bit)
+        # the runtime's: the table's, or what a low-bit table looks rows up in (the final norm may
+        # be folded into lm_head)
+        emb = self.model.embed_tokens
+        return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype
 
     def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None):
         """Allocate KV caches, RoPE tables and the causal mask for up to `max_seq` positions."""
