@@ -119,6 +119,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l damp -r -d 'GP
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l clip-search -d 'Search each groups clipping range (rtn: llamactls grid; gptq: GPTQModels mse grid).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l gptq-variant -x -a 'gptq gptaq foem' -d 'GPTQModel algorithm: gptq, gptaq or foem.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l quantize-lm-head -d 'Quantize lm_head too (kept 16-bit by default).'
+complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l head-bits -r -d 'Quantize lm_head to 4 or 8 bits (8: per row, symmetric) whatever --bits the layers take; --quantize-lm-head: the layers bits.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l embed-bits -r -d 'The token embedding table: 16 (kept), 8 (per row, symmetric) or 4 (groups of --group-size); a tied models head is the same table. Read by llamactl (and its GGUF export) only.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l calib -x -a 'docs wikitext2 c4' -d 'Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l n-samples -r -d 'Calibration samples (default: the specs, 64).'

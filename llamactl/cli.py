@@ -346,7 +346,9 @@ def _embedding_line(info: dict) -> str:
     table = (((info.get("quantization") or {}).get("meta")) or {}).get("embed_tokens")
     bits = "" if not table else (f"{table['bits']}-bit table ("
                                  + ("per row" if table["group_size"] == -1 else f"groups of {table['group_size']}") + "), ")
-    return bits + ("tied: lm_head shares the embedding matrix" if info["tie_word_embeddings"] else "untied lm_head")
+    head = ((info.get("quantization") or {}).get("dynamic") or {}).get("lm_head")
+    own = "" if not head else f" ({head.get('bits')}-bit" + (", per row)" if head.get("group_size") == -1 else ")")
+    return bits + ("tied: lm_head shares the embedding matrix" if info["tie_word_embeddings"] else f"untied lm_head{own}")
 
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
@@ -392,6 +394,7 @@ def quantize(
     clip_search: Annotated[bool, typer.Option("--clip-search", help="Search each group's clipping range (rtn: llamactl's grid; gptq: GPTQModel's mse grid).")] = False,
     gptq_variant: Annotated[str, typer.Option("--gptq-variant", help="GPTQModel algorithm: gptq, gptaq or foem.")] = "gptq",
     lm_head: Annotated[bool, typer.Option("--quantize-lm-head", help="Quantize lm_head too (kept 16-bit by default).")] = False,
+    head_bits: Annotated[Optional[int], typer.Option("--head-bits", help="Quantize lm_head to 4 or 8 bits (8: per row, symmetric) whatever --bits the layers take; --quantize-lm-head: the layers' bits.", show_default=False)] = None,
     embed_bits: Annotated[int, typer.Option("--embed-bits", help="The token embedding table: 16 (kept), 8 (per row, symmetric) or 4 (groups of --group-size); a tied model's head is the same table. Read by llamactl (and its GGUF export) only.")] = 16,
     calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
     n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
@@ -409,7 +412,7 @@ def quantize(
 
     bits = bits if bits is not None else BITS.get(method, (4,))[0]
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
-                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len)
+                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head or head_bits is not None, head_bits=head_bits, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len)
     manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
                    progress=ui.progress, log=ui.log)
     _report(manifest, json_out)

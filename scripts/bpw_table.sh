@@ -40,6 +40,9 @@ gptq4-g128-e4-h4|--method gptq --embed-bits 4 --quantize-lm-head
 gptq4-g128-asym-e4-h4|--method gptq --asym --gptq-variant gptaq --embed-bits 4 --quantize-lm-head
 gptq4-g128-asym-clip-e8-h4|--method gptq --asym --gptq-variant gptaq --clip-search --embed-bits 8 --quantize-lm-head
 gptq4-g64-asym-clip-e4-h4|--method gptq --group-size 64 --asym --gptq-variant gptaq --clip-search --embed-bits 4 --quantize-lm-head
+gptq4-g64-asym-clip-e4-h8|--method gptq --group-size 64 --asym --gptq-variant gptaq --clip-search --embed-bits 4 --head-bits 8
+gptq4-g128-asym-clip-e4-h8|--method gptq --asym --gptq-variant gptaq --clip-search --embed-bits 4 --head-bits 8
+gptq4-g32-asym-clip-e4-h8|--method gptq --group-size 32 --asym --gptq-variant gptaq --clip-search --embed-bits 4 --head-bits 8
 rtn8-e8-h8|--method rtn --bits 8 --group-size -1 --embed-bits 8 --quantize-lm-head
 LIST
 # llama.cpp: its types from the BF16 export, dequantized back by llamactl convert and scored the same way

@@ -82,3 +82,20 @@ def test_embed_bits_refusals(tied, tmp_path):
                             "--quantize-lm-head"])
     assert r.exit_code != 0 and "its head is its embedding table" in r.output
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_head_in_8_bits_beside_4_bit_layers(tmp_path):
+    """--head-bits 8: lm_head per row in 8 bits (GPTQModel's per-module `dynamic` in config.json),
+    the layers in 4; the loader builds each module at its own bits and the head's KL is small."""
+    src = make_hf_model(tmp_path / "src", heads=4, kv_heads=2, hidden=64, seed=9)
+    m = _quantize(src, tmp_path / "h8", "--head-bits", "8")
+    cfg = json.loads((tmp_path / "h8" / "config.json").read_text())["quantization_config"]
+    assert cfg["bits"] == 4 and cfg["dynamic"] == {"lm_head": {"bits": 8, "group_size": -1, "sym": True}}
+    assert m["params"]["head_bits"] == 8
+    model = load_model(open_artifact(tmp_path / "h8"), torch.device("cpu"), torch.float32)
+    assert model.lm_head.bits == 8 and model.lm_head.scales.shape[0] == 1
+    assert model.model.layers[0].mlp.down_proj.bits == 4
+    plain = _quantize(src, tmp_path / "q4")
+    assert m["metrics"]["file_bpw"] < plain["metrics"]["file_bpw"]  # the head in 8 bits, not its stored width
+    r = runner.invoke(app, ["quantize", str(src), "-o", str(tmp_path / "x"), "--method", "rtn", "--head-bits", "6"])
+    assert r.exit_code != 0 and "--head-bits 6 is not supported" in r.output

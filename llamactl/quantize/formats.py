@@ -60,11 +60,27 @@ def _gptq_swap(art, model) -> None:
         names.remove("model.embed_tokens")
         _swap_embedding(art, model, fmt == "gptq")
 
-    def make(lin: torch.nn.Linear) -> GPTQLinear:
+    for name in names:
+        b, g = module_scheme(q, name, bits, group)
+        if b not in (2, 4, 8):
+            raise CheckpointError(f"{art.path}: {name} is {b}-bit (quantization_config.dynamic), which the runtime "
+                                  "does not read", "use 2, 4 or 8 bits")
         with torch.device("meta"):
-            return GPTQLinear(lin.in_features, lin.out_features, bits, group, lin.bias is not None, v1=fmt == "gptq")
+            swap_linears(model, [name], lambda lin: GPTQLinear(lin.in_features, lin.out_features, b, g,
+                                                               lin.bias is not None, v1=fmt == "gptq"))
 
-    swap_linears(model, names, make)
+
+def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:
+    """(bits, group size) of one module: GPTQModel's per-module overrides (quantization_config's
+    `dynamic`: regular expressions, "+:" or bare to override, first match wins) over the defaults."""
+    import re
+
+    for pattern, override in (q.get("dynamic") or {}).items():
+        if pattern.startswith("-:"):
+            continue  # modules left unquantized carry no .qweight, so they are not named here
+        if re.match(pattern.removeprefix("+:"), name) and isinstance(override, dict):
+            return int(override.get("bits", bits)), int(override.get("group_size", group))
+    return bits, group
 
 
 def embedding_scheme(art) -> dict | None:

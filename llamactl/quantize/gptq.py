@@ -57,7 +57,7 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
     clean_stale_offload(log)
     from llamactl.calib import build_samples, resolve_spec
     from llamactl.checkpoint import load_tokenizer
-    from llamactl.quantize.options import target_linears
+    from llamactl.quantize.options import head_scheme, target_linears
 
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     tok = load_tokenizer(art)
@@ -87,8 +87,8 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         offload = Path(tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-"))
         # lm_head=True alone, GPTQModel 7.6.0 quantizes the head to 8 bits in groups of 32 with its
         # mse search (module_looper): the head takes the layers' settings, as --quantize-lm-head says
-        head = {"lm_head": {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym, "desc_act": opts.desc_act,
-                            "mse": 2.4 if opts.clip_search else 0.0}} if opts.lm_head else None
+        scheme = head_scheme(opts)
+        head = {"lm_head": scheme | {"desc_act": opts.desc_act, "mse": 2.4 if opts.clip_search else 0.0}} if scheme else None
         qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                               damp_percent=opts.damp, act_group_aware=False, lm_head=opts.lm_head,
                               mse=2.4 if opts.clip_search else 0.0, offload_to_disk_path=str(offload),

@@ -23,6 +23,7 @@ class QuantOptions:
     clip_search: bool = False
     gptq_variant: str = "gptq"  # gptq, gptaq (asymmetric calibration) or foem, from GPTQModel
     lm_head: bool = False
+    head_bits: int | None = None  # lm_head's bits when it differs from the layers' (8: per row, symmetric)
     embed_bits: int = 16  # the token embedding table: 16 (as it is), 8 (per row) or 4 (groups of group_size)
     calib: str = "docs"
     n_samples: int | None = None
@@ -48,11 +49,24 @@ def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
     return out
 
 
+def head_scheme(opts: QuantOptions) -> dict | None:
+    """lm_head's {"bits", "group_size", "sym"} (None: kept 16-bit): the layers' own, or with
+    --head-bits 8 per row and symmetric (the int8 kernels' layout), with --head-bits 4 the layers'
+    groups."""
+    if not opts.lm_head:
+        return None
+    if opts.head_bits is None or opts.head_bits == opts.bits:
+        return {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym}
+    if opts.head_bits == 8:
+        return {"bits": 8, "group_size": -1, "sym": True}
+    return {"bits": opts.head_bits, "group_size": opts.group_size, "sym": opts.sym}
+
+
 # the options each method uses: the manifest records these and nothing else
 USED = {
-    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "embed_bits"),
+    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "head_bits", "embed_bits"),
     "gptq": ("method", "bits", "group_size", "sym", "desc_act", "damp", "clip_search", "gptq_variant", "lm_head",
-             "embed_bits", "calib", "n_samples", "seq_len", "seed"),
+             "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed"),
     "nf4": ("method", "bits"),
     "int8": ("method", "bits"),
 }

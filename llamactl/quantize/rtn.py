@@ -88,9 +88,10 @@ def write_rtn(art, opts, folder, progress) -> dict:
     from llamactl.artifact import save_weights
     from llamactl.checkpoint import iter_checkpoint
     from llamactl.layers.gptq import pack_gptq
-    from llamactl.quantize.options import target_linears
+    from llamactl.quantize.options import head_scheme, target_linears
 
     targets = target_linears(art, opts.lm_head)
+    head = head_scheme(opts)
     state: dict[str, torch.Tensor] = {}
     tensors = dict(iter_checkpoint(art))
     if art.args.tie_word_embeddings and opts.lm_head and "lm_head.weight" not in tensors:
@@ -99,9 +100,11 @@ def write_rtn(art, opts, folder, progress) -> dict:
         for name, t in tensors.items():
             module = name.rsplit(".", 1)[0]
             if module in targets and name.endswith(".weight"):
-                codes, zeros, scales, g_idx = rtn_quantize(t, opts.bits, opts.group_size, opts.sym, opts.clip_search)
+                bits, group, sym = (head["bits"], head["group_size"], head["sym"]) if module == "lm_head" else \
+                    (opts.bits, opts.group_size, opts.sym)
+                codes, zeros, scales, g_idx = rtn_quantize(t, bits, group, sym, opts.clip_search)
                 bias = tensors.get(f"{module}.bias")
-                for k, v in pack_gptq(codes, zeros, scales, g_idx, opts.bits, bias).items():
+                for k, v in pack_gptq(codes, zeros, scales, g_idx, bits, bias).items():
                     state[f"{module}.{k}"] = v
                 advance(1)
             elif not (name.endswith(".bias") and name.rsplit(".", 1)[0] in targets):
@@ -112,6 +115,8 @@ def write_rtn(art, opts, folder, progress) -> dict:
               "quantized_modules": sorted(targets), "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}"}
     config = dict(art.config)
     config["quantization_config"] = gptq_config(opts, quantizer=f"llamactl:{__version__}", method="rtn")
+    if head and (head["bits"], head["group_size"], head["sym"]) != (opts.bits, opts.group_size, opts.sym):
+        config["quantization_config"]["dynamic"] = {"lm_head": head}  # GPTQModel's per-module form
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return engine
 

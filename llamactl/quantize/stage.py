@@ -47,12 +47,17 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
     if opts.method != "gptq" and opts.desc_act:
         raise InputError("--desc-act applies to --method gptq only")
     if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head or opts.embed_bits != 16):
-        raise InputError(f"--clip-search, --quantize-lm-head and --embed-bits are not available with --method {opts.method}",
+        raise InputError(f"--clip-search, --quantize-lm-head, --head-bits and --embed-bits are not available with --method {opts.method}",
                          "use --method rtn or gptq")
     from llamactl.layers.embedding import EMBED_BITS
 
     if opts.embed_bits not in EMBED_BITS:
         raise InputError(f"--embed-bits {opts.embed_bits} is not supported", f"use {', '.join(map(str, EMBED_BITS))}")
+    if opts.head_bits is not None and opts.head_bits not in (4, 8):
+        raise InputError(f"--head-bits {opts.head_bits} is not supported", "use 4 or 8")
+    if opts.head_bits is not None and art.args.tie_word_embeddings:
+        raise InputError("--head-bits on a tied model: its head is its embedding table",
+                         "use --embed-bits 8 or 4, which quantizes the one table both read")
     if opts.embed_bits != 16 and opts.lm_head and art.args.tie_word_embeddings:
         raise InputError("--quantize-lm-head with --embed-bits on a tied model: its head is its embedding table",
                          f"drop --quantize-lm-head (--embed-bits {opts.embed_bits} quantizes the one table both use)")
