@@ -7,9 +7,7 @@ set -uo pipefail
 out=${1:?usage: gpu_batch_modes.sh OUTDIR [QUANT:MODE:BATCHES ...]}; shift
 runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=(none:graphs:1,8,32 none:compile:8 none:compile:32 int8:compile:8 int4:compile:8 int4:compile:32)
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+. "$(dirname "$0")/device_env.sh"
 common="--synthetic llama2-7b --dtype bfloat16 --prompt-len 128 --gen-len 256 --warmup 1 --repeat 3"
 for run in "${runs[@]}"; do
   IFS=: read -r q mode batches <<< "$run"

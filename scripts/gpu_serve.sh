@@ -5,15 +5,7 @@
 # Needs starlette and uvicorn there: carry .whl (see scripts/README.md).
 set -uo pipefail
 out=${1:?usage: gpu_serve.sh OUTDIR}; tests=${2:-served or own_positions}
-mkdir -p "$out"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+. "$(dirname "$0")/device_env.sh"
 common="--synthetic llama2-7b --dtype bfloat16 --prompt-len 128 --gen-len 256"
 python -m llamactl bench $common --synthetic-quant none,int4,int8 --mode graphs --batch 1,8,32 --warmup 1 --repeat 3 \
   --format json -o "$out/batch.json" > /dev/null 2> "$out/batch.err" || tail -20 "$out/batch.err"

@@ -7,15 +7,7 @@ set -uo pipefail
 out=${1:?usage: gpu_serve_modes.sh OUTDIR [QUANT:MODE ...]}; shift
 runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=(none:compile none:graphs)
-mkdir -p "$out"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+. "$(dirname "$0")/device_env.sh"
 common="--synthetic llama2-7b --dtype bfloat16 --prompt-len 128 --gen-len 256 --concurrency 1,8,32 --requests 32"
 for run in "${runs[@]}"; do
   IFS=: read -r q mode <<< "$run"

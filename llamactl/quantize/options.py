@@ -49,17 +49,21 @@ def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
     return out
 
 
+def own_scheme(opts: QuantOptions, bits: int) -> dict:
+    """{"bits", "group_size", "sym"} of a tensor given bits of its own (--head-bits, --embed-bits):
+    8 bits per row and symmetric (the int8 kernels' layout), 4 in the layers' groups."""
+    if bits == 8:
+        return {"bits": 8, "group_size": -1, "sym": True}
+    return {"bits": bits, "group_size": opts.group_size, "sym": opts.sym}
+
+
 def head_scheme(opts: QuantOptions) -> dict | None:
-    """lm_head's {"bits", "group_size", "sym"} (None: kept 16-bit): the layers' own, or with
-    --head-bits 8 per row and symmetric (the int8 kernels' layout), with --head-bits 4 the layers'
-    groups."""
+    """lm_head's scheme (None: kept 16-bit): the layers' own, or own_scheme of --head-bits."""
     if not opts.lm_head:
         return None
     if opts.head_bits is None or opts.head_bits == opts.bits:
         return {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym}
-    if opts.head_bits == 8:
-        return {"bits": 8, "group_size": -1, "sym": True}
-    return {"bits": opts.head_bits, "group_size": opts.group_size, "sym": opts.sym}
+    return own_scheme(opts, opts.head_bits)
 
 
 # the options each method uses: the manifest records these and nothing else

@@ -17,7 +17,7 @@ from llamactl.errors import InputError
 from llamactl.info import params_from_config
 from llamactl.quality import check_eval_file, measure, no_progress
 
-from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, target_linears, used_params  # noqa: F401
+from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, own_scheme, target_linears, used_params  # noqa: F401
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -163,9 +163,8 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     table = state.pop("model.embed_tokens.weight")
     if art.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
-    per_row = opts.embed_bits == 8  # the int8 kernels' layout: the tied head runs on them
-    scheme = {"bits": opts.embed_bits, "group_size": -1 if per_row else opts.group_size,
-              "sym": True if per_row else opts.sym, "clip_search": opts.clip_search, "method": "rtn"}
+    scheme = own_scheme(opts, opts.embed_bits) | {"clip_search": opts.clip_search, "method": "rtn"}
+    per_row = scheme["group_size"] == -1  # the int8 kernels' layout: a tied head runs on them
     packed = quantize_embedding(table, opts.embed_bits, scheme["group_size"], scheme["sym"], opts.clip_search)
     state |= {f"model.embed_tokens.{k}": v for k, v in packed.items()}
     for f in files + [folder / "model.safetensors.index.json"]:
