@@ -399,23 +399,48 @@ def quantize(
     calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
     n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 512).")] = None,
+    target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="A whole-file budget in bits per parameter: each tensor (layers, lm_head, embeddings) gets 4 bits in groups of 32/64/128, 8 bits or stays 16-bit, chosen from its measured sensitivity.", show_default=False)] = None,
+    calib_stats: Annotated[Optional[str], typer.Option("--calib-stats", help="Calibration statistics from `llamactl calibrate` (sensitivities for --target-bpw; rtn --clip-search weights its error by them).", show_default=False)] = None,
     eval_file: EvalOpt = None,
     eval_tokens: EvalTokensOpt = 32768,
     device: DeviceOpt = "auto",
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ):
-    """Quantize a 16-bit model to 4 or 8 bits and report what it cost in quality."""
+    """Quantize a 16-bit model to 4 or 8 bits (or to a bits-per-weight budget) and report what it cost in quality."""
     from llamactl.quantize.stage import QuantOptions, quantize as run
 
     from llamactl.quantize.options import BITS
 
     bits = bits if bits is not None else BITS.get(method, (4,))[0]
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
-                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head or head_bits is not None, head_bits=head_bits, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len)
+                        clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head or head_bits is not None, head_bits=head_bits, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len,
+                        target_bpw=target_bpw, calib_stats=calib_stats)
     manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
                    progress=ui.progress, log=ui.log)
     _report(manifest, json_out)
+
+
+@app.command()
+def calibrate(
+    model: ModelReq,
+    output: Annotated[str, typer.Option("--output", "-o", help="The statistics file to write (safetensors).")],
+    calib: Annotated[str, typer.Option(help="Calibration set: a name in calib/ (docs, wikitext2, c4), a spec .json, or a .jsonl/.json/.parquet/.txt file.")] = "docs",
+    n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 512).")] = None,
+    device: DeviceOpt = "auto",
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+):
+    """Measure each tensor's sensitivity (Fisher diagonal) and each layer's input statistics once, for `quantize --calib-stats`."""
+    from llamactl.quantize.calibrate import calibrate as run
+
+    result = run(model, output, calib, n_samples, seq_len, device=device, force=force, progress=ui.progress, log=ui.log)
+    if json_out:
+        ui.emit_json(result)
+    else:
+        ui.log(f"wrote {result['output']}: {result['tensors']} tensors, {result['tokens']:,} calibration tokens, "
+               f"{result['seconds']:.0f} s")
 
 
 @app.command("convert-heads")

@@ -16,7 +16,10 @@ def logical_params(index: dict[str, dict[str, Any]], bits: int | None) -> int:
     total = 0
     for name, meta in index.items():
         n = math.prod(meta["shape"])
-        if name.endswith(".qweight") and bits:
+        g_idx = index.get(name.removesuffix(".qweight") + ".g_idx")
+        if name.endswith(".qweight") and g_idx:  # [in * bits / 32, out], whatever each module's bits
+            total += g_idx["shape"][0] * meta["shape"][1]
+        elif name.endswith(".qweight") and bits:
             total += n * (32 // bits)
         elif name.endswith((".qzeros", ".scales", ".g_idx", ".absmax", ".quant_map", ".SCB", ".weight_format",
                             ".quant_state.bitsandbytes__nf4", ".nested_absmax", ".nested_quant_map")):

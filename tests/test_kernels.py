@@ -113,7 +113,23 @@ def _fixed(config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-@pytest.mark.parametrize("config", gemv._bf16_configs(), ids=str)
+def _covering(configs: list) -> list:
+    """On the GPU every autotune config; through the interpreter (which ignores warps and stages)
+    the fewest that still take every block size and every combination of the other switches."""
+    if DEV == "cuda":
+        return configs
+    need = {f"BLOCK_N={c.kwargs['BLOCK_N']}" for c in configs}
+    need |= {repr(sorted((k, v) for k, v in c.kwargs.items() if k != "BLOCK_N")) for c in configs}
+    keep = []
+    for c in configs:
+        has = {f"BLOCK_N={c.kwargs['BLOCK_N']}", repr(sorted((k, v) for k, v in c.kwargs.items() if k != "BLOCK_N"))}
+        if has & need:
+            keep.append(c)
+            need -= has
+    return keep
+
+
+@pytest.mark.parametrize("config", _covering(gemv._bf16_configs()), ids=str)
 def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     """The autotuner keeps the fastest config, not a correct one: each candidate must be right.
     Odd sizes (rows and K not multiples of the blocks) exercise the masks; int8 and bf16 weights."""
@@ -137,7 +153,7 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(y16.cpu(), ((w8.double() @ x32.double()) * s8.double()).cpu()) < 2e-3
 
 
-@pytest.mark.parametrize("config", gemv._int4_configs(), ids=str)
+@pytest.mark.parametrize("config", _covering(gemv._int4_configs()), ids=str)
 def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
     q, s, z, w = _int4_case(n, k, g, seed=7)
@@ -425,8 +441,7 @@ def test_quantized_projections_fuse_side_by_side():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "float"), ("gate_up", "int8"),
-                                           ("gate_up", "int16")])
+@pytest.mark.parametrize("swiglu,inputs", [("down", "float"), ("gate_up", "int8")])  # int16 inputs: test_int16_inputs
 def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkeypatch, swiglu, inputs):
     """An int4 model (RTN, group 32) with q/k/v and gate/up concatenated and norms, SwiGLU and
     residuals folded into the int4 GEMV decodes like the same layers run unfused; with int8 or
@@ -585,7 +600,7 @@ def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_g
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("regions,swiglu", [(False, "gate_up"), (True, "gate_up"), (False, "down")])
+@pytest.mark.parametrize("regions,swiglu", [(True, "gate_up"), (False, "down")])
 def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
     compilation, which cannot take a mutating op, the model falls back to the plain attention op.

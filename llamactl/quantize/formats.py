@@ -16,28 +16,29 @@ from llamactl.errors import CheckpointError
 class Format:
     quant_method: str  # config.json's quantization_config.quant_method
     methods: tuple[str, ...]  # the quantize --method values that write it
-    writers: dict[str, Callable]  # method -> write(art, opts, folder, device, progress, log) -> engine info
+    writers: dict[str, Callable]  # method -> write(art, opts, folder, device, progress, log, stats) -> engine info
     swap: Callable  # (artifact, model on the meta device) -> None: quantized modules in place of nn.Linear
     rename: Callable[[str], str | None]  # checkpoint tensor name -> the runtime's (None: dropped)
     finish: Callable  # (artifact, model, dtype, triton) -> kernels: fast layers in place of the portable ones
 
-    def write(self, art, opts, folder, device, progress, log) -> dict[str, Any]:
-        return self.writers[opts.method](art, opts, folder, device, progress, log)
+    def write(self, art, opts, folder, device, progress, log, stats=None) -> dict[str, Any]:
+        """stats: quantize.sensitivity's calibration statistics, where the stage has them."""
+        return self.writers[opts.method](art, opts, folder, device, progress, log, stats)
 
 
-def _write_rtn(art, opts, folder, device, progress, log):
+def _write_rtn(art, opts, folder, device, progress, log, stats):
     from llamactl.quantize.rtn import write_rtn
 
-    return write_rtn(art, opts, folder, progress)
+    return write_rtn(art, opts, folder, progress, stats.act2 if stats else None)
 
 
-def _write_gptq(art, opts, folder, device, progress, log):
+def _write_gptq(art, opts, folder, device, progress, log, stats):
     from llamactl.quantize.gptq import write_gptq
 
     return write_gptq(art, opts, folder, device, progress, log)
 
 
-def _write_bnb(art, opts, folder, device, progress, log):
+def _write_bnb(art, opts, folder, device, progress, log, stats):
     from llamactl.quantize.bnb import write_bnb
 
     return write_bnb(art, opts, folder, progress, log)
@@ -115,7 +116,7 @@ def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
         return []
     q = art.quantization
     done = []
-    if int(q.get("bits", 0)) == 4 and use_int4_kernels(model, int(q.get("group_size", 128)), triton):
+    if use_int4_kernels(model, int(q.get("group_size", 128)), triton):  # the 4-bit modules, whatever the default
         done.append("int4 triton" if triton else "int4 tinygemm")
     if use_int8_kernels(model, triton):
         done.append("int8 triton" if triton else "int8 torch")

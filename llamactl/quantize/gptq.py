@@ -57,7 +57,7 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
     clean_stale_offload(log)
     from llamactl.calib import build_samples, resolve_spec
     from llamactl.checkpoint import load_tokenizer
-    from llamactl.quantize.options import head_scheme, target_linears
+    from llamactl.quantize.options import EMBED, dynamic_overrides, module_schemes
 
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     tok = load_tokenizer(art)
@@ -86,13 +86,19 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
 
         offload = Path(tempfile.mkdtemp(prefix=f"{OFFLOAD_PREFIX}{os.getpid()}-"))
         # lm_head=True alone, GPTQModel 7.6.0 quantizes the head to 8 bits in groups of 32 with its
-        # mse search (module_looper): the head takes the layers' settings, as --quantize-lm-head says
-        scheme = head_scheme(opts)
-        head = {"lm_head": scheme | {"desc_act": opts.desc_act, "mse": 2.4 if opts.clip_search else 0.0}} if scheme else None
+        # mse search (module_looper): the head's scheme (and every module's that differs from the
+        # default, --target-bpw) goes in its per-module `dynamic` entries
+        schemes = module_schemes(art, opts)
+        mse = 2.4 if opts.clip_search else 0.0
+        dynamic = {k: (v | {"desc_act": opts.desc_act, "mse": mse} if v else v)
+                   for k, v in dynamic_overrides(schemes, opts).items()}
+        head = schemes.get("lm_head")
+        if head and "lm_head" not in dynamic:
+            dynamic["lm_head"] = head | {"desc_act": opts.desc_act, "mse": mse}
         qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
-                              damp_percent=opts.damp, act_group_aware=False, lm_head=opts.lm_head,
-                              mse=2.4 if opts.clip_search else 0.0, offload_to_disk_path=str(offload),
-                              dynamic=head, **_variant(opts.gptq_variant))
+                              damp_percent=opts.damp, act_group_aware=False, lm_head=bool(head),
+                              mse=mse, offload_to_disk_path=str(offload),
+                              dynamic=dynamic or None, **_variant(opts.gptq_variant))
         try:
             model = GPTQModel.load(str(art.path), qcfg, device=str(dev))
             layers = model.model.model.layers
@@ -124,7 +130,7 @@ def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str,
         "foem": qc.get("meta", {}).get("foem"),
         "desc_act": qc.get("desc_act"),
         "calibration": spec.describe() | {"n_samples": int(samples.shape[0]), "tokens": int(samples.numel())},
-        "quantized_modules": sorted(target_linears(art, opts.lm_head)),
+        "quantized_modules": sorted(n for n, v in schemes.items() if v and n != EMBED),
         "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}",
         "device": str(dev),
     }

@@ -29,6 +29,9 @@ class QuantOptions:
     n_samples: int | None = None
     seq_len: int | None = None
     seed: int | None = None
+    target_bpw: float | None = None  # a whole-file budget: bits per tensor chosen by quantize.budget
+    calib_stats: str | None = None  # a `llamactl calibrate` file (else the stage measures them)
+    schemes: dict | None = None  # module -> scheme (None: kept), the stage's allocation under target_bpw
 
 
 def target_linears(art: Artifact, lm_head: bool) -> dict[str, tuple[int, int]]:
@@ -66,11 +69,42 @@ def head_scheme(opts: QuantOptions) -> dict | None:
     return own_scheme(opts, opts.head_bits)
 
 
+EMBED = "model.embed_tokens"
+
+
+def module_schemes(art: Artifact, opts: QuantOptions) -> dict[str, dict | None]:
+    """module -> {"bits", "group_size", "sym"} of every tensor the stage may quantize (the linears,
+    lm_head, the embedding table); None keeps it as it is. Under --target-bpw: the allocation."""
+    if opts.schemes is not None:
+        return dict(opts.schemes)
+    layers = {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym}
+    out: dict[str, dict | None] = {name: layers for name in target_linears(art, False)}
+    if opts.lm_head or not art.args.tie_word_embeddings:  # tied: the head is the table, unless quantized apart
+        out["lm_head"] = head_scheme(opts)
+    out[EMBED] = None if opts.embed_bits == 16 else own_scheme(opts, opts.embed_bits)
+    return out
+
+
+def dynamic_overrides(schemes: dict[str, dict | None], opts: QuantOptions) -> dict[str, dict]:
+    """GPTQModel's per-module `dynamic` entries for the linears whose scheme is not the default:
+    "+:^name$" with the override, "-:^name$" to leave a module unquantized (lm_head by its bare
+    name, as transformers' configs write it)."""
+    default = {"bits": opts.bits, "group_size": opts.group_size, "sym": opts.sym}
+    out: dict[str, dict] = {}
+    for name, scheme in sorted(schemes.items()):
+        if name == EMBED or scheme == default or (name == "lm_head" and scheme is None):
+            continue
+        key = "lm_head" if name == "lm_head" else "^" + name.replace(".", r"\.") + "$"
+        out[f"-:{key}" if scheme is None else (key if name == "lm_head" else f"+:{key}")] = scheme or {}
+    return out
+
+
 # the options each method uses: the manifest records these and nothing else
 USED = {
-    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "head_bits", "embed_bits"),
+    "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "head_bits", "embed_bits", "target_bpw",
+            "calib_stats"),
     "gptq": ("method", "bits", "group_size", "sym", "desc_act", "damp", "clip_search", "gptq_variant", "lm_head",
-             "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed"),
+             "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed", "target_bpw", "calib_stats"),
     "nf4": ("method", "bits"),
     "int8": ("method", "bits"),
 }

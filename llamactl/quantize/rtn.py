@@ -80,55 +80,64 @@ def quantize_embedding(weight: torch.Tensor, bits: int, group_size: int, sym: bo
     return pack_gptq(codes, zeros, scales, g_idx, bits)
 
 
-def write_rtn(art, opts, folder, progress) -> dict:
-    """Quantize every target linear of `art` with RTN and write a GPTQ-format folder."""
+def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None = None) -> dict:
+    """Quantize every tensor `module_schemes` names (the embedding table aside: quantize.stage)
+    with RTN and write a GPTQ-format folder. act2: the calibration inputs' mean squares per linear,
+    which weight the clipping search (importance-weighted rounding)."""
     import json
 
     from llamactl import __version__
     from llamactl.artifact import save_weights
     from llamactl.checkpoint import iter_checkpoint
     from llamactl.layers.gptq import pack_gptq
-    from llamactl.quantize.options import head_scheme, target_linears
+    from llamactl.quantize.options import EMBED, module_schemes
 
-    targets = target_linears(art, opts.lm_head)
-    head = head_scheme(opts)
+    schemes = {n: s for n, s in module_schemes(art, opts).items() if s is not None and n != EMBED}
     state: dict[str, torch.Tensor] = {}
     tensors = dict(iter_checkpoint(art))
-    if art.args.tie_word_embeddings and opts.lm_head and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    with progress("rtn", len(targets)) as advance:
+    if art.args.tie_word_embeddings and "lm_head" in schemes and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors[f"{EMBED}.weight"]
+    with progress("rtn", len(schemes)) as advance:
         for name, t in tensors.items():
             module = name.rsplit(".", 1)[0]
-            if module in targets and name.endswith(".weight"):
-                bits, group, sym = (head["bits"], head["group_size"], head["sym"]) if module == "lm_head" else \
-                    (opts.bits, opts.group_size, opts.sym)
-                codes, zeros, scales, g_idx = rtn_quantize(t, bits, group, sym, opts.clip_search)
+            if module in schemes and name.endswith(".weight"):
+                s = schemes[module]
+                codes, zeros, scales, g_idx = rtn_quantize(t, s["bits"], s["group_size"], s["sym"], opts.clip_search,
+                                                           (act2 or {}).get(module))
                 bias = tensors.get(f"{module}.bias")
-                for k, v in pack_gptq(codes, zeros, scales, g_idx, bits, bias).items():
+                for k, v in pack_gptq(codes, zeros, scales, g_idx, s["bits"], bias).items():
                     state[f"{module}.{k}"] = v
                 advance(1)
-            elif not (name.endswith(".bias") and name.rsplit(".", 1)[0] in targets):
+            elif not (name.endswith(".bias") and name.rsplit(".", 1)[0] in schemes):
                 state[name] = t
     save_weights(state, folder)
     engine = {"name": "llamactl-rtn", "version": __version__, "checkpoint_format": "gptq (v1: stored zero = zero - 1)",
               "scales_dtype": "float16", "clip_search": opts.clip_search, "clip_grid": CLIP_GRID if opts.clip_search else None,
-              "quantized_modules": sorted(targets), "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}"}
+              "importance_weighted": bool(act2) and opts.clip_search,
+              "quantized_modules": sorted(schemes), "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}"}
     config = dict(art.config)
-    config["quantization_config"] = gptq_config(opts, quantizer=f"llamactl:{__version__}", method="rtn")
-    if head and (head["bits"], head["group_size"], head["sym"]) != (opts.bits, opts.group_size, opts.sym):
-        config["quantization_config"]["dynamic"] = {"lm_head": head}  # GPTQModel's per-module form
+    config["quantization_config"] = gptq_config(opts, quantizer=f"llamactl:{__version__}", method="rtn",
+                                                schemes=module_schemes(art, opts))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return engine
 
 
-def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None) -> dict:
-    """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint."""
-    return {
+def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None, schemes: dict | None = None) -> dict:
+    """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint;
+    schemes (options.module_schemes): the modules whose bits differ go in GPTQModel's `dynamic`."""
+    from llamactl.quantize.options import dynamic_overrides
+
+    q = {
         "quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size, "desc_act": opts.desc_act,
-        "sym": opts.sym, "lm_head": opts.lm_head, "checkpoint_format": "gptq", "format": "gptq",
+        "sym": opts.sym, "lm_head": bool(schemes and schemes.get("lm_head")) if schemes is not None else opts.lm_head,
+        "checkpoint_format": "gptq", "format": "gptq",
         "pack_dtype": "int32", "true_sequential": True, "static_groups": False,
         "meta": {"quantizer": [quantizer], "method": method, **(extra_meta or {})},
     }
+    dynamic = dynamic_overrides(schemes, opts) if schemes is not None else {}
+    if dynamic:
+        q["dynamic"] = dynamic
+    return q
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +18,8 @@ from llamactl.errors import InputError
 from llamactl.info import params_from_config
 from llamactl.quality import check_eval_file, measure, no_progress
 
-from llamactl.quantize.options import BITS, GPTQ_VARIANTS, LINEARS, QuantOptions, own_scheme, target_linears, used_params  # noqa: F401
+from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
+                                       target_linears, used_params)
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -41,9 +43,11 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         raise InputError(f"--gptq-variant {opts.gptq_variant!r} is not known", f"use one of {', '.join(GPTQ_VARIANTS)}")
     if opts.method != "gptq" and opts.gptq_variant != "gptq":
         raise InputError("--gptq-variant applies to --method gptq only")
-    if opts.method != "gptq" and (opts.calib != "docs" or opts.n_samples or opts.seq_len or opts.seed is not None):
-        raise InputError(f"--calib, --n-samples, --seq-len and --seed apply to --method gptq only; {opts.method} uses no calibration",
-                         "drop them, or use --method gptq")
+    calibrates = opts.method == "gptq" or (opts.target_bpw is not None and not opts.calib_stats)
+    if not calibrates and (opts.calib != "docs" or opts.n_samples or opts.seq_len or opts.seed is not None):
+        raise InputError(f"--calib, --n-samples, --seq-len and --seed apply to --method gptq and --target-bpw only; "
+                         f"{opts.method} uses no calibration here", "drop them, or use --method gptq")
+    _validate_budget(art, opts)
     if opts.method != "gptq" and opts.desc_act:
         raise InputError("--desc-act applies to --method gptq only")
     if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head or opts.embed_bits != 16):
@@ -62,7 +66,7 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         raise InputError("--quantize-lm-head with --embed-bits on a tied model: its head is its embedding table",
                          f"drop --quantize-lm-head (--embed-bits {opts.embed_bits} quantizes the one table both use)")
     _require_engine(opts.method)
-    if opts.method == "gptq":
+    if calibrates:
         from llamactl.calib import check_spec, resolve_spec
 
         spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
@@ -70,6 +74,23 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         if spec.seq_len > art.args.max_position_embeddings:
             raise InputError(f"--seq-len {spec.seq_len} is longer than the model's context "
                              f"({art.args.max_position_embeddings})", "lower --seq-len")
+
+
+def _validate_budget(art: Artifact, opts: QuantOptions) -> None:
+    if opts.target_bpw is None and opts.calib_stats is None:
+        return
+    if opts.method not in ("rtn", "gptq"):
+        raise InputError(f"--target-bpw and --calib-stats are not available with --method {opts.method}",
+                         "use --method rtn or gptq")
+    if opts.target_bpw is None:
+        return
+    if not 1 <= opts.target_bpw <= 32:
+        raise InputError(f"--target-bpw {opts.target_bpw:g} is not a budget", "use bits per parameter such as 4.5 or 6")
+    if opts.lm_head or opts.head_bits is not None or opts.embed_bits != 16:
+        raise InputError("--target-bpw chooses the bits of lm_head and the embedding table too",
+                         "drop --quantize-lm-head, --head-bits and --embed-bits")
+    if opts.desc_act:
+        raise InputError("--target-bpw with --desc-act is not supported", "drop --desc-act")
 
 
 def _require_engine(method: str) -> None:
@@ -100,8 +121,22 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     check_output(out, force, [art.path])
     dev = resolve_device(device)
     t0 = time.perf_counter()
+    stats = _calib_stats(art, opts, dev, progress, log)
+    allocation = None
+    if opts.target_bpw is not None:
+        from llamactl.quantize.budget import plan
+
+        allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress)
+        opts = replace(opts, schemes=allocation.schemes)
+        log(f"--target-bpw {opts.target_bpw:g}: " + ", ".join(f"{n} {k}" for k, n in allocation.summary().items())
+            + f" (predicted file {8 * allocation.bytes / params_from_config(art.args):.3f} bpw, "
+            f"KL about {allocation.predicted_kl:.4f})")
     with staged_output(out, force, log) as tmp:
-        engine = _run_method(art, opts, tmp, dev, progress, log)
+        engine = _run_method(art, opts, tmp, dev, progress, log, stats)
+        if allocation is not None:
+            engine["allocation"] = _allocation_record(allocation, art)
+        if stats is not None:
+            engine["calibration_stats"] = {"file": opts.calib_stats, "tokens": stats.tokens} | stats.meta.get("calibration", {})
         engine |= _short_groups(art, opts, tmp, log)
         engine |= _embedding(art, opts, tmp, log)
         copy_side_files(art.path, tmp)
@@ -125,18 +160,48 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
 GPTQMODEL_GROUPS = (-1, 16, 32, 64, 128, 256, 512, 1024)
 
 
+def _calib_stats(art, opts: QuantOptions, dev, progress, log):
+    """The calibration statistics --target-bpw and importance-weighted RTN use: read from
+    --calib-stats, measured here for --target-bpw, else None."""
+    from llamactl.quantize import sensitivity
+
+    if opts.calib_stats:
+        return sensitivity.load_stats(opts.calib_stats, art)
+    if opts.target_bpw is None:
+        return None
+    from llamactl.calib import resolve_spec
+
+    spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
+    log(f"measuring each tensor's sensitivity on {spec.n_samples} x {spec.seq_len} tokens of {spec.name} "
+        "(`llamactl calibrate` saves them for the next run)")
+    return sensitivity.collect(art, spec, dev, progress)
+
+
+def _allocation_record(allocation, art) -> dict[str, Any]:
+    from llamactl.quantize.budget import label
+
+    params = params_from_config(art.args)
+    return {"target_bpw": round(8 * allocation.budget_bytes / params, 3),
+            "predicted_bpw": round(8 * allocation.bytes / params, 3),
+            "predicted_kl": round(allocation.predicted_kl, 6), "choices": allocation.summary(),
+            "tensors": {n: label(s) for n, s in sorted(allocation.schemes.items())}}
+
+
 def _short_groups(art, opts, folder: Path, log) -> dict[str, Any]:
     """Where the group size does not divide a layer's width (its last group is shorter), point
     transformers at GPTQModel's torch kernel, the one of its kernels that pads (its others need
     whole groups), and say who reads the folder."""
-    if opts.method not in ("gptq", "rtn") or opts.group_size <= 0:
+    if opts.method not in ("gptq", "rtn"):
         return {}
-    short = sorted({fin for fin, _ in target_linears(art, opts.lm_head).values() if fin % opts.group_size})
-    if not short:
+    shapes = target_linears(art, True)
+    groups = {(shapes[n][0], s["group_size"]) for n, s in module_schemes(art, opts).items()
+              if s and n in shapes and s["group_size"] > 0 and shapes[n][0] % s["group_size"]}
+    if not groups:
         return {}
-    widths = ", ".join(f"{w} = {w // opts.group_size} x {opts.group_size} + {w % opts.group_size}" for w in short)
-    log(f"--group-size {opts.group_size} leaves a shorter last group in layers {widths} wide")
-    if opts.group_size not in GPTQMODEL_GROUPS:
+    short = sorted({w for w, _ in groups})
+    widths = ", ".join(f"{w} = {w // g} x {g} + {w % g}" for w, g in sorted(groups))
+    log(f"the group size leaves a shorter last group in layers {widths} wide")
+    if any(g not in GPTQMODEL_GROUPS for _, g in groups):
         log(f"transformers' GPTQ loader (GPTQModel) takes group sizes {', '.join(map(str, GPTQMODEL_GROUPS))}: "
             "only llamactl reads this folder")
         return {"short_last_group": short}
@@ -151,7 +216,8 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     """--embed-bits 8 or 4: the written folder's embedding table replaced by its GPTQ-packed form
     (layers.embedding; RTN: there are no inputs to calibrate a lookup with). A tied model keeps
     one table, which its head reads too; an lm_head copy is dropped."""
-    if opts.embed_bits == 16:
+    scheme = module_schemes(art, opts).get(EMBED)
+    if scheme is None:
         return {}
     from llamactl.artifact import save_weights
     from llamactl.checkpoint import iter_checkpoint
@@ -163,9 +229,9 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     table = state.pop("model.embed_tokens.weight")
     if art.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
-    scheme = own_scheme(opts, opts.embed_bits) | {"clip_search": opts.clip_search, "method": "rtn"}
+    scheme = scheme | {"clip_search": opts.clip_search, "method": "rtn"}
     per_row = scheme["group_size"] == -1  # the int8 kernels' layout: a tied head runs on them
-    packed = quantize_embedding(table, opts.embed_bits, scheme["group_size"], scheme["sym"], opts.clip_search)
+    packed = quantize_embedding(table, scheme["bits"], scheme["group_size"], scheme["sym"], opts.clip_search)
     state |= {f"model.embed_tokens.{k}": v for k, v in packed.items()}
     for f in files + [folder / "model.safetensors.index.json"]:
         f.unlink(missing_ok=True)
@@ -173,13 +239,14 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"].setdefault("meta", {})["embed_tokens"] = scheme
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    log(f"embedding table in {opts.embed_bits} bits ({'per row' if per_row else f'groups of {opts.group_size}'})"
+    layout = "per row" if per_row else f"groups of {scheme['group_size']}"
+    log(f"embedding table in {scheme['bits']} bits ({layout})"
         + ("; the tied head reads it" if art.args.tie_word_embeddings else "")
         + ": llamactl and its GGUF export read this folder, transformers does not")
     return {"embed_tokens": scheme}
 
 
-def _run_method(art, opts, tmp, dev, progress, log) -> dict[str, Any]:
+def _run_method(art, opts, tmp, dev, progress, log, stats) -> dict[str, Any]:
     from llamactl.quantize.formats import for_method
 
-    return for_method(opts.method).write(art, opts, tmp, dev, progress, log)
+    return for_method(opts.method).write(art, opts, tmp, dev, progress, log, stats)

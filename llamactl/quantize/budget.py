@@ -1,0 +1,174 @@
+"""quantize --target-bpw: the bits of each tensor, chosen under a whole-file budget.
+
+Every quantizable tensor (the decoder's linears, lm_head, the embedding table) has a few choices
+the runtime reads packed: 4 bits in groups of 32, 64 or 128, 8 bits per row, or kept as it is.
+Each choice costs its exact bytes in the written file (packed codes, zero points, fp16 scales,
+g_idx, the safetensors header entry) and adds, to second order, 0.5 * sum F * (w - q(w))^2 to the
+mean per-token KL against the parent (F: the tensor's diagonal Fisher, quantize.sensitivity; q:
+the rounding the stage uses, importance-weighted by the calibration inputs). A Lagrangian sweep
+picks, for each tensor, the choice minimising KL + lambda * bytes, with lambda the smallest that
+fits the budget; what budget is left then buys the upgrades worth the most KL a byte.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from llamactl.errors import InputError
+from llamactl.quantize.sensitivity import EMBED, Stats
+
+GROUPS = (128, 64, 32)
+
+
+@dataclass(frozen=True)
+class Option:
+    scheme: dict | None  # {"bits", "group_size", "sym"}; None: the tensor kept as it is
+    bytes: int
+    kl: float  # predicted KL it adds, nats a token
+
+    @property
+    def label(self) -> str:
+        return label(self.scheme)
+
+
+def label(scheme: dict | None) -> str:
+    if scheme is None:
+        return "16-bit"
+    g = scheme["group_size"]
+    return f"{scheme['bits']}-bit " + ("per row" if g == -1 else f"g{g}")
+
+
+def choices(sym: bool) -> list[dict | None]:
+    return [None, {"bits": 8, "group_size": -1, "sym": True}] + [
+        {"bits": 4, "group_size": g, "sym": sym} for g in GROUPS]
+
+
+def packed_bytes(name: str, out_f: int, in_f: int, scheme: dict | None, elem: int) -> int:
+    """Bytes the written file spends on one tensor under `scheme` (elem: the parent's bytes an element)."""
+    if scheme is None:
+        return out_f * in_f * elem + _header(f"{name}.weight", 2)
+    from llamactl.layers.gptq import gptq_buffers
+
+    with torch.device("meta"):
+        holder = torch.nn.Module()
+        gptq_buffers(holder, in_f, out_f, scheme["bits"], scheme["group_size"])
+    return sum(b.numel() * b.element_size() + _header(f"{name}.{k}", b.dim()) for k, b in holder.named_buffers())
+
+
+def _header(name: str, dims: int) -> int:
+    """A generous size of a tensor's entry in the safetensors JSON header."""
+    entry = {name: {"dtype": "BF16", "shape": [10**9] * dims, "data_offsets": [10**12, 10**12]}}
+    return len(json.dumps(entry, separators=(",", ":")))
+
+
+def options_for(name: str, weight: torch.Tensor, fisher: torch.Tensor, act2: torch.Tensor | None, sym: bool,
+                clip_search: bool, elem: int) -> list[Option]:
+    """weight, fisher: [out, in] -> every choice for this tensor with its bytes and predicted KL."""
+    from llamactl.quantize.rtn import rtn_quantize
+
+    w = weight.float()
+    out_f, in_f = w.shape
+    opts, seen = [], set()
+    for scheme in choices(sym):
+        if scheme is not None and scheme["group_size"] >= in_f:
+            scheme = scheme | {"group_size": -1}
+        key = json.dumps(scheme, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        kl = 0.0
+        if scheme is not None:
+            codes, zeros, scales, g_idx = rtn_quantize(w, scheme["bits"], scheme["group_size"], scheme["sym"],
+                                                       clip_search, act2)
+            g = g_idx.long()
+            w_hat = (codes - zeros.t()[:, g]) * scales.t()[:, g]  # [out, in]
+            kl = 0.5 * float((fisher * (w_hat - w) ** 2).sum())
+        opts.append(Option(scheme, packed_bytes(name, out_f, in_f, scheme, elem), kl))
+    return opts
+
+
+@dataclass
+class Allocation:
+    schemes: dict[str, dict | None]  # tensor (module path) -> its scheme
+    predicted_kl: float
+    bytes: int  # of the whole weight file, predicted
+    budget_bytes: int
+    table: dict[str, list[Option]]
+
+    def summary(self) -> dict[str, int]:
+        """label -> how many tensors took it."""
+        out: dict[str, int] = {}
+        for s in self.schemes.values():
+            out[label(s)] = out.get(label(s), 0) + 1
+        return dict(sorted(out.items()))
+
+
+def allocate(table: dict[str, list[Option]], fixed_bytes: int, budget_bytes: int) -> Allocation:
+    """The choice per tensor that minimises the predicted KL with the file within budget_bytes."""
+    room = budget_bytes - fixed_bytes
+    least = sum(min(o.bytes for o in opts) for opts in table.values())
+    if least > room:
+        raise InputError(f"the budget is {8 * budget_bytes} bits but the smallest file these choices make needs "
+                         f"{8 * (least + fixed_bytes)}", "raise --target-bpw")
+
+    def pick(lam: float) -> dict[str, Option]:
+        return {n: min(opts, key=lambda o: (o.kl + lam * o.bytes, o.bytes)) for n, opts in table.items()}
+
+    lo, hi = 0.0, 1.0
+    while sum(o.bytes for o in pick(hi).values()) > room:
+        hi *= 4
+    if sum(o.bytes for o in pick(lo).values()) <= room:
+        hi = lo
+    for _ in range(60):  # lambda: the KL a byte is worth
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sum(o.bytes for o in pick(mid).values()) <= room else (mid, hi)
+    chosen = pick(hi)
+    left = room - sum(o.bytes for o in chosen.values())
+    while True:  # spend what is left on the upgrades that save the most KL a byte
+        best = None
+        for n, opts in table.items():
+            for o in opts:
+                extra, saved = o.bytes - chosen[n].bytes, chosen[n].kl - o.kl
+                if 0 < extra <= left and saved > 0 and (best is None or saved / extra > best[0]):
+                    best = (saved / extra, n, o)
+        if best is None:
+            break
+        left -= best[2].bytes - chosen[best[1]].bytes
+        chosen[best[1]] = best[2]
+    return Allocation({n: o.scheme for n, o in chosen.items()}, sum(o.kl for o in chosen.values()),
+                      fixed_bytes + sum(o.bytes for o in chosen.values()), budget_bytes, table)
+
+
+def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, progress) -> Allocation:
+    """The allocation for `art` under target_bpw bits per parent parameter."""
+    from llamactl.checkpoint import iter_checkpoint
+    from llamactl.info import params_from_config
+
+    tensors = dict(iter_checkpoint(art))
+    tied = art.args.tie_word_embeddings
+    names = set(stats.fisher)
+    missing = {n for n in names if f"{n}.weight" not in tensors}
+    if missing:
+        raise InputError(f"the calibration stats name tensors this model lacks ({', '.join(sorted(missing)[:3])})",
+                         "calibrate this model with `llamactl calibrate`")
+    fixed = 0
+    for k, t in tensors.items():
+        module = k.rsplit(".", 1)[0]
+        if module in names and k.endswith(".weight"):
+            continue
+        if tied and k == "lm_head.weight":
+            continue  # a tied copy: the writers drop it
+        fixed += t.numel() * t.element_size() + _header(k, t.dim())
+    fixed += 8 + 512  # the header's length field, its metadata and braces
+    table: dict[str, list[Option]] = {}
+    with progress("bit choices", len(names)) as advance:
+        for n in sorted(names):
+            w = tensors[f"{n}.weight"]
+            table[n] = options_for(n, w, stats.fisher[n], stats.act2.get(n), sym, clip_search, w.element_size())
+            advance(1)
+    budget = int(target_bpw * params_from_config(art.args) / 8)
+    return allocate(table, fixed, budget)
+

@@ -1,0 +1,41 @@
+"""`llamactl calibrate`: the calibration statistics of a model, measured once, written to a file
+that `quantize --calib-stats` reads (quantize.sensitivity says what they are)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from llamactl.errors import InputError
+from llamactl.quality import no_progress
+
+
+def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | None = None, seq_len: int | None = None,
+              *, device: str = "auto", force: bool = False, progress=no_progress, log=lambda m: None) -> dict[str, Any]:
+    """Measure `model`'s statistics on the calibration set and write them to `output`."""
+    from llamactl.artifact import open_artifact
+    from llamactl.calib import check_spec, resolve_spec
+    from llamactl.load import resolve_device, resolve_model_path
+    from llamactl.quantize import sensitivity
+
+    art = open_artifact(resolve_model_path(model))
+    if art.quantization:
+        raise InputError(f"{art.path} is already quantized", "calibrate the 16-bit parent that quantize reads")
+    out = Path(output)
+    if out.is_dir():
+        raise InputError(f"--output {out} is a folder", "name a file, for example stats.safetensors")
+    if out.exists() and not force:
+        raise InputError(f"--output {out} exists", "pass --force to replace it")
+    if not out.parent.is_dir():
+        raise InputError(f"--output {out}: folder {out.parent} does not exist", "create it first")
+    spec = resolve_spec(calib, n_samples, seq_len)
+    check_spec(spec)
+    if spec.seq_len > art.args.max_position_embeddings:
+        raise InputError(f"--seq-len {spec.seq_len} is longer than the model's context "
+                         f"({art.args.max_position_embeddings})", "lower --seq-len")
+    t0 = time.perf_counter()
+    stats = sensitivity.collect(art, spec, resolve_device(device), progress, log)
+    stats.save(out)
+    return {"output": str(out), "tensors": len(stats.fisher), "tokens": stats.tokens,
+            "seconds": round(time.perf_counter() - t0, 2), "calibration": stats.meta["calibration"]}
