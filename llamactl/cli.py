@@ -336,6 +336,7 @@ def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: Pic
         ("embeddings", _embedding_line(info)),
         ("KV cache (bf16/fp16)", _kv_line(info)),
         ("quantization", "none" if not q else ", ".join(f"{k}={v}" for k, v in q.items() if not isinstance(v, (dict, list)))),
+        *([("tensors by bits", ", ".join(f"{n} {k}" for k, n in info["tensor_bits"].items()))] if info.get("tensor_bits") else []),
         ("lineage", " <- ".join(f"{e['stage']} ({e['path']})" + (f" [parent {e['parent_status']}]" if e.get("parent_status")
                                                                     not in (None, "ok") else "")
                                for e in info["lineage"]) or "none (plain Hugging Face folder)"),

@@ -68,10 +68,37 @@ def describe(art: Artifact) -> dict[str, Any]:
         info["memory_bytes"] = sum(math.prod(m["shape"]) * DTYPE_BYTES.get(m["dtype"], 4) for m in index.values())
         if a.tie_word_embeddings and "lm_head.weight" not in index:
             info["params_note"] = "lm_head shares the embedding matrix"
+        if quant and quant.get("quant_method") == "gptq":
+            info["tensor_bits"] = tensor_bits(index, quant)
     else:
         info["params"] = params_from_config(a)
         info["memory_bytes"] = None
     return info
+
+
+def tensor_bits(index: dict[str, dict[str, Any]], quant: dict) -> dict[str, int]:
+    """How many tensors of a GPTQ-format folder take each scheme ("4-bit g128": 42, "16-bit": 3),
+    read from its tensors and quantization_config (per-module `dynamic` entries included)."""
+    from llamactl.quantize.formats import embedding_scheme_of, module_scheme
+
+    bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
+    out: dict[str, int] = {}
+    for name in index:
+        module, _, kind = name.rpartition(".")
+        if kind == "qweight" and module == "model.embed_tokens":
+            table = embedding_scheme_of(quant) or {}
+            b, g = int(table.get("bits", 0)), int(table.get("group_size", -1))
+        elif kind == "qweight":
+            b, g = module_scheme(quant, module, bits, group)
+        if kind == "qweight":
+            key = f"{b}-bit " + ("per row" if g == -1 else f"g{g}")
+        elif kind == "weight" and (".layers." in f".{module}" and module.rsplit(".", 1)[-1].endswith("proj")
+                                   or module in ("lm_head", "model.embed_tokens")):
+            key = "16-bit"
+        else:
+            continue
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def params_from_config(a) -> int:

@@ -5,9 +5,8 @@ the runtime reads packed: 4 bits in groups of 32, 64 or 128, 8 bits per row, or 
 Each choice costs its exact bytes in the written file (packed codes, zero points, fp16 scales,
 g_idx, the safetensors header entry) and adds, to second order, 0.5 * sum F * (w - q(w))^2 to the
 mean per-token KL against the parent (F: the tensor's diagonal Fisher, quantize.sensitivity; q:
-the rounding the stage uses, importance-weighted by the calibration inputs). A Lagrangian sweep
-picks, for each tensor, the choice minimising KL + lambda * bytes, with lambda the smallest that
-fits the budget; what budget is left then buys the upgrades worth the most KL a byte.
+the rounding the stage uses, importance-weighted by the calibration inputs). A knapsack over the
+bytes then picks the choice per tensor with the least total KL that fits the budget.
 """
 
 from __future__ import annotations
@@ -106,38 +105,57 @@ class Allocation:
         return dict(sorted(out.items()))
 
 
+UNITS = 100_000  # the knapsack's resolution: the room above the smallest file, in this many steps
+
+
 def allocate(table: dict[str, list[Option]], fixed_bytes: int, budget_bytes: int) -> Allocation:
-    """The choice per tensor that minimises the predicted KL with the file within budget_bytes."""
-    room = budget_bytes - fixed_bytes
-    least = sum(min(o.bytes for o in opts) for opts in table.values())
-    if least > room:
-        raise InputError(f"the budget is {8 * budget_bytes} bits but the smallest file these choices make needs "
-                         f"{8 * (least + fixed_bytes)}", "raise --target-bpw")
+    """The choice per tensor that minimises the predicted KL with the file within budget_bytes:
+    a knapsack over the bytes above each tensor's smallest choice, counted in steps of 1/UNITS of
+    that room (each choice's bytes rounded up, so the file never exceeds the budget), then what is
+    left of the rounding spent on the upgrades that save the most KL a byte."""
+    import numpy as np
 
-    def pick(lam: float) -> dict[str, Option]:
-        return {n: min(opts, key=lambda o: (o.kl + lam * o.bytes, o.bytes)) for n, opts in table.items()}
-
-    lo, hi = 0.0, 1.0
-    while sum(o.bytes for o in pick(hi).values()) > room:
-        hi *= 4
-    if sum(o.bytes for o in pick(lo).values()) <= room:
-        hi = lo
-    for _ in range(60):  # lambda: the KL a byte is worth
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if sum(o.bytes for o in pick(mid).values()) <= room else (mid, hi)
-    chosen = pick(hi)
-    left = room - sum(o.bytes for o in chosen.values())
-    while True:  # spend what is left on the upgrades that save the most KL a byte
-        best = None
+    names = list(table)
+    base = {n: min(o.bytes for o in table[n]) for n in names}
+    extra = budget_bytes - fixed_bytes - sum(base.values())
+    if extra < 0:
+        raise InputError(f"the budget is {8 * budget_bytes:,} bits but the smallest file these choices make needs "
+                         f"{8 * (fixed_bytes + sum(base.values())):,}", "raise --target-bpw")
+    unit = max(1, -(-extra // UNITS))
+    cap = extra // unit
+    steps = {n: [-(-(o.bytes - base[n]) // unit) for o in table[n]] for n in names}
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0  # best[u]: the least KL of the tensors so far with u steps spent
+    picks = np.zeros((len(names), cap + 1), dtype=np.int8)
+    for t, n in enumerate(names):
+        nxt = np.full(cap + 1, np.inf)
+        for k, (o, u) in enumerate(zip(table[n], steps[n])):
+            if u > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[u:] = best[: cap + 1 - u] + o.kl
+            better = cand < nxt
+            nxt[better], picks[t][better] = cand[better], k
+        best = nxt
+    u = int(np.argmin(best))
+    chosen: dict[str, Option] = {}
+    for t in range(len(names) - 1, -1, -1):
+        k = int(picks[t][u])
+        chosen[names[t]] = table[names[t]][k]
+        u -= steps[names[t]][k]
+    left = budget_bytes - fixed_bytes - sum(o.bytes for o in chosen.values())
+    while True:  # the rounding's leftovers: the upgrades that save the most KL a byte
+        best_up = None
         for n, opts in table.items():
             for o in opts:
-                extra, saved = o.bytes - chosen[n].bytes, chosen[n].kl - o.kl
-                if 0 < extra <= left and saved > 0 and (best is None or saved / extra > best[0]):
-                    best = (saved / extra, n, o)
-        if best is None:
+                more, saved = o.bytes - chosen[n].bytes, chosen[n].kl - o.kl
+                if 0 < more <= left and saved > 0 and (best_up is None or saved / more > best_up[0]):
+                    best_up = (saved / more, n, o)
+        if best_up is None:
             break
-        left -= best[2].bytes - chosen[best[1]].bytes
-        chosen[best[1]] = best[2]
+        left -= best_up[2].bytes - chosen[best_up[1]].bytes
+        chosen[best_up[1]] = best_up[2]
+    chosen = {n: chosen[n] for n in names}
     return Allocation({n: o.scheme for n, o in chosen.items()}, sum(o.kl for o in chosen.values()),
                       fixed_bytes + sum(o.bytes for o in chosen.values()), budget_bytes, table)
 

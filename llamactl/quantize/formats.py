@@ -86,7 +86,11 @@ def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:
 
 def embedding_scheme(art) -> dict | None:
     """{"bits", "group_size", ...} of a low-bit embedding table (quantize --embed-bits), or None."""
-    return ((art.quantization or {}).get("meta") or {}).get("embed_tokens")
+    return embedding_scheme_of(art.quantization or {})
+
+
+def embedding_scheme_of(q: dict) -> dict | None:
+    return (q.get("meta") or {}).get("embed_tokens")
 
 
 def _swap_embedding(art, model, v1: bool) -> None:
