@@ -52,12 +52,17 @@ def compile_regions(device: torch.device, options: RuntimeOptions) -> bool:
     return device.type == "cpu" if options.compile_regions is None else options.compile_regions
 
 
-def _inductor_options(compile_mode: str, llamactl_gemv: bool) -> dict:
+def _inductor_options(compile_mode: str, llamactl_gemv: bool, dynamic_rows: bool = False) -> dict:
     """Inductor's settings for this compile only (torch.compile's `options`; no global config):
     its own cudagraphs off (the whole step is captured once, by the Decoder), and its matrix-vector
     tuning only where llamactl's GEMVs do not run (with them Inductor generates a few small
-    kernels, and the tuning cost seconds of every warm start)."""
+    kernels, and the tuning cost seconds of every warm start). With a dynamic row count (a
+    server's buckets) reductions are not split: Inductor (torch 2.11, CUDA) fails to generate the
+    split scan of top-p's cumsum over the vocabulary for a symbolic row count ("list indices must
+    be integers or slices, not NoneType"), which stopped llama2-7b's `serve --mode compile`."""
     opts = {"triton.cudagraphs": False, "coordinate_descent_tuning": not llamactl_gemv}
+    if dynamic_rows:
+        opts["split_reductions"] = False
     if compile_mode == "max-autotune":
         opts["max_autotune"] = True
     return opts
@@ -103,7 +108,7 @@ class Decoder:
             # a server's batch buckets (rows): one compile for every bucket of 2 rows or more, the
             # row dimension marked dynamic (_rows_dynamic), one for a lone row; else one shape, static
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=None if rows is not None else False,
-                                       options=_inductor_options(compile_mode, self.plan.kernels))
+                                       options=_inductor_options(compile_mode, self.plan.kernels, rows is not None))
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)

@@ -15,23 +15,71 @@ import torch
 from torch import nn
 
 
+# bits -> (plane width, bit offset) low to high: GPTQModel's split-plane layout, which it uses for 5,
+# 6 and 7 bits (utils.planar_packing, 7.6.0): per 32 codes, `bits` words, the low plane's first
+PLANES = {5: ((4, 0), (1, 4)), 6: ((4, 0), (2, 4)), 7: ((4, 0), (2, 4), (1, 6))}
+BITS = (2, 3, 4, 5, 6, 7, 8)
+
+
+def whole_words(bits: int) -> int:
+    """The rows a packed dimension must be a multiple of: 32 for 3, 5, 6 and 7 bits (codes cross
+    words, or sit in planes of 32), else one word's codes."""
+    return 32 // bits if 32 % bits == 0 else 32
+
+
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: [R, C] ints in [0, 2^bits) -> int32 [ceil(R * bits / 32), C], packed along rows (low
-    bits first); a last word that is not full is padded with zero codes, as GPTQModel packs it."""
-    per = 32 // bits
+    """codes: [R, C] ints in [0, 2^bits) -> int32 [ceil(R * bits / 32), C], packed along rows as
+    GPTQModel packs them: 2, 4, 8 bits a whole number a word (low bits first; a last word that is
+    not full padded with zero codes), 3 bits as one continuous bit stream (its 10-1-10-1-10
+    words), 5-7 bits in planes (PLANES). 3, 5, 6, 7 bits need R to be a multiple of 32."""
     r, c = codes.shape
-    codes = torch.nn.functional.pad(codes.to(torch.int64), (0, 0, 0, -r % per)).view(-1, per, c)
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
-    packed = (codes << shifts).sum(dim=1)  # [R / per, C], fits in 32 bits unsigned
-    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
+    codes = codes.to(torch.int64)
+    if 32 % bits == 0:
+        per = 32 // bits
+        blocks = torch.nn.functional.pad(codes, (0, 0, 0, -r % per)).view(-1, per, c)
+        words = (blocks << (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)).sum(dim=1)
+    elif r % 32:
+        raise ValueError(f"{bits}-bit packing needs a multiple of 32 rows, not {r}")
+    elif bits == 3:  # the stream: code j of a block of 32 at bit 3j of its 3 words
+        bit = (codes.view(-1, 32, 1, c) >> torch.arange(3).view(1, 1, 3, 1)) & 1  # [blocks, 32, 3, C]
+        bit = bit.reshape(-1, 3, 32, c)  # [blocks, word, bit in word, C]
+        words = (bit << torch.arange(32, dtype=torch.int64).view(1, 1, 32, 1)).sum(dim=2).reshape(-1, c)
+    else:
+        x = codes.view(-1, 32, c)
+        planes = []
+        for width, offset in PLANES[bits]:
+            per = 32 // width
+            plane = ((x >> offset) & ((1 << width) - 1)).view(-1, width, per, c)
+            planes.append((plane << (torch.arange(per, dtype=torch.int64) * width).view(1, 1, per, 1)).sum(dim=2))
+        words = torch.cat(planes, dim=1).reshape(-1, c)  # [blocks * bits, C]
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> torch.Tensor:
-    """int32 [ceil(R / per), C] -> int32 codes [R, C] (R = rows, or every packed row)."""
-    per = 32 // bits
-    shifts = (torch.arange(per, dtype=torch.int32, device=packed.device) * bits).view(1, per, 1)
-    codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R / per, per, C]
-    return codes.reshape(-1, packed.shape[-1])[:rows]
+    """int32 [ceil(R * bits / 32), C] -> int32 codes [R, C] (R = rows, or every packed row)."""
+    c = packed.shape[-1]
+    dev = packed.device
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = (torch.arange(per, dtype=torch.int32, device=dev) * bits).view(1, per, 1)
+        codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R / per, per, C]
+        return codes.reshape(-1, c)[:rows]
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if bits == 3:
+        bit = (words.view(-1, 3, 1, c) >> torch.arange(32, device=dev).view(1, 1, 32, 1)) & 1  # [blocks, 3, 32, C]
+        bit = bit.reshape(-1, 32, 3, c)  # [blocks, code, its bit, C]
+        codes = (bit << torch.arange(3, device=dev).view(1, 1, 3, 1)).sum(dim=2)
+    else:
+        w = words.view(-1, bits, c)
+        codes = torch.zeros(w.shape[0], 32, c, dtype=torch.int64, device=dev)
+        row = 0
+        for width, offset in PLANES[bits]:
+            per = 32 // width
+            shifts = (torch.arange(per, device=dev) * width).view(1, 1, per, 1)
+            plane = (w[:, row : row + width].unsqueeze(2) >> shifts) & ((1 << width) - 1)  # [blocks, width, per, C]
+            codes |= plane.reshape(-1, 32, c) << offset
+            row += width
+    return codes.reshape(-1, c)[:rows].to(torch.int32)
 
 
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,

@@ -1,7 +1,7 @@
 """quantize --target-bpw: the bits of each tensor, chosen under a whole-file budget.
 
-Every quantizable tensor (the decoder's linears, lm_head, the embedding table) has a few choices
-the runtime reads packed: 4 bits in groups of 32, 64 or 128, 8 bits per row, or kept as it is.
+Every quantizable tensor (the decoder's linears, lm_head, the embedding table) has the choices
+the runtime reads packed (GROUPED: 3 to 6 bits in groups of 32 to 128; 8 bits per row; kept).
 Each choice costs its exact bytes in the written file (packed codes, zero points, fp16 scales,
 g_idx, the safetensors header entry) and adds, to second order, 0.5 * sum F * (w - q(w))^2 to the
 mean per-token KL against the parent (F: the tensor's diagonal Fisher, quantize.sensitivity; q:
@@ -19,7 +19,6 @@ import torch
 from llamactl.errors import InputError
 from llamactl.quantize.sensitivity import EMBED, Stats
 
-GROUPS = (128, 64, 32)
 
 
 @dataclass(frozen=True)
@@ -40,9 +39,18 @@ def label(scheme: dict | None) -> str:
     return f"{scheme['bits']}-bit " + ("per row" if g == -1 else f"g{g}")
 
 
-def choices(sym: bool) -> list[dict | None]:
-    return [None, {"bits": 8, "group_size": -1, "sym": True}] + [
-        {"bits": 4, "group_size": g, "sym": sym} for g in GROUPS]
+# (bits, group sizes) besides 8 bits per row and the tensor kept: the widths the runtime reads
+# packed (4: kernels.gemv; 3, 5, 6: kernels.planes, which need whole 32-row blocks both ways)
+GROUPED = ((3, (128, 64, 32)), (4, (128, 64, 32)), (5, (128, 64)), (6, (128,)))
+TABLE_BITS = (4,)  # the embedding table's low-bit lookup reads 4 and 8 bits
+
+
+def choices(name: str, out_f: int, in_f: int, sym: bool) -> list[dict | None]:
+    """Every scheme tensor `name` [out_f, in_f] may take."""
+    planes = out_f % 32 == 0 and in_f % 32 == 0
+    grouped = [{"bits": b, "group_size": g, "sym": sym} for b, groups in GROUPED for g in groups
+               if (b in TABLE_BITS if name == EMBED else (b == 4 or planes))]
+    return [None, {"bits": 8, "group_size": -1, "sym": True}] + grouped
 
 
 def packed_bytes(name: str, out_f: int, in_f: int, scheme: dict | None, elem: int) -> int:
@@ -71,7 +79,7 @@ def options_for(name: str, weight: torch.Tensor, fisher: torch.Tensor, act2: tor
     w = weight.float()
     out_f, in_f = w.shape
     opts, seen = [], set()
-    for scheme in choices(sym):
+    for scheme in choices(name, out_f, in_f, sym):
         if scheme is not None and scheme["group_size"] >= in_f:
             scheme = scheme | {"group_size": -1}
         key = json.dumps(scheme, sort_keys=True)

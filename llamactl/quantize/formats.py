@@ -52,8 +52,11 @@ def _gptq_swap(art, model) -> None:
     fmt = q.get("checkpoint_format", q.get("format", "gptq"))
     if fmt not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported", "use gptq (v1) or gptq_v2")
-    if bits not in (2, 4, 8):
-        raise CheckpointError(f"{art.path}: {bits}-bit GPTQ is not supported by the runtime", "use 2, 4 or 8 bits")
+    from llamactl.layers.gptq import BITS
+
+    if bits not in BITS:
+        raise CheckpointError(f"{art.path}: {bits}-bit GPTQ is not supported by the runtime",
+                              f"use {', '.join(map(str, BITS))} bits")
     names = sorted(n[: -len(".qweight")] for n in art.tensor_index() if n.endswith(".qweight"))
     if not names:
         raise CheckpointError(f"{art.path}: config.json says GPTQ but no tensor ends in .qweight")
@@ -63,9 +66,9 @@ def _gptq_swap(art, model) -> None:
 
     for name in names:
         b, g = module_scheme(q, name, bits, group)
-        if b not in (2, 4, 8):
+        if b not in BITS:
             raise CheckpointError(f"{art.path}: {name} is {b}-bit (quantization_config.dynamic), which the runtime "
-                                  "does not read", "use 2, 4 or 8 bits")
+                                  "does not read", f"use {', '.join(map(str, BITS))} bits")
         with torch.device("meta"):
             swap_linears(model, [name], lambda lin: GPTQLinear(lin.in_features, lin.out_features, b, g,
                                                                lin.bias is not None, v1=fmt == "gptq"))
@@ -110,8 +113,10 @@ def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
     """bf16 compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
     dequantizing per call; 8-bit layers with one group per row on the int8 kernels. A low-bit
     embedding table looks rows up in the runtime's dtype."""
+    from llamactl.layers.gptq import GPTQLinear
     from llamactl.layers.int4 import use_int4_kernels
     from llamactl.layers.int8 import use_int8_kernels
+    from llamactl.layers.planes import PLANE_BITS, use_plane_kernels
 
     emb = model.model.embed_tokens
     if not isinstance(emb, torch.nn.Embedding):
@@ -124,6 +129,8 @@ def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
         done.append("int4 triton" if triton else "int4 tinygemm")
     if use_int8_kernels(model, triton):
         done.append("int8 triton" if triton else "int8 torch")
+    if any(isinstance(m, GPTQLinear) and m.bits in PLANE_BITS for m in model.modules()):
+        done.append("3/5/6-bit triton" if triton and use_plane_kernels(model) else "3/5/6-bit dequantized per call")
     return done
 
 

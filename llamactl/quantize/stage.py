@@ -18,8 +18,8 @@ from llamactl.errors import InputError
 from llamactl.info import params_from_config
 from llamactl.quality import check_eval_file, measure, no_progress
 
-from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
-                                       target_linears, used_params)
+from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, PLANE_BITS, QuantOptions,  # noqa: F401
+                                       module_schemes, target_linears, used_params)
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -34,6 +34,11 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         method = meta.get("method") if meta.get("method") in BITS else art.quantization.get("quant_method", "?")
         raise InputError(f"{art.path} is already quantized ({method})",
                          "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
+    if opts.bits in PLANE_BITS:
+        odd = sorted({d for n, shape in target_linears(art, opts.lm_head).items() for d in shape if d % 32})
+        if odd:
+            raise InputError(f"--bits {opts.bits} packs 32 rows at a time, and this model has layers {odd[0]} wide",
+                             "use --bits 4 or 8, or --target-bpw (which uses these widths where they fit)")
     if opts.method in ("gptq", "rtn"):
         if opts.group_size not in (-1,) and opts.group_size < 1:
             raise InputError(f"--group-size {opts.group_size} is not valid", "use a positive size such as 128, or -1")

@@ -1,0 +1,100 @@
+"""Matrix-vector (and few-row) products with 3-, 5- and 6-bit weights read packed.
+
+A b-bit code is stored as two bit planes whose widths divide 32 (the split of GPTQModel's planar
+format): 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits. Here each plane is laid out per output row,
+codes along the input packed low bits first ([N, K * width / 32] int32), so a program streams
+its rows' words once and rebuilds each code as low | high << LO in registers; per group of G
+inputs an fp16 scale and a uint8 zero point ([N, groups]): w = (code - zero) * scale.
+
+One program takes BLOCK_N outputs for every row of x: one row sums in float32; 2 to MAX_ROWS rows
+multiply on the tensor cores (tl.dot, rows padded to 16). More rows are a prefill: the layer
+dequantizes for cuBLAS (layers.planes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llamactl.kernels.device import interpreted
+
+SPLITS = {3: (2, 1), 5: (4, 1), 6: (4, 2)}  # bits -> (low plane, high plane) widths
+MAX_ROWS = 64
+
+
+def split_planes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes: [N, K] (K a multiple of 32) -> (low, high) planes, int32 [N, K * width / 32] each."""
+    lo_w, hi_w = SPLITS[bits]
+    return _pack_cols(codes & ((1 << lo_w) - 1), lo_w), _pack_cols(codes >> lo_w, hi_w)
+
+
+def _pack_cols(codes: torch.Tensor, width: int) -> torch.Tensor:
+    n, k = codes.shape
+    per = 32 // width
+    shifts = torch.arange(per, dtype=torch.int64, device=codes.device) * width
+    words = (codes.to(torch.int64).view(n, k // per, per) << shifts).sum(-1)  # [N, K / per]
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def dequantize_planes(lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype (torch ops: prefill and the CPU)."""
+    lo_w, hi_w = SPLITS[bits]
+    codes = _unpack_cols(lo, lo_w) | (_unpack_cols(hi, hi_w) << lo_w)  # [N, K]
+    g = torch.arange(codes.shape[1], device=codes.device) // group
+    return ((codes - zeros[:, g].to(torch.int32)).to(torch.float32) * scales[:, g].float()).to(dtype)
+
+
+def _unpack_cols(words: torch.Tensor, width: int) -> torch.Tensor:
+    per = 32 // width
+    shifts = torch.arange(per, dtype=torch.int32, device=words.device) * width
+    return ((words.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).reshape(words.shape[0], -1)
+
+
+@triton.jit
+def _planes_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, z_ptr, y_ptr, N, K, ROWS, G: tl.constexpr, LO: tl.constexpr,
+                   HI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   F32: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] this program's outputs
+    n_ok = n < N
+    r = tl.arange(0, BLOCK_M)  # [BM] rows of x
+    r_ok = r < ROWS
+    lo_per: tl.constexpr = 32 // LO
+    hi_per: tl.constexpr = 32 // HI
+    groups = tl.cdiv(K, G)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = k < K
+        m = n_ok[:, None] & k_ok[None, :]  # [BN, BK]
+        lo = tl.load(lo_ptr + n[:, None] * (K // lo_per) + (k // lo_per)[None, :], mask=m, other=0)
+        hi = tl.load(hi_ptr + n[:, None] * (K // hi_per) + (k // hi_per)[None, :], mask=m, other=0)
+        q = ((lo >> ((k % lo_per) * LO)[None, :]) & ((1 << LO) - 1)) \
+            | (((hi >> ((k % hi_per) * HI)[None, :]) & ((1 << HI) - 1)) << LO)  # [BN, BK] codes
+        g = k // G
+        s = tl.load(s_ptr + n[:, None] * groups + g[None, :], mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + n[:, None] * groups + g[None, :], mask=m, other=0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s  # [BN, BK]
+        x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        if BLOCK_M == 1:
+            acc += tl.sum(w[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        else:
+            dt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty  # F32: the interpreter's dots
+            acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision="ieee" if F32 else "tf32")  # [BM, BN]
+    tl.store(y_ptr + r[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+def gemv_planes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bits: int, group: int) -> torch.Tensor:
+    """x: [R, K] (R <= MAX_ROWS) -> [R, N] in x's dtype, the weights read once for all rows."""
+    rows, k = x.shape
+    n = lo.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+    block_n, block_k = (16, 256) if rows == 1 else (32, 64)
+    lo_w, hi_w = SPLITS[bits]
+    _planes_kernel[(triton.cdiv(n, block_n),)](x.contiguous(), lo, hi, scales, zeros, y, n, k, rows, G=group, LO=lo_w,
+                                               HI=hi_w, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                               F32=interpreted() or x.dtype == torch.float32, num_warps=4)
+    return y

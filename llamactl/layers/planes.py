@@ -1,0 +1,73 @@
+"""3-, 5- and 6-bit linear layers on the packed kernels of kernels.planes.
+
+A GPTQ-format layer of these widths (quantize --target-bpw writes them; GPTQModel's planar format
+for 5 and 6 bits, its continuous one for 3) is re-laid out at load into two bit planes per output
+row. Up to kernels.planes.MAX_ROWS rows run the Triton kernel, which reads the packed weight
+once; more rows (a prefill) dequantize it for cuBLAS. Where Triton cannot run (the CPU without
+its interpreter), the layer stays a GPTQLinear, which dequantizes on every call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llamactl.layers.gptq import GPTQLinear, unpack_rows
+
+PLANE_BITS = (3, 5, 6)
+
+
+class PlanesLinear(nn.Module):
+    """y = x W^T with W in 3, 5 or 6 bits, groups along the input (kernels.planes' layout)."""
+
+    def __init__(self, lin: GPTQLinear):
+        super().__init__()
+        from llamactl.kernels.planes import split_planes
+
+        self.in_features, self.out_features, self.bits = lin.in_features, lin.out_features, lin.bits
+        self.group_size = lin.in_features if lin.group_size in (-1, 0) else lin.group_size
+        codes = unpack_rows(lin.qweight, lin.bits, lin.in_features).t().contiguous()  # [out, in]
+        zeros = unpack_rows(lin.qzeros.t().contiguous(), lin.bits, lin.out_features)  # [out, groups]
+        if lin.v1:
+            zeros = (zeros + 1) & ((1 << lin.bits) - 1)
+        lo, hi = split_planes(codes, lin.bits)
+        self.register_buffer("lo", lo)  # [out, in * low width / 32]
+        self.register_buffer("hi", hi)  # [out, in * high width / 32]
+        self.register_buffer("scales", lin.scales.t().contiguous())  # [out, groups] fp16
+        self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())  # [out, groups]
+        self.bias = lin.bias
+
+    @staticmethod
+    def fits(lin: nn.Module) -> bool:
+        """A GPTQ layer of a plane width, in group order (no act-order) and of whole 32-column blocks."""
+        if not (isinstance(lin, GPTQLinear) and lin.bits in PLANE_BITS and lin.in_features % 32 == 0):
+            return False
+        g = lin.in_features if lin.group_size in (-1, 0) else lin.group_size
+        order = torch.arange(lin.in_features, device=lin.g_idx.device) // g
+        return bool(torch.equal(lin.g_idx.long(), order))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llamactl.kernels.planes import MAX_ROWS, dequantize_planes, gemv_planes
+
+        x2 = x.reshape(-1, self.in_features)  # [R, in]
+        if x2.shape[0] <= MAX_ROWS:
+            y = gemv_planes(x2, self.lo, self.hi, self.scales, self.zeros, self.bits, self.group_size)
+        else:
+            y = F.linear(x2, dequantize_planes(self.lo, self.hi, self.scales, self.zeros, self.bits, self.group_size,
+                                               x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@torch.no_grad()
+def use_plane_kernels(model) -> int:
+    """Swap every 3/5/6-bit GPTQLinear the plane kernels take; returns how many."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if PlanesLinear.fits(mod):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, PlanesLinear(mod))
+            n += 1
+    return n
