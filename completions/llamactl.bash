@@ -17,6 +17,8 @@ _llamactl() {
         bench:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
         bench:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
         bench:--format) COMPREPLY=( $(compgen -W "table json csv markdown" -- "$cur") ); return ;;
+        calibrate:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
+        calibrate:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
         compile:--mode) COMPREPLY=( $(compgen -W "default reduce-overhead max-autotune" -- "$cur") ); return ;;
         compile:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
         compile:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
@@ -43,17 +45,18 @@ _llamactl() {
         serve:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
     esac
     if [ -z "$cmd" ]; then
-        COMPREPLY=( $(compgen -W "bench compile convert convert-heads generate inspect quantize serve --quiet -q --version --help -h" -- "$cur") )
+        COMPREPLY=( $(compgen -W "bench calibrate compile convert convert-heads generate inspect quantize serve --quiet -q --version --help -h" -- "$cur") )
         return
     fi
     case "$cmd" in
         bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --model --api-key --tp --help -h" ;;
+        calibrate) opts="--output -o --calib --n-samples --seq-len --device --force --json --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert) opts="--output -o --to --type --dtype --tokenizer --context --dequantize --eval-tokens --allow-pickle --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
         generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --ignore-eos --compile --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --tp --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
-        quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --head-bits --embed-bits --calib --n-samples --seq-len --eval --eval-tokens --device --force --json --help -h" ;;
+        quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --head-bits --embed-bits --calib --n-samples --seq-len --target-bpw --calib-stats --eval --eval-tokens --device --force --json --help -h" ;;
         serve) opts="--host --port --max-batch --max-queue --max-seq --prefill-chunk --api-key --served-model-name --drain-timeout --mode --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --help -h" ;;
         *) opts="" ;;
     esac

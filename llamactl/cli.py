@@ -411,9 +411,9 @@ def quantize(
     """Quantize a 16-bit model to 4 or 8 bits (or to a bits-per-weight budget) and report what it cost in quality."""
     from llamactl.quantize.stage import QuantOptions, quantize as run
 
-    from llamactl.quantize.options import BITS
+    from llamactl.quantize.options import DEFAULT_BITS
 
-    bits = bits if bits is not None else BITS.get(method, (4,))[0]
+    bits = bits if bits is not None else DEFAULT_BITS.get(method, 4)
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
                         clip_search=clip_search, gptq_variant=gptq_variant, lm_head=lm_head or head_bits is not None, head_bits=head_bits, embed_bits=embed_bits, calib=calib, n_samples=n_samples, seq_len=seq_len,
                         target_bpw=target_bpw, calib_stats=calib_stats)

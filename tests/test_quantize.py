@@ -268,7 +268,7 @@ def test_transformers_loads_a_short_last_group(tmp_path):
 
 def test_unsupported_bits(tiny128, tmp_path):
     out = tmp_path / "o"
-    _assert_refused(quantize_cli(tiny128, "-o", out, "--method", "rtn", "--bits", "3"), out, "--bits 3", "rtn supports 4, 8")
+    _assert_refused(quantize_cli(tiny128, "-o", out, "--method", "rtn", "--bits", "7"), out, "--bits 7", "rtn supports 3, 4, 5, 6, 8")
     _assert_refused(quantize_cli(tiny128, "-o", out, "--method", "nf4", "--bits", "8"), out, "nf4 supports 4")
 
 

@@ -8,6 +8,7 @@ from llamactl.artifact import Artifact
 
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
 BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,)}
+DEFAULT_BITS = {"gptq": 4, "rtn": 4, "nf4": 4, "int8": 8}
 PLANE_BITS = (3, 5, 6)  # packed in whole 32-row blocks (GPTQModel's layouts): widths must be multiples of 32
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
