@@ -55,8 +55,9 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
                      world=None) -> Target:
     from llamactl.synthetic import build_synthetic, synthetic_args
 
-    if quant not in ("none", "int4", "int8"):
-        raise InputError(f"--synthetic-quant {quant!r} is not supported", "use int4, int8 or none (a comma list for several)")
+    if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
+        raise InputError(f"--synthetic-quant {quant!r} is not supported",
+                         "use int3, int4, int5, int6, int8 or none (a comma list for several)")
     if quant != "none" and dtype != torch.bfloat16:
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
     shard = None
@@ -83,6 +84,13 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
             raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
         quantize_linears_int8(model, triton)
         label += " int8"
+    elif quant in ("int3", "int5", "int6"):
+        from llamactl.quantize.rtn import quantize_linears_planes
+
+        if world is not None:
+            raise InputError(f"--synthetic-quant {quant} with --tp is not supported", "use int4 or int8 with --tp")
+        quantize_linears_planes(model, int(quant[3:]), 128, triton)
+        label += f" {quant}-g128" + ("" if triton else " (dequantized per call)")
     return Target(label=label, model=model, synthetic=shape)
 
 

@@ -34,23 +34,24 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words), 5-7 bits in planes (PLANES). 3, 5, 6, 7 bits need R to be a multiple of 32."""
     r, c = codes.shape
     codes = codes.to(torch.int64)
+    ar = lambda n: torch.arange(n, dtype=torch.int64, device=codes.device)  # noqa: E731
     if 32 % bits == 0:
         per = 32 // bits
         blocks = torch.nn.functional.pad(codes, (0, 0, 0, -r % per)).view(-1, per, c)
-        words = (blocks << (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)).sum(dim=1)
+        words = (blocks << (ar(per) * bits).view(1, per, 1)).sum(dim=1)
     elif r % 32:
         raise ValueError(f"{bits}-bit packing needs a multiple of 32 rows, not {r}")
     elif bits == 3:  # the stream: code j of a block of 32 at bit 3j of its 3 words
-        bit = (codes.view(-1, 32, 1, c) >> torch.arange(3).view(1, 1, 3, 1)) & 1  # [blocks, 32, 3, C]
+        bit = (codes.view(-1, 32, 1, c) >> ar(3).view(1, 1, 3, 1)) & 1  # [blocks, 32, 3, C]
         bit = bit.reshape(-1, 3, 32, c)  # [blocks, word, bit in word, C]
-        words = (bit << torch.arange(32, dtype=torch.int64).view(1, 1, 32, 1)).sum(dim=2).reshape(-1, c)
+        words = (bit << ar(32).view(1, 1, 32, 1)).sum(dim=2).reshape(-1, c)
     else:
         x = codes.view(-1, 32, c)
         planes = []
         for width, offset in PLANES[bits]:
             per = 32 // width
             plane = ((x >> offset) & ((1 << width) - 1)).view(-1, width, per, c)
-            planes.append((plane << (torch.arange(per, dtype=torch.int64) * width).view(1, 1, per, 1)).sum(dim=2))
+            planes.append((plane << (ar(per) * width).view(1, 1, per, 1)).sum(dim=2))
         words = torch.cat(planes, dim=1).reshape(-1, c)  # [blocks * bits, C]
     return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 

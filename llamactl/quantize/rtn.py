@@ -164,6 +164,30 @@ def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool 
 
 
 @torch.no_grad()
+def quantize_linears_planes(model, bits: int, group_size: int, triton: bool) -> int:
+    """RTN-quantize every decoder linear of an in-memory model to 3, 5 or 6 bits (synthetic
+    benchmarks): the plane kernels' layers where `triton`, else GPTQ layers (dequantized per call)."""
+    from torch import nn
+
+    from llamactl.layers.gptq import GPTQLinear, pack_gptq
+    from llamactl.layers.planes import PlanesLinear
+
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or ".layers." not in f".{name}":
+            continue
+        lin = GPTQLinear(mod.in_features, mod.out_features, bits, group_size, bias=False).to(mod.weight.device)
+        codes, zeros, scales, g_idx = rtn_quantize(mod.weight.float(), bits, group_size, True)
+        for k, v in pack_gptq(codes, zeros, scales, g_idx, bits).items():
+            setattr(lin, k, v)
+        lin.bias = mod.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, PlanesLinear(lin) if triton and PlanesLinear.fits(lin) else lin)
+        n += 1
+    return n
+
+
+@torch.no_grad()
 def quantize_linears_int8(model, triton: bool) -> int:
     """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic benchmarks)."""
     from torch import nn
