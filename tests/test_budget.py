@@ -160,3 +160,15 @@ def test_the_allocation_beats_a_uniform_file_of_the_same_size_on_the_trained_mod
     target = json.loads((tmp_path / "t" / "llamactl.json").read_text())["metrics"]
     assert target["file_bpw"] <= uniform["file_bpw"]
     assert target["quality"]["kl_mean"] < 0.9 * uniform["quality"]["kl_mean"]
+
+
+def test_widths_limit_the_choices(tiny_gqa, stats_file, tmp_path):
+    out = tmp_path / "q"
+    r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(out), "--method", "rtn", "--target-bpw", "6",
+                            "--widths", "4,8", "--calib-stats", str(stats_file), "--eval-tokens", "0"])
+    assert r.exit_code == 0, r.output
+    choices = json.loads((out / "llamactl.json").read_text())["params"]["engine"]["allocation"]["choices"]
+    assert choices and all(k.startswith(("4-bit", "8-bit", "16-bit")) for k in choices)
+    r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(tmp_path / "b"), "--method", "rtn", "--target-bpw", "6",
+                            "--widths", "4,7", "--calib-stats", str(stats_file)])
+    assert r.exit_code != 0 and "--widths" in r.output and "Traceback" not in r.output

@@ -45,12 +45,12 @@ GROUPED = ((3, (128, 64, 32)), (4, (128, 64, 32)), (5, (128, 64)), (6, (128,)))
 TABLE_BITS = (4,)  # the embedding table's low-bit lookup reads 4 and 8 bits
 
 
-def choices(name: str, out_f: int, in_f: int, sym: bool) -> list[dict | None]:
-    """Every scheme tensor `name` [out_f, in_f] may take."""
+def choices(name: str, out_f: int, in_f: int, sym: bool, widths=(3, 4, 5, 6, 8)) -> list[dict | None]:
+    """Every scheme tensor `name` [out_f, in_f] may take, of the bit widths `widths`."""
     planes = out_f % 32 == 0 and in_f % 32 == 0
     grouped = [{"bits": b, "group_size": g, "sym": sym} for b, groups in GROUPED for g in groups
-               if (b in TABLE_BITS if name == EMBED else (b == 4 or planes))]
-    return [None, {"bits": 8, "group_size": -1, "sym": True}] + grouped
+               if b in widths and (b in TABLE_BITS if name == EMBED else (b == 4 or planes))]
+    return [None] + ([{"bits": 8, "group_size": -1, "sym": True}] if 8 in widths else []) + grouped
 
 
 def packed_bytes(name: str, out_f: int, in_f: int, scheme: dict | None, elem: int) -> int:
@@ -72,14 +72,14 @@ def _header(name: str, dims: int) -> int:
 
 
 def options_for(name: str, weight: torch.Tensor, fisher: torch.Tensor, act2: torch.Tensor | None, sym: bool,
-                clip_search: bool, elem: int) -> list[Option]:
+                clip_search: bool, elem: int, widths=(3, 4, 5, 6, 8)) -> list[Option]:
     """weight, fisher: [out, in] -> every choice for this tensor with its bytes and predicted KL."""
     from llamactl.quantize.rtn import rtn_quantize
 
     w = weight.float()
     out_f, in_f = w.shape
     opts, seen = [], set()
-    for scheme in choices(name, out_f, in_f, sym):
+    for scheme in choices(name, out_f, in_f, sym, widths):
         if scheme is not None and scheme["group_size"] >= in_f:
             scheme = scheme | {"group_size": -1}
         key = json.dumps(scheme, sort_keys=True)
@@ -168,7 +168,8 @@ def allocate(table: dict[str, list[Option]], fixed_bytes: int, budget_bytes: int
                       fixed_bytes + sum(o.bytes for o in chosen.values()), budget_bytes, table)
 
 
-def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, progress) -> Allocation:
+def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, progress,
+         widths=(3, 4, 5, 6, 8)) -> Allocation:
     """The allocation for `art` under target_bpw bits per parent parameter."""
     from llamactl.checkpoint import iter_checkpoint
     from llamactl.info import params_from_config
@@ -193,7 +194,7 @@ def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, pro
     with progress("bit choices", len(names)) as advance:
         for n in sorted(names):
             w = tensors[f"{n}.weight"]
-            table[n] = options_for(n, w, stats.fisher[n], stats.act2.get(n), sym, clip_search, w.element_size())
+            table[n] = options_for(n, w, stats.fisher[n], stats.act2.get(n), sym, clip_search, w.element_size(), widths)
             advance(1)
     budget = int(target_bpw * params_from_config(art.args) / 8)
     return allocate(table, fixed, budget)

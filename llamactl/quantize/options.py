@@ -33,6 +33,7 @@ class QuantOptions:
     seed: int | None = None
     target_bpw: float | None = None  # a whole-file budget: bits per tensor chosen by quantize.budget
     calib_stats: str | None = None  # a `llamactl calibrate` file (else the stage measures them)
+    widths: tuple[int, ...] = (3, 4, 5, 6, 8)  # the bits --target-bpw may give a tensor (16, kept, always)
     schemes: dict | None = None  # module -> scheme (None: kept), the stage's allocation under target_bpw
 
 
@@ -104,9 +105,9 @@ def dynamic_overrides(schemes: dict[str, dict | None], opts: QuantOptions) -> di
 # the options each method uses: the manifest records these and nothing else
 USED = {
     "rtn": ("method", "bits", "group_size", "sym", "clip_search", "lm_head", "head_bits", "embed_bits", "target_bpw",
-            "calib_stats"),
+            "calib_stats", "widths"),
     "gptq": ("method", "bits", "group_size", "sym", "desc_act", "damp", "clip_search", "gptq_variant", "lm_head",
-             "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed", "target_bpw", "calib_stats"),
+             "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed", "target_bpw", "calib_stats", "widths"),
     "nf4": ("method", "bits"),
     "int8": ("method", "bits"),
 }

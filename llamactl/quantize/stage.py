@@ -96,6 +96,9 @@ def _validate_budget(art: Artifact, opts: QuantOptions) -> None:
                          "drop --quantize-lm-head, --head-bits and --embed-bits")
     if opts.desc_act:
         raise InputError("--target-bpw with --desc-act is not supported", "drop --desc-act")
+    if not opts.widths or any(b not in (3, 4, 5, 6, 8) for b in opts.widths):
+        raise InputError(f"--widths {','.join(map(str, opts.widths))} is not a list of 3, 4, 5, 6 and 8",
+                         "for example --widths 4,8")
 
 
 def _require_engine(method: str) -> None:
@@ -131,7 +134,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     if opts.target_bpw is not None:
         from llamactl.quantize.budget import plan
 
-        allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress)
+        allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress, opts.widths)
         opts = replace(opts, schemes=allocation.schemes)
         log(f"--target-bpw {opts.target_bpw:g}: " + ", ".join(f"{n} {k}" for k, n in allocation.summary().items())
             + f" (predicted file {8 * allocation.bytes / params_from_config(art.args):.3f} bpw, "
