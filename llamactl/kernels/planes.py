@@ -70,6 +70,7 @@ def _planes_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, z_ptr, y_ptr, N, K, ROWS, G: tl
     groups = tl.cdiv(K, G)
     dt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty  # F32: the interpreter's dots
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)  # one row: products summed across K at the end
     for k0 in range(0, K, BLOCK_K):
         w_idx = k0 // PER + tl.arange(0, WORDS)  # [W] low-plane words of this block
         ok = n_ok[:, None] & (w_idx < K // PER)[None, :]  # [BN, W]
@@ -85,9 +86,11 @@ def _planes_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, z_ptr, y_ptr, N, K, ROWS, G: tl
             w = (q.to(tl.float32) - z) * s  # [BN, W] the weights of inputs k
             x = tl.load(x_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, W]
             if BLOCK_M == 1:
-                acc += tl.sum(w * x.to(tl.float32), axis=1)[None, :]
+                part += w * x.to(tl.float32)  # [BN, W]
             else:
                 acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision="ieee" if F32 else "tf32")  # [BM, BN]
+    if BLOCK_M == 1:
+        acc = tl.sum(part, axis=1)[None, :]  # [1, BN]
     tl.store(y_ptr + r[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
