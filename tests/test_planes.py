@@ -26,16 +26,18 @@ def test_packing_round_trips_at_every_width(bits):
 
 
 def test_packing_matches_gptqmodel():
-    """5-7 bits in GPTQModel's planes; 3 bits its continuous stream, word by word (the 10-1-10-1-10
-    layout: code 10 straddles words 0 and 1, code 21 words 1 and 2)."""
+    """5-7 bits (and 3 in gptq_p files) in GPTQModel's planes; 3 bits otherwise its continuous
+    stream, word by word (the 10-1-10-1-10 layout: code 10 straddles words 0 and 1, code 21 words
+    1 and 2)."""
     codes = torch.randint(0, 8, (32, 3))
     words = pack_rows(codes, 3).to(torch.int64) & 0xFFFFFFFF  # [3, C]
     stream = sum(int(words[i, 0]) << (32 * i) for i in range(3))
     assert [(stream >> (3 * j)) & 7 for j in range(32)] == codes[:, 0].tolist()
     planar = pytest.importorskip("gptqmodel.utils.planar_packing")
-    for bits in (5, 6, 7):
+    for bits in (3, 5, 6, 7):
         codes = torch.randint(0, 2**bits, (64, 9))
-        assert torch.equal(pack_rows(codes, bits), planar.planar_pack_rows(codes, bits))
+        assert torch.equal(pack_rows(codes, bits, planar=True), planar.planar_pack_rows(codes, bits))
+        assert torch.equal(unpack_rows(pack_rows(codes, bits, planar=True), bits, 64, planar=True), codes.int())
 
 
 def _layer(bits: int, out_f: int = 96, in_f: int = 320, group: int = 64, seed: int = 0) -> GPTQLinear:
@@ -88,6 +90,7 @@ def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, 
                             "--group-size", "32", "--eval-tokens", "0"])
     assert r.exit_code == 0, r.output
     art = open_artifact(out)
+    assert art.quantization["checkpoint_format"] == "gptq_p"  # as GPTQModel writes 3-7 bits: planes, zeros as they are
     fast = load_model(art, torch.device(DEV), torch.bfloat16)  # on CUDA the loader swaps the plane layers in
     if DEV == "cpu":
         use_plane_kernels(fast)  # here, for the interpreter

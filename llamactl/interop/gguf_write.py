@@ -62,13 +62,11 @@ def _linear_tensor(mod, heads: int | None, kind: str, float_kind: str, notes: di
     from gguf import quants
 
     from llamactl.interop import gguf_blocks
-    from llamactl.layers.gptq import GPTQLinear, unpack_rows
+    from llamactl.layers.gptq import GPTQLinear, layer_codes
 
     if isinstance(mod, GPTQLinear):
-        codes = unpack_rows(mod.qweight, mod.bits, mod.in_features).t()  # [out, in]
-        zeros = unpack_rows(mod.qzeros.t().contiguous(), mod.bits, mod.out_features).t()  # [groups, out]
-        if mod.v1:
-            zeros = (zeros + 1) & ((1 << mod.bits) - 1)
+        codes, zeros = layer_codes(mod.qweight, mod.qzeros, mod.in_features, mod.out_features, mod.bits, mod.v1,
+                                   mod.planar)  # [out, in], [groups, out]
         scales = mod.scales  # [groups, out] fp16
         width, groups = mod.in_features, scales.shape[0]
         g = width // groups if width % groups == 0 else 0

@@ -16,8 +16,9 @@ from torch import nn
 
 
 # bits -> (plane width, bit offset) low to high: GPTQModel's split-plane layout, which it uses for 5,
-# 6 and 7 bits (utils.planar_packing, 7.6.0): per 32 codes, `bits` words, the low plane's first
-PLANES = {5: ((4, 0), (1, 4)), 6: ((4, 0), (2, 4)), 7: ((4, 0), (2, 4), (1, 6))}
+# 6 and 7 bits, and for 3 in its gptq_p checkpoints (utils.planar_packing, 7.6.0): per 32 codes,
+# `bits` words, the low plane's first
+PLANES = {3: ((2, 0), (1, 2)), 5: ((4, 0), (1, 4)), 6: ((4, 0), (2, 4)), 7: ((4, 0), (2, 4), (1, 6))}
 BITS = (2, 3, 4, 5, 6, 7, 8)
 
 
@@ -27,11 +28,12 @@ def whole_words(bits: int) -> int:
     return 32 // bits if 32 % bits == 0 else 32
 
 
-def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_rows(codes: torch.Tensor, bits: int, planar: bool = False) -> torch.Tensor:
     """codes: [R, C] ints in [0, 2^bits) -> int32 [ceil(R * bits / 32), C], packed along rows as
     GPTQModel packs them: 2, 4, 8 bits a whole number a word (low bits first; a last word that is
     not full padded with zero codes), 3 bits as one continuous bit stream (its 10-1-10-1-10
-    words), 5-7 bits in planes (PLANES). 3, 5, 6, 7 bits need R to be a multiple of 32."""
+    words; `planar`: in planes, as gptq_p checkpoints store them), 5-7 bits in planes (PLANES).
+    3, 5, 6, 7 bits need R to be a multiple of 32."""
     r, c = codes.shape
     codes = codes.to(torch.int64)
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=codes.device)  # noqa: E731
@@ -41,7 +43,7 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
         words = (blocks << (ar(per) * bits).view(1, per, 1)).sum(dim=1)
     elif r % 32:
         raise ValueError(f"{bits}-bit packing needs a multiple of 32 rows, not {r}")
-    elif bits == 3:  # the stream: code j of a block of 32 at bit 3j of its 3 words
+    elif bits == 3 and not planar:  # the stream: code j of a block of 32 at bit 3j of its 3 words
         bit = (codes.view(-1, 32, 1, c) >> ar(3).view(1, 1, 3, 1)) & 1  # [blocks, 32, 3, C]
         bit = bit.reshape(-1, 3, 32, c)  # [blocks, word, bit in word, C]
         words = (bit << ar(32).view(1, 1, 32, 1)).sum(dim=2).reshape(-1, c)
@@ -56,8 +58,9 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # reinterpret as signed int32
 
 
-def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> torch.Tensor:
-    """int32 [ceil(R * bits / 32), C] -> int32 codes [R, C] (R = rows, or every packed row)."""
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None, planar: bool = False) -> torch.Tensor:
+    """int32 [ceil(R * bits / 32), C] -> int32 codes [R, C] (R = rows, or every packed row);
+    planar: 3 bits in planes (gptq_p)."""
     c = packed.shape[-1]
     dev = packed.device
     if 32 % bits == 0:
@@ -66,7 +69,7 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> tor
         codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # [R / per, per, C]
         return codes.reshape(-1, c)[:rows]
     words = packed.to(torch.int64) & 0xFFFFFFFF
-    if bits == 3:
+    if bits == 3 and not planar:
         bit = (words.view(-1, 3, 1, c) >> torch.arange(32, device=dev).view(1, 1, 32, 1)) & 1  # [blocks, 3, 32, C]
         bit = bit.reshape(-1, 32, 3, c)  # [blocks, code, its bit, C]
         codes = (bit << torch.arange(3, device=dev).view(1, 1, 3, 1)).sum(dim=2)
@@ -84,11 +87,14 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int | None = None) -> tor
 
 
 def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
-              bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] -> the checkpoint tensors (v1 zeros)."""
+              bias: torch.Tensor | None = None, v1: bool = True, planar: bool = False) -> dict[str, torch.Tensor]:
+    """codes: [out, in], zeros/scales: [groups, out], g_idx: [in] -> the checkpoint tensors: v1
+    (checkpoint_format gptq) stores zero - 1, gptq_v2 and gptq_p the zero itself; planar: 3 bits
+    in planes (gptq_p)."""
+    stored = (zeros.to(torch.int64) - (1 if v1 else 0)) & ((1 << bits) - 1)
     t = {
-        "qweight": pack_rows(codes.t().contiguous(), bits),
-        "qzeros": pack_rows((zeros.to(torch.int64) - 1).t().contiguous() & ((1 << bits) - 1), bits).t().contiguous(),
+        "qweight": pack_rows(codes.t().contiguous(), bits, planar),
+        "qzeros": pack_rows(stored.t().contiguous(), bits, planar).t().contiguous(),
         "scales": scales.to(torch.float16).contiguous(),
         "g_idx": g_idx.to(torch.int32).contiguous(),
     }
@@ -97,15 +103,22 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_
     return t
 
 
-def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool = True) -> torch.Tensor:
+def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, v1: bool = True, planar: bool = False) -> torch.Tensor:
     """The float weight [out, in] (in the dtype of scales) of a GPTQ-packed layer."""
-    codes = unpack_rows(qweight, bits, g_idx.numel())  # [in, out]
-    zeros = unpack_rows(qzeros.t().contiguous(), bits, scales.shape[1]).t()  # [groups, out]
+    codes, zeros = layer_codes(qweight, qzeros, g_idx.numel(), scales.shape[1], bits, v1, planar)
+    g = g_idx.long()
+    w = (codes.t() - zeros[g]).to(scales.dtype) * scales[g]  # [in, out]
+    return w.t().contiguous()
+
+
+def layer_codes(qweight, qzeros, in_f: int, out_f: int, bits: int, v1: bool = True, planar: bool = False):
+    """(codes [out, in], zeros [groups, out]) of a GPTQ-packed layer, the zero points as they
+    are (v1's stored zero - 1 undone)."""
+    codes = unpack_rows(qweight, bits, in_f, planar).t()  # [out, in]
+    zeros = unpack_rows(qzeros.t().contiguous(), bits, out_f, planar).t()  # [groups, out]
     if v1:  # writers keep zero points >= 1 so that v1's "stored = zero - 1" never wraps
         zeros = (zeros + 1) & ((1 << bits) - 1)
-    g = g_idx.long()
-    w = (codes - zeros[g]).to(scales.dtype) * scales[g]  # [in, out]
-    return w.t().contiguous()
+    return codes, zeros
 
 
 def gptq_buffers(module: nn.Module, in_features: int, out_features: int, bits: int, group_size: int) -> None:
@@ -122,15 +135,17 @@ class GPTQLinear(nn.Module):
     """A linear layer stored in the GPTQ format; forward dequantizes (the plain, portable path)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool,
-                 v1: bool = True):
+                 v1: bool = True, planar: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.bits, self.v1 = in_features, out_features, bits, v1
+        self.planar = planar  # 3 bits in planes (gptq_p checkpoints)
         self.group_size = group_size
         gptq_buffers(self, in_features, out_features, bits, group_size)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        w = dequantize_gptq(self.qweight, self.qzeros, self.scales.to(torch.float32), self.g_idx, self.bits, self.v1)
+        w = dequantize_gptq(self.qweight, self.qzeros, self.scales.to(torch.float32), self.g_idx, self.bits, self.v1,
+                            self.planar)
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

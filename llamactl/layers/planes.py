@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamactl.layers.gptq import GPTQLinear, unpack_rows
+from llamactl.layers.gptq import GPTQLinear, layer_codes
 
 PLANE_BITS = (3, 5, 6)
 
@@ -27,10 +27,9 @@ class PlanesLinear(nn.Module):
 
         self.in_features, self.out_features, self.bits = lin.in_features, lin.out_features, lin.bits
         self.group_size = lin.in_features if lin.group_size in (-1, 0) else lin.group_size
-        codes = unpack_rows(lin.qweight, lin.bits, lin.in_features).t().contiguous()  # [out, in]
-        zeros = unpack_rows(lin.qzeros.t().contiguous(), lin.bits, lin.out_features)  # [out, groups]
-        if lin.v1:
-            zeros = (zeros + 1) & ((1 << lin.bits) - 1)
+        codes, zeros = layer_codes(lin.qweight, lin.qzeros, lin.in_features, lin.out_features, lin.bits, lin.v1,
+                                   lin.planar)  # [out, in], [groups, out]
+        codes, zeros = codes.contiguous(), zeros.t()
         lo, hi = split_planes(codes, lin.bits)
         self.register_buffer("lo", lo)  # [out, in * low width / 32]
         self.register_buffer("hi", hi)  # [out, in * high width / 32]

@@ -50,8 +50,9 @@ def _gptq_swap(art, model) -> None:
     q = art.quantization
     bits, group = int(q["bits"]), int(q.get("group_size", 128))
     fmt = q.get("checkpoint_format", q.get("format", "gptq"))
-    if fmt not in ("gptq", "gptq_v2"):
-        raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported", "use gptq (v1) or gptq_v2")
+    if fmt not in ("gptq", "gptq_v2", "gptq_p"):
+        raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported",
+                              "use gptq (v1), gptq_v2 or gptq_p")
     from llamactl.layers.gptq import BITS
 
     if bits not in BITS:
@@ -71,7 +72,8 @@ def _gptq_swap(art, model) -> None:
                                   "does not read", f"use {', '.join(map(str, BITS))} bits")
         with torch.device("meta"):
             swap_linears(model, [name], lambda lin: GPTQLinear(lin.in_features, lin.out_features, b, g,
-                                                               lin.bias is not None, v1=fmt == "gptq"))
+                                                               lin.bias is not None, v1=fmt == "gptq",
+                                                               planar=fmt == "gptq_p"))
 
 
 def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:

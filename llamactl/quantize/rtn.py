@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+PLANAR = (3, 5, 6, 7)  # widths GPTQModel keeps in planes (its gptq_p format)
 CLIP_GRID = torch.linspace(1.0, 0.70, 16).tolist()  # shrink factors tried by the clipping search
 
 
@@ -70,14 +71,14 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, cl
 
 
 def quantize_embedding(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
-                       clip_search: bool = False) -> dict[str, torch.Tensor]:
+                       clip_search: bool = False, v1: bool = True) -> dict[str, torch.Tensor]:
     """weight: [V, D] -> the GPTQ tensors (qweight, qzeros, scales, g_idx) of the table
     (layers.embedding), RTN per group of `group_size` along each row (a shorter last group where
     it does not divide D)."""
     from llamactl.layers.gptq import pack_gptq
 
     codes, zeros, scales, g_idx = rtn_quantize(weight, bits, group_size, sym, clip_search)
-    return pack_gptq(codes, zeros, scales, g_idx, bits)
+    return pack_gptq(codes, zeros, scales, g_idx, bits, v1=v1)
 
 
 def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None = None) -> dict:
@@ -93,6 +94,7 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
     from llamactl.quantize.options import EMBED, module_schemes
 
     schemes = {n: s for n, s in module_schemes(art, opts).items() if s is not None and n != EMBED}
+    planar = any(s["bits"] in PLANAR for s in schemes.values())  # GPTQModel writes such files as gptq_p
     state: dict[str, torch.Tensor] = {}
     tensors = dict(iter_checkpoint(art))
     if art.args.tie_word_embeddings and "lm_head" in schemes and "lm_head.weight" not in tensors:
@@ -105,32 +107,35 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
                 codes, zeros, scales, g_idx = rtn_quantize(t, s["bits"], s["group_size"], s["sym"], opts.clip_search,
                                                            (act2 or {}).get(module))
                 bias = tensors.get(f"{module}.bias")
-                for k, v in pack_gptq(codes, zeros, scales, g_idx, s["bits"], bias).items():
+                for k, v in pack_gptq(codes, zeros, scales, g_idx, s["bits"], bias, v1=not planar, planar=planar).items():
                     state[f"{module}.{k}"] = v
                 advance(1)
             elif not (name.endswith(".bias") and name.rsplit(".", 1)[0] in schemes):
                 state[name] = t
     save_weights(state, folder)
-    engine = {"name": "llamactl-rtn", "version": __version__, "checkpoint_format": "gptq (v1: stored zero = zero - 1)",
+    engine = {"name": "llamactl-rtn", "version": __version__,
+              "checkpoint_format": "gptq_p (planes, zero stored as it is)" if planar else "gptq (v1: stored zero = zero - 1)",
               "scales_dtype": "float16", "clip_search": opts.clip_search, "clip_grid": CLIP_GRID if opts.clip_search else None,
               "importance_weighted": bool(act2) and opts.clip_search,
               "quantized_modules": sorted(schemes), "scheme": f"int{opts.bits} g{opts.group_size} {'sym' if opts.sym else 'asym'}"}
     config = dict(art.config)
     config["quantization_config"] = gptq_config(opts, quantizer=f"llamactl:{__version__}", method="rtn",
-                                                schemes=module_schemes(art, opts))
+                                                schemes=module_schemes(art, opts), planar=planar)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return engine
 
 
-def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None, schemes: dict | None = None) -> dict:
+def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None, schemes: dict | None = None,
+                planar: bool = False) -> dict:
     """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint;
-    schemes (options.module_schemes): the modules whose bits differ go in GPTQModel's `dynamic`."""
+    schemes (options.module_schemes): the modules whose bits differ go in GPTQModel's `dynamic`;
+    planar: 3, 5 or 6 bits somewhere, which GPTQModel stores as its gptq_p format."""
     from llamactl.quantize.options import dynamic_overrides
 
     q = {
         "quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size, "desc_act": opts.desc_act,
         "sym": opts.sym, "lm_head": bool(schemes and schemes.get("lm_head")) if schemes is not None else opts.lm_head,
-        "checkpoint_format": "gptq", "format": "gptq",
+        "checkpoint_format": "gptq_p" if planar else "gptq", "format": "gptq_p" if planar else "gptq",
         "pack_dtype": "int32", "true_sequential": True, "static_groups": False,
         "meta": {"quantizer": [quantizer], "method": method, **(extra_meta or {})},
     }

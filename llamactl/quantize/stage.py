@@ -239,12 +239,13 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
         state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
     scheme = scheme | {"clip_search": opts.clip_search, "method": "rtn"}
     per_row = scheme["group_size"] == -1  # the int8 kernels' layout: a tied head runs on them
-    packed = quantize_embedding(table, scheme["bits"], scheme["group_size"], scheme["sym"], opts.clip_search)
+    config = json.loads((folder / "config.json").read_text())
+    v1 = config["quantization_config"].get("checkpoint_format", "gptq") == "gptq"  # gptq_p keeps zeros as they are
+    packed = quantize_embedding(table, scheme["bits"], scheme["group_size"], scheme["sym"], opts.clip_search, v1)
     state |= {f"model.embed_tokens.{k}": v for k, v in packed.items()}
     for f in files + [folder / "model.safetensors.index.json"]:
         f.unlink(missing_ok=True)
     save_weights(state, folder)
-    config = json.loads((folder / "config.json").read_text())
     config["quantization_config"].setdefault("meta", {})["embed_tokens"] = scheme
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     layout = "per row" if per_row else f"groups of {scheme['group_size']}"
