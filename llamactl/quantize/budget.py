@@ -169,8 +169,9 @@ def allocate(table: dict[str, list[Option]], fixed_bytes: int, budget_bytes: int
 
 
 def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, progress,
-         widths=(3, 4, 5, 6, 8)) -> Allocation:
-    """The allocation for `art` under target_bpw bits per parent parameter."""
+         widths=(3, 4, 5, 6, 8), device: torch.device | None = None) -> Allocation:
+    """The allocation for `art` under target_bpw bits per parent parameter (each choice's
+    rounding tried on `device`)."""
     from llamactl.checkpoint import iter_checkpoint
     from llamactl.info import params_from_config
 
@@ -194,7 +195,9 @@ def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, pro
     with progress("bit choices", len(names)) as advance:
         for n in sorted(names):
             w = tensors[f"{n}.weight"]
-            table[n] = options_for(n, w, stats.fisher[n], stats.act2.get(n), sym, clip_search, w.element_size(), widths)
+            act2 = stats.act2.get(n)
+            table[n] = options_for(n, w.to(device), stats.fisher[n].to(device), None if act2 is None else act2.to(device),
+                                   sym, clip_search, w.element_size(), widths)
             advance(1)
     budget = int(target_bpw * params_from_config(art.args) / 8)
     return allocate(table, fixed, budget)

@@ -134,7 +134,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     if opts.target_bpw is not None:
         from llamactl.quantize.budget import plan
 
-        allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress, opts.widths)
+        allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress, opts.widths, dev)
         opts = replace(opts, schemes=allocation.schemes)
         log(f"--target-bpw {opts.target_bpw:g}: " + ", ".join(f"{n} {k}" for k, n in allocation.summary().items())
             + f" (predicted file {8 * allocation.bytes / params_from_config(art.args):.3f} bpw, "
