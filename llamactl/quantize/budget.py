@@ -20,7 +20,6 @@ from llamactl.errors import InputError
 from llamactl.quantize.sensitivity import EMBED, Stats
 
 
-
 @dataclass(frozen=True)
 class Option:
     scheme: dict | None  # {"bits", "group_size", "sym"}; None: the tensor kept as it is
@@ -42,7 +41,7 @@ def label(scheme: dict | None) -> str:
 # (bits, group sizes) besides 8 bits per row and the tensor kept: the widths the runtime reads
 # packed (4: kernels.gemv; 3, 5, 6: kernels.planes, which need whole 32-row blocks both ways)
 GROUPED = ((3, (128, 64, 32)), (4, (128, 64, 32)), (5, (128, 64)), (6, (128,)))
-TABLE_BITS = (4,)  # the embedding table's low-bit lookup reads 4 and 8 bits
+TABLE_BITS = (4,)  # of these, what the embedding table's lookup reads (and 8 bits per row)
 
 
 def choices(name: str, out_f: int, in_f: int, sym: bool, widths=(3, 4, 5, 6, 8)) -> list[dict | None]:

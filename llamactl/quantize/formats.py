@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from llamactl.errors import CheckpointError
+from llamactl.quantize.options import embedding_scheme_of, module_scheme
 
 
 @dataclass(frozen=True)
@@ -76,26 +77,9 @@ def _gptq_swap(art, model) -> None:
                                                                planar=fmt == "gptq_p"))
 
 
-def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:
-    """(bits, group size) of one module: GPTQModel's per-module overrides (quantization_config's
-    `dynamic`: regular expressions, "+:" or bare to override, first match wins) over the defaults."""
-    import re
-
-    for pattern, override in (q.get("dynamic") or {}).items():
-        if pattern.startswith("-:"):
-            continue  # modules left unquantized carry no .qweight, so they are not named here
-        if re.match(pattern.removeprefix("+:"), name) and isinstance(override, dict):
-            return int(override.get("bits", bits)), int(override.get("group_size", group))
-    return bits, group
-
-
 def embedding_scheme(art) -> dict | None:
     """{"bits", "group_size", ...} of a low-bit embedding table (quantize --embed-bits), or None."""
     return embedding_scheme_of(art.quantization or {})
-
-
-def embedding_scheme_of(q: dict) -> dict | None:
-    return (q.get("meta") or {}).get("embed_tokens")
 
 
 def _swap_embedding(art, model, v1: bool) -> None:

@@ -116,3 +116,21 @@ USED = {
 def used_params(opts: QuantOptions) -> dict:
     """The options `opts.method` uses, by name."""
     return {name: getattr(opts, name) for name in USED[opts.method]}
+
+
+def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:
+    """(bits, group size) of one module: GPTQModel's per-module overrides (quantization_config's
+    `dynamic`: regular expressions, "+:" or bare to override, first match wins) over the defaults."""
+    import re
+
+    for pattern, override in (q.get("dynamic") or {}).items():
+        if pattern.startswith("-:"):
+            continue  # modules left unquantized carry no .qweight, so they are not named here
+        if re.match(pattern.removeprefix("+:"), name) and isinstance(override, dict):
+            return int(override.get("bits", bits)), int(override.get("group_size", group))
+    return bits, group
+
+
+def embedding_scheme_of(q: dict) -> dict | None:
+    """quantization_config's scheme of a low-bit embedding table (quantize --embed-bits), or None."""
+    return (q.get("meta") or {}).get("embed_tokens")
