@@ -25,14 +25,18 @@ def test_packing_round_trips_at_every_width(bits):
     assert torch.equal(unpack_rows(packed, bits, rows), codes.int())
 
 
-def test_packing_matches_gptqmodel():
-    """5-7 bits (and 3 in gptq_p files) in GPTQModel's planes; 3 bits otherwise its continuous
-    stream, word by word (the 10-1-10-1-10 layout: code 10 straddles words 0 and 1, code 21 words
-    1 and 2)."""
+def test_3_bits_pack_as_one_stream():
+    """3 bits (outside gptq_p files) in GPTQModel's continuous stream, word by word (its
+    10-1-10-1-10 layout: code 10 straddles words 0 and 1, code 21 words 1 and 2); the planes of
+    5-7 bits (and 3 in gptq_p) are checked against GPTQModel's packer below."""
     codes = torch.randint(0, 8, (32, 3))
     words = pack_rows(codes, 3).to(torch.int64) & 0xFFFFFFFF  # [3, C]
     stream = sum(int(words[i, 0]) << (32 * i) for i in range(3))
     assert [(stream >> (3 * j)) & 7 for j in range(32)] == codes[:, 0].tolist()
+
+
+@pytest.mark.quant
+def test_planes_match_gptqmodels_packer():
     planar = pytest.importorskip("gptqmodel.utils.planar_packing")
     for bits in (3, 5, 6, 7):
         codes = torch.randint(0, 2**bits, (64, 9))
