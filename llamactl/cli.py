@@ -437,7 +437,7 @@ def calibrate(
     """Measure each tensor's sensitivity (Fisher diagonal) and each layer's input statistics once, for `quantize --calib-stats`."""
     from llamactl.quantize.calibrate import calibrate as run
 
-    result = run(model, output, calib, n_samples, seq_len, device=device, force=force, progress=ui.progress, log=ui.log)
+    result = run(model, output, calib, n_samples, seq_len, device=device, force=force, progress=ui.progress)
     if json_out:
         ui.emit_json(result)
     else:

@@ -79,22 +79,21 @@ def describe(art: Artifact) -> dict[str, Any]:
 def tensor_bits(index: dict[str, dict[str, Any]], quant: dict) -> dict[str, int]:
     """How many tensors of a GPTQ-format folder take each scheme ("4-bit g128": 42, "16-bit": 3),
     read from its tensors and quantization_config (per-module `dynamic` entries included)."""
-    from llamactl.quantize.options import embedding_scheme_of, module_scheme
+    from llamactl.quantize.options import EMBED, embedding_scheme_of, module_scheme, scheme_label
 
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
     out: dict[str, int] = {}
     for name in index:
         module, _, kind = name.rpartition(".")
-        if kind == "qweight" and module == "model.embed_tokens":
+        if kind == "qweight" and module == EMBED:
             table = embedding_scheme_of(quant) or {}
-            b, g = int(table.get("bits", 0)), int(table.get("group_size", -1))
+            key = scheme_label({"bits": int(table.get("bits", 0)), "group_size": int(table.get("group_size", -1))})
         elif kind == "qweight":
             b, g = module_scheme(quant, module, bits, group)
-        if kind == "qweight":
-            key = f"{b}-bit " + ("per row" if g == -1 else f"g{g}")
+            key = scheme_label({"bits": b, "group_size": g})
         elif kind == "weight" and (".layers." in f".{module}" and module.rsplit(".", 1)[-1].endswith("proj")
-                                   or module in ("lm_head", "model.embed_tokens")):
-            key = "16-bit"
+                                   or module in ("lm_head", EMBED)):
+            key = scheme_label(None)
         else:
             continue
         out[key] = out.get(key, 0) + 1

@@ -1,8 +1,8 @@
 """Matrix-vector (and few-row) products with 3-, 5- and 6-bit weights read packed.
 
 A b-bit code is stored as two bit planes whose widths divide 32 (the split of GPTQModel's planar
-format): 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits. Here each plane is laid out per output row,
-codes along the input packed low bits first ([N, K * width / 32] int32), so a program streams
+format, layers.planes.SPLITS): 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits. Each plane is laid out per
+output row, codes along the input packed low bits first ([N, K * width / 32] int32), so a program streams
 its rows' words once and rebuilds each code as low | high << LO in registers; per group of G
 inputs an fp16 scale and a uint8 zero point ([N, groups]): w = (code - zero) * scale.
 
@@ -21,37 +21,7 @@ import triton.language as tl
 
 from llamactl.kernels.device import interpreted
 
-SPLITS = {3: (2, 1), 5: (4, 1), 6: (4, 2)}  # bits -> (low plane, high plane) widths
 MAX_ROWS = 64
-
-
-def split_planes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes: [N, K] (K a multiple of 32) -> (low, high) planes, int32 [N, K * width / 32] each."""
-    lo_w, hi_w = SPLITS[bits]
-    return _pack_cols(codes & ((1 << lo_w) - 1), lo_w), _pack_cols(codes >> lo_w, hi_w)
-
-
-def _pack_cols(codes: torch.Tensor, width: int) -> torch.Tensor:
-    n, k = codes.shape
-    per = 32 // width
-    shifts = torch.arange(per, dtype=torch.int64, device=codes.device) * width
-    words = (codes.to(torch.int64).view(n, k // per, per) << shifts).sum(-1)  # [N, K / per]
-    return (words - ((words >> 31) << 32)).to(torch.int32)
-
-
-def dequantize_planes(lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                      group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [N, K] in dtype (torch ops: prefill and the CPU)."""
-    lo_w, hi_w = SPLITS[bits]
-    codes = _unpack_cols(lo, lo_w) | (_unpack_cols(hi, hi_w) << lo_w)  # [N, K]
-    g = torch.arange(codes.shape[1], device=codes.device) // group
-    return ((codes - zeros[:, g].to(torch.int32)).to(torch.float32) * scales[:, g].float()).to(dtype)
-
-
-def _unpack_cols(words: torch.Tensor, width: int) -> torch.Tensor:
-    per = 32 // width
-    shifts = torch.arange(per, dtype=torch.int32, device=words.device) * width
-    return ((words.unsqueeze(-1) >> shifts) & ((1 << width) - 1)).reshape(words.shape[0], -1)
 
 
 @triton.jit
@@ -95,13 +65,13 @@ def _planes_kernel(x_ptr, lo_ptr, hi_ptr, s_ptr, z_ptr, y_ptr, N, K, ROWS, G: tl
 
 
 def gemv_planes(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                bits: int, group: int) -> torch.Tensor:
-    """x: [R, K] (R <= MAX_ROWS) -> [R, N] in x's dtype, the weights read once for all rows."""
+                lo_w: int, hi_w: int, group: int) -> torch.Tensor:
+    """x: [R, K] (R <= MAX_ROWS) -> [R, N] in x's dtype, the weights read once for all rows; lo_w,
+    hi_w: the planes' widths."""
     rows, k = x.shape
     n = lo.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
-    lo_w, hi_w = SPLITS[bits]
     # 1 row: 16 outputs x 512 inputs a step; more: words enough for tl.dot's 16-deep K
     block_n, block_k = (16, 512) if rows == 1 else (32, 16 * (32 // lo_w))
     _planes_kernel[(triton.cdiv(n, block_n),)](x.contiguous(), lo, hi, scales, zeros, y, n, k, rows, G=group, LO=lo_w,

@@ -22,12 +22,6 @@ PLANES = {3: ((2, 0), (1, 2)), 5: ((4, 0), (1, 4)), 6: ((4, 0), (2, 4)), 7: ((4,
 BITS = (2, 3, 4, 5, 6, 7, 8)
 
 
-def whole_words(bits: int) -> int:
-    """The rows a packed dimension must be a multiple of: 32 for 3, 5, 6 and 7 bits (codes cross
-    words, or sit in planes of 32), else one word's codes."""
-    return 32 // bits if 32 % bits == 0 else 32
-
-
 def pack_rows(codes: torch.Tensor, bits: int, planar: bool = False) -> torch.Tensor:
     """codes: [R, C] ints in [0, 2^bits) -> int32 [ceil(R * bits / 32), C], packed along rows as
     GPTQModel packs them: 2, 4, 8 bits a whole number a word (low bits first; a last word that is

@@ -13,9 +13,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamactl.layers.gptq import GPTQLinear, layer_codes
+from llamactl.layers.gptq import GPTQLinear, layer_codes, pack_rows, swap_linears, unpack_rows
 
-PLANE_BITS = (3, 5, 6)
+SPLITS = {3: (2, 1), 5: (4, 1), 6: (4, 2)}  # bits -> (low plane, high plane) widths
+PLANE_BITS = tuple(SPLITS)
+
+
+def split_planes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes: [N, K] (K a multiple of 32) -> (low, high) planes, int32 [N, K * width / 32] each:
+    each output row's codes packed along the input, low bits first."""
+    lo_w, hi_w = SPLITS[bits]
+    planes = (codes & ((1 << lo_w) - 1), codes >> lo_w)
+    return tuple(pack_rows(p.t(), w).t().contiguous() for p, w in zip(planes, (lo_w, hi_w)))
+
+
+def dequantize_planes(lo: torch.Tensor, hi: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in dtype (torch ops: prefill, and the CPU)."""
+    lo_w, hi_w = SPLITS[bits]
+    codes = unpack_rows(lo.t(), lo_w).t() | (unpack_rows(hi.t(), hi_w).t() << lo_w)  # [N, K]
+    g = torch.arange(codes.shape[1], device=codes.device) // group
+    return ((codes - zeros[:, g].to(torch.int32)).to(torch.float32) * scales[:, g].float()).to(dtype)
 
 
 class PlanesLinear(nn.Module):
@@ -23,8 +41,6 @@ class PlanesLinear(nn.Module):
 
     def __init__(self, lin: GPTQLinear):
         super().__init__()
-        from llamactl.kernels.planes import split_planes
-
         self.in_features, self.out_features, self.bits = lin.in_features, lin.out_features, lin.bits
         self.group_size = lin.in_features if lin.group_size in (-1, 0) else lin.group_size
         codes, zeros = layer_codes(lin.qweight, lin.qzeros, lin.in_features, lin.out_features, lin.bits, lin.v1,
@@ -47,11 +63,11 @@ class PlanesLinear(nn.Module):
         return bool(torch.equal(lin.g_idx.long(), order))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llamactl.kernels.planes import MAX_ROWS, dequantize_planes, gemv_planes
+        from llamactl.kernels.planes import MAX_ROWS, gemv_planes
 
         x2 = x.reshape(-1, self.in_features)  # [R, in]
         if x2.shape[0] <= MAX_ROWS:
-            y = gemv_planes(x2, self.lo, self.hi, self.scales, self.zeros, self.bits, self.group_size)
+            y = gemv_planes(x2, self.lo, self.hi, self.scales, self.zeros, *SPLITS[self.bits], self.group_size)
         else:
             y = F.linear(x2, dequantize_planes(self.lo, self.hi, self.scales, self.zeros, self.bits, self.group_size,
                                                x.dtype))
@@ -63,10 +79,6 @@ class PlanesLinear(nn.Module):
 @torch.no_grad()
 def use_plane_kernels(model) -> int:
     """Swap every 3/5/6-bit GPTQLinear the plane kernels take; returns how many."""
-    n = 0
-    for name, mod in list(model.named_modules()):
-        if PlanesLinear.fits(mod):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, PlanesLinear(mod))
-            n += 1
-    return n
+    names = [name for name, mod in model.named_modules() if PlanesLinear.fits(mod)]
+    swap_linears(model, names, PlanesLinear)
+    return len(names)

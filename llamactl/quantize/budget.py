@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from llamactl.errors import InputError
-from llamactl.quantize.sensitivity import EMBED, Stats
+from llamactl.quantize.options import EMBED, scheme_label
+from llamactl.quantize.sensitivity import Stats
 
 
 @dataclass(frozen=True)
@@ -25,17 +26,6 @@ class Option:
     scheme: dict | None  # {"bits", "group_size", "sym"}; None: the tensor kept as it is
     bytes: int
     kl: float  # predicted KL it adds, nats a token
-
-    @property
-    def label(self) -> str:
-        return label(self.scheme)
-
-
-def label(scheme: dict | None) -> str:
-    if scheme is None:
-        return "16-bit"
-    g = scheme["group_size"]
-    return f"{scheme['bits']}-bit " + ("per row" if g == -1 else f"g{g}")
 
 
 # (bits, group sizes) besides 8 bits per row and the tensor kept: the widths the runtime reads
@@ -108,7 +98,7 @@ class Allocation:
         """label -> how many tensors took it."""
         out: dict[str, int] = {}
         for s in self.schemes.values():
-            out[label(s)] = out.get(label(s), 0) + 1
+            out[scheme_label(s)] = out.get(scheme_label(s), 0) + 1
         return dict(sorted(out.items()))
 
 

@@ -12,7 +12,7 @@ from llamactl.quality import no_progress
 
 
 def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | None = None, seq_len: int | None = None,
-              *, device: str = "auto", force: bool = False, progress=no_progress, log=lambda m: None) -> dict[str, Any]:
+              *, device: str = "auto", force: bool = False, progress=no_progress) -> dict[str, Any]:
     """Measure `model`'s statistics on the calibration set and write them to `output`."""
     from llamactl.artifact import open_artifact
     from llamactl.calib import check_spec, resolve_spec
@@ -35,7 +35,7 @@ def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | Non
         raise InputError(f"--seq-len {spec.seq_len} is longer than the model's context "
                          f"({art.args.max_position_embeddings})", "lower --seq-len")
     t0 = time.perf_counter()
-    stats = sensitivity.collect(art, spec, resolve_device(device), progress, log)
+    stats = sensitivity.collect(art, spec, resolve_device(device), progress)
     stats.save(out)
     return {"output": str(out), "tensors": len(stats.fisher), "tokens": stats.tokens,
             "seconds": round(time.perf_counter() - t0, 2), "calibration": stats.meta["calibration"]}

@@ -9,7 +9,6 @@ from llamactl.artifact import Artifact
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
 BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,)}
 DEFAULT_BITS = {"gptq": 4, "rtn": 4, "nf4": 4, "int8": 8}
-PLANE_BITS = (3, 5, 6)  # packed in whole 32-row blocks (GPTQModel's layouts): widths must be multiples of 32
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -73,6 +72,14 @@ def head_scheme(opts: QuantOptions) -> dict | None:
 
 
 EMBED = "model.embed_tokens"
+
+
+def scheme_label(scheme: dict | None) -> str:
+    """"4-bit g128", "8-bit per row", "16-bit" (None: kept as it is)."""
+    if scheme is None:
+        return "16-bit"
+    g = scheme["group_size"]
+    return f"{scheme['bits']}-bit " + ("per row" if g == -1 else f"g{g}")
 
 
 def module_schemes(art: Artifact, opts: QuantOptions) -> dict[str, dict | None]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-PLANAR = (3, 5, 6, 7)  # widths GPTQModel keeps in planes (its gptq_p format)
 CLIP_GRID = torch.linspace(1.0, 0.70, 16).tolist()  # shrink factors tried by the clipping search
 
 
@@ -90,11 +89,11 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
     from llamactl import __version__
     from llamactl.artifact import save_weights
     from llamactl.checkpoint import iter_checkpoint
-    from llamactl.layers.gptq import pack_gptq
+    from llamactl.layers.gptq import PLANES, pack_gptq
     from llamactl.quantize.options import EMBED, module_schemes
 
     schemes = {n: s for n, s in module_schemes(art, opts).items() if s is not None and n != EMBED}
-    planar = any(s["bits"] in PLANAR for s in schemes.values())  # GPTQModel writes such files as gptq_p
+    planar = any(s["bits"] in PLANES for s in schemes.values())  # GPTQModel writes such files as gptq_p
     state: dict[str, torch.Tensor] = {}
     tensors = dict(iter_checkpoint(art))
     if art.args.tie_word_embeddings and "lm_head" in schemes and "lm_head.weight" not in tensors:
@@ -125,8 +124,7 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
     return engine
 
 
-def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = None, schemes: dict | None = None,
-                planar: bool = False) -> dict:
+def gptq_config(opts, quantizer: str, method: str, schemes: dict, planar: bool = False) -> dict:
     """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint;
     schemes (options.module_schemes): the modules whose bits differ go in GPTQModel's `dynamic`;
     planar: 3, 5 or 6 bits somewhere, which GPTQModel stores as its gptq_p format."""
@@ -134,12 +132,12 @@ def gptq_config(opts, quantizer: str, method: str, extra_meta: dict | None = Non
 
     q = {
         "quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size, "desc_act": opts.desc_act,
-        "sym": opts.sym, "lm_head": bool(schemes and schemes.get("lm_head")) if schemes is not None else opts.lm_head,
+        "sym": opts.sym, "lm_head": bool(schemes.get("lm_head")),
         "checkpoint_format": "gptq_p" if planar else "gptq", "format": "gptq_p" if planar else "gptq",
         "pack_dtype": "int32", "true_sequential": True, "static_groups": False,
-        "meta": {"quantizer": [quantizer], "method": method, **(extra_meta or {})},
+        "meta": {"quantizer": [quantizer], "method": method},
     }
-    dynamic = dynamic_overrides(schemes, opts) if schemes is not None else {}
+    dynamic = dynamic_overrides(schemes, opts)
     if dynamic:
         q["dynamic"] = dynamic
     return q
@@ -174,22 +172,19 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool) -> 
     benchmarks): the plane kernels' layers where `triton`, else GPTQ layers (dequantized per call)."""
     from torch import nn
 
-    from llamactl.layers.gptq import GPTQLinear, pack_gptq
+    from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears
     from llamactl.layers.planes import PlanesLinear
 
-    n = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or ".layers." not in f".{name}":
-            continue
+    def packed(mod: nn.Linear) -> nn.Module:
         lin = GPTQLinear(mod.in_features, mod.out_features, bits, group_size, bias=False).to(mod.weight.device)
-        codes, zeros, scales, g_idx = rtn_quantize(mod.weight.float(), bits, group_size, True)
-        for k, v in pack_gptq(codes, zeros, scales, g_idx, bits).items():
+        for k, v in pack_gptq(*rtn_quantize(mod.weight.float(), bits, group_size, True), bits).items():
             setattr(lin, k, v)
         lin.bias = mod.bias
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, PlanesLinear(lin) if triton and PlanesLinear.fits(lin) else lin)
-        n += 1
-    return n
+        return PlanesLinear(lin) if triton and PlanesLinear.fits(lin) else lin
+
+    names = [name for name, mod in model.named_modules() if type(mod) is nn.Linear and ".layers." in f".{name}"]
+    swap_linears(model, names, packed)
+    return len(names)
 
 
 @torch.no_grad()

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llamactl.errors import InputError
-
-EMBED = "model.embed_tokens"
+from llamactl.quantize.options import EMBED
 FORMAT = "llamactl-calib-stats/1"
 
 
@@ -83,7 +82,7 @@ def shape_of(art) -> dict[str, int]:
             "heads": a.num_attention_heads, "kv_heads": a.num_key_value_heads, "vocab": a.vocab_size}
 
 
-def collect(art, spec, device: torch.device, progress, log=lambda m: None, seed: int = 0) -> Stats:
+def collect(art, spec, device: torch.device, progress, seed: int = 0) -> Stats:
     """Fisher diagonals and input second moments of every quantizable tensor of `art`, from the
     calibration samples of `spec` (one forward and backward a sample)."""
     from llamactl.calib import build_samples

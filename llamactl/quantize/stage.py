@@ -18,8 +18,8 @@ from llamactl.errors import InputError
 from llamactl.info import params_from_config
 from llamactl.quality import check_eval_file, measure, no_progress
 
-from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, PLANE_BITS, QuantOptions,  # noqa: F401
-                                       module_schemes, target_linears, used_params)
+from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
+                                       scheme_label, target_linears, used_params)
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -34,7 +34,9 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         method = meta.get("method") if meta.get("method") in BITS else art.quantization.get("quant_method", "?")
         raise InputError(f"{art.path} is already quantized ({method})",
                          "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
-    if opts.bits in PLANE_BITS:
+    from llamactl.layers.gptq import PLANES
+
+    if opts.bits in PLANES:  # packed in whole blocks of 32 rows (GPTQModel's layouts)
         odd = sorted({d for n, shape in target_linears(art, opts.lm_head).items() for d in shape if d % 32})
         if odd:
             raise InputError(f"--bits {opts.bits} packs 32 rows at a time, and this model has layers {odd[0]} wide",
@@ -186,13 +188,11 @@ def _calib_stats(art, opts: QuantOptions, dev, progress, log):
 
 
 def _allocation_record(allocation, art) -> dict[str, Any]:
-    from llamactl.quantize.budget import label
-
     params = params_from_config(art.args)
     return {"target_bpw": round(8 * allocation.budget_bytes / params, 3),
             "predicted_bpw": round(8 * allocation.bytes / params, 3),
             "predicted_kl": round(allocation.predicted_kl, 6), "choices": allocation.summary(),
-            "tensors": {n: label(s) for n, s in sorted(allocation.schemes.items())}}
+            "tensors": {n: scheme_label(s) for n, s in sorted(allocation.schemes.items())}}
 
 
 def _short_groups(art, opts, folder: Path, log) -> dict[str, Any]:
