@@ -20,28 +20,32 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     `llamactl compile` cache for this machine, warning through it where one does not match.
     options: the runtime's (quantized layers on llamactl's kernels where they run). world: a
     tensor-parallel group (tp.join): each model's shard of this rank."""
-    from llamactl.layers.plan import kernels_run
+    from llamactl.layers.plan import linear_kernels
 
     from llamactl.artifact import open_artifact
     from llamactl.compile import load_compile_cache
     from llamactl.load import load_model, resolve_dtype, resolve_model_path
 
     targets = []
+    options = options or RuntimeOptions()
     if synthetic:
-        dtype = torch.bfloat16 if dtype_name == "auto" and device.type == "cuda" else (
+        from llamactl.layers.cpu import bf16_fast
+
+        cpu_bf16 = device.type == "cpu" and linear_kernels(device, options) == "cpu" and bf16_fast()
+        dtype = torch.bfloat16 if dtype_name == "auto" and (device.type == "cuda" or cpu_bf16) else (
             torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
         for quant in (synthetic_quant or "none").split(","):
-            targets.append(synthetic_target(synthetic, quant.strip(), device, dtype,
-                                             kernels_run(device, options or RuntimeOptions())[0], world))
+            targets.append(synthetic_target(synthetic, quant.strip(), device, dtype, linear_kernels(device, options),
+                                            world))
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         if world is not None:
             from llamactl.load import load_shard
 
-            model = load_shard(art, device, resolve_dtype(dtype_name, device, art), world.group, world.rank, world.size,
-                               options)
+            model = load_shard(art, device, resolve_dtype(dtype_name, device, art, options.kernels), world.group,
+                               world.rank, world.size, options)
         else:
-            model = load_model(art, device, resolve_dtype(dtype_name, device, art), options)
+            model = load_model(art, device, resolve_dtype(dtype_name, device, art, options.kernels), options)
         if compile_warn:
             load_compile_cache(art, model.device, model.dtype, compile_warn, trust_cache)
         targets.append(Target(label=str(art.path) if m else "embedded:docs-llama-17m", model=model, artifact=art))
@@ -51,8 +55,9 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
-def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, triton: bool,
+def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
                      world=None) -> Target:
+    """kernels: layers.plan.linear_kernels ("triton", "cpu" or "torch")."""
     from llamactl.synthetic import build_synthetic, synthetic_args
 
     if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
@@ -71,6 +76,15 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
             layer.self_attn.tp_group = layer.mlp.tp_group = world.group
         model.tp = shard
     label = f"synthetic:{shape}"
+    triton = kernels == "triton"
+    if kernels == "cpu" and quant != "none":  # every width on llamactl's CPU layers (RTN, as below)
+        from llamactl.layers.cpu import quant_fast
+        from llamactl.quantize.rtn import quantize_linears_planes
+
+        if quant_fast():
+            bits = int(quant[3:])
+            quantize_linears_planes(model, bits, -1 if bits == 8 else 128, False, cpu=True)
+            return Target(label=f"{label} {quant}" + ("" if bits == 8 else "-g128"), model=model, synthetic=shape)
     if quant == "int4":
         from llamactl.quantize.rtn import quantize_linears_int4
 

@@ -31,11 +31,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, art: Artifact) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on a GPU; on the CPU bfloat16 for GPTQ-format (int4/int8)
-    checkpoints, whose CPU kernels take bf16 (in float32 every layer dequantizes each call: the
-    embedded model's RTN int4 decoded 10 tok/s against 129 in bf16), else float32 for models
-    under 2B parameters."""
+def resolve_dtype(name: str, device: torch.device, art: Artifact, kernels: bool = True) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on a GPU; on the CPU bfloat16 where llamactl's CPU kernels
+    (`kernels`) have their AVX-512 BF16 product, and for GPTQ-format (int4/int8) checkpoints,
+    whose torch kernels take bf16 (in float32 every layer dequantizes each call); else float32
+    for models under 2B parameters (torch's bf16 matrix-vector product was slower than its
+    float32 one at such widths: docs/bench/cpu.md)."""
     if name not in DTYPES:
         raise InputError(f"--dtype {name!r} is not supported", f"use one of {', '.join(DTYPES)}")
     if DTYPES[name] is not None:
@@ -44,6 +45,11 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact) -> torch.dtype
     if device.type == "cpu":
         if (art.quantization or {}).get("quant_method") == "gptq":
             return torch.bfloat16
+        if kernels:
+            from llamactl.layers.cpu import bf16_fast
+
+            if bf16_fast():
+                return torch.bfloat16
         a = art.args
         approx_params = a.num_hidden_layers * (4 * a.hidden_size**2 + 3 * a.hidden_size * a.intermediate_size)
         return torch.float32 if approx_params < 2e9 else torch.bfloat16
@@ -111,7 +117,7 @@ def _assemble(art: Artifact, model, rename, fmt, tensors, device: torch.device, 
               options: RuntimeOptions | None) -> "LlamaModel":
     """Assign (name, tensor) pairs of the checkpoint to the skeleton `model` (named and checked as
     the runtime names them, cast, complete), tie, and put the format's fast layers in."""
-    from llamactl.layers.plan import kernels_run
+    from llamactl.layers.plan import linear_kernels
 
     refs = dict(model.state_dict())
     expected = {k: tuple(v.shape) for k, v in refs.items()}
@@ -130,7 +136,7 @@ def _assemble(art: Artifact, model, rename, fmt, tensors, device: torch.device, 
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     if fmt:
-        fmt.finish(art, model, dtype, kernels_run(device, options or RuntimeOptions())[0])
+        fmt.finish(art, model, dtype, linear_kernels(device, options or RuntimeOptions()))
     return model.eval()
 
 
@@ -183,7 +189,7 @@ def load(model: str | None, device: str = "auto", dtype: str = "auto", allow_pic
         if dev.type == "cuda":
             dev = torch.device("cuda", torch.cuda.current_device())
         check_tensors(art)
-        model_ = load_shard(art, dev, resolve_dtype(dtype, dev, art), world.group, world.rank, world.size, options)
+        model_ = load_shard(art, dev, resolve_dtype(dtype, dev, art, (options or RuntimeOptions()).kernels), world.group, world.rank, world.size, options)
         return art, model_, load_tokenizer(art), dev
-    model_ = load_model(art, dev, resolve_dtype(dtype, dev, art), options)
+    model_ = load_model(art, dev, resolve_dtype(dtype, dev, art, (options or RuntimeOptions()).kernels), options)
     return art, model_, load_tokenizer(art), dev

@@ -12,8 +12,12 @@ import torch
 from typer.testing import CliRunner
 
 from llamactl.cli import app
+from llamactl.layers import cpu as lcpu
 
 runner = CliRunner()
+# what a CPU step runs here: llamactl's CPU kernels, in bf16, where they build (layers.cpu)
+CPU_GEMV = "llamactl cpu" if lcpu.quant_fast() or lcpu.bf16_fast() else "torch"
+CPU_DTYPE = torch.bfloat16 if lcpu.bf16_fast() else torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,7 @@ def compiled(tmp_path_factory, trained_model):
 def test_compile_writes_a_keyed_cache(compiled, trained_model):
     out, entry = compiled
     assert entry["key"]["device_name"] == "cpu" and entry["key"]["mode"] == "default" and entry["buckets"] == [64]
-    assert entry["gemv"] == "torch"  # what the compiled step ran (on a GPU: "triton ..., PDL, int8 inputs", ...)
+    assert entry["gemv"] == CPU_GEMV  # what the compiled step ran (on a GPU: "triton ..., PDL, int8 inputs", ...)
     assert (out / "compile-cache" / entry["file"]).stat().st_size == entry["bytes"] > 0
     man = json.loads((out / "llamactl.json").read_text())
     assert man["stage"] == "compile" and man["metrics"]["compile_cache"][0]["file"] == entry["file"]
@@ -64,7 +68,7 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
         if damage:
             (copy / "compile-cache" / entry["cpu_builds"] / damage).write_bytes(b"damaged")
         warnings = []
-        assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is not None
+        assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), CPU_DTYPE, warnings.append) is not None
         assert not list(cache.glob("*/.*llamactl-tmp"))
         return sorted(str(p.relative_to(cache)) for p in cache.glob("*/*.so")), warnings, cache
 
@@ -89,15 +93,15 @@ def test_a_cache_from_elsewhere_is_not_loaded_without_trust(compiled, tmp_path, 
     art = open_artifact(copy)
     warnings = []
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))
-    assert comp.load_compile_cache(art, torch.device("cpu"), torch.float32, warnings.append) is None
+    assert comp.load_compile_cache(art, torch.device("cpu"), CPU_DTYPE, warnings.append) is None
     assert len(warnings) == 1 and "not built by this user on this machine" in warnings[0]
-    assert comp.load_compile_cache(art, torch.device("cpu"), torch.float32, warnings.append, trust=True) is not None
+    assert comp.load_compile_cache(art, torch.device("cpu"), CPU_DTYPE, warnings.append, trust=True) is not None
     monkeypatch.undo()
     man = json.loads((copy / "llamactl.json").read_text())
     man["metrics"]["compile_cache"][0]["cpu_build_sha256"] = {"x/evil.so": "0" * 64}  # a swapped build list
     (copy / "llamactl.json").write_text(json.dumps(man))
     warnings.clear()
-    assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), torch.float32, warnings.append) is None
+    assert comp.load_compile_cache(open_artifact(copy), torch.device("cpu"), CPU_DTYPE, warnings.append) is None
     assert "changed since" in warnings[0]
     r = runner.invoke(app, ["generate", str(copy), "-p", "x", "-n", "2", "--temperature", "0", "--compile"])
     assert r.exit_code == 0 and "--trust-compile-cache" in " ".join(r.stderr.split())
@@ -187,7 +191,7 @@ def test_a_cache_compiled_for_other_kernels_says_so(compiled, tmp_path):
     try:
         r = runner.invoke(app, ["generate", str(out), "-p", "x", "-n", "4", "--temperature", "0", "--compile"])
         assert r.exit_code == 0, r.output
-        assert "made for gemv triton 3.6.0, PDL, int8 inputs; this run used torch" in " ".join(r.stderr.split())
+        assert f"made for gemv triton 3.6.0, PDL, int8 inputs; this run used {CPU_GEMV}" in " ".join(r.stderr.split())
     finally:
         man_path.write_text(original)
     bad = runner.invoke(app, ["compile", str(out), "-o", str(tmp_path / "o"), "--quant-inputs", "int4"])

@@ -15,6 +15,7 @@ from llamactl.layers.embedding import QuantEmbedding
 from llamactl.layers.gptq import GPTQLinear, dequantize_gptq
 from llamactl.load import load_model, resolve_dtype
 from llamactl.quantize.rtn import quantize_embedding
+from llamactl.options import RuntimeOptions
 
 runner = CliRunner()
 
@@ -42,6 +43,9 @@ def tied(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("tied"), heads=4, kv_heads=2, hidden=64, tie=True, seed=8)
 
 
+PORTABLE = RuntimeOptions(kernels=False)  # the GPTQ modules as loaded (the format, not the kernels)
+
+
 def _quantize(src, out, *extra):
     r = runner.invoke(app, ["quantize", str(src), "-o", str(out), "--method", "rtn", "--group-size", "32",
                             "--eval-tokens", "0", "--json", *extra])
@@ -58,11 +62,11 @@ def test_a_tied_model_keeps_one_low_bit_table_that_its_head_reads(tied, tmp_path
     assert small["params"]["embed_bits"] == 4 and small["params"]["engine"]["embed_tokens"]["bits"] == 4
     assert small["metrics"]["file_bpw"] < plain["metrics"]["file_bpw"] - 5  # the 16-bit table was most of the file
     art = open_artifact(tmp_path / "q4e")
-    model = load_model(art, torch.device("cpu"), torch.float32)
+    model = load_model(art, torch.device("cpu"), torch.float32, PORTABLE)
     emb = model.model.embed_tokens
     assert isinstance(emb, QuantEmbedding) and model.lm_head.qweight is emb.qweight
     # the logits are those of the dequantized table used as embedding and head
-    ref = load_model(open_artifact(tmp_path / "q4"), torch.device("cpu"), torch.float32)
+    ref = load_model(open_artifact(tmp_path / "q4"), torch.device("cpu"), torch.float32, PORTABLE)
     table = dequantize_gptq(emb.qweight, emb.qzeros, emb.scales.float(), emb.g_idx, 4)  # [V, D]
     ref.model.embed_tokens.weight.data.copy_(table)
     ids = torch.tensor([[1, 5, 9, 2]])
@@ -92,7 +96,7 @@ def test_a_head_in_8_bits_beside_4_bit_layers(tmp_path):
     cfg = json.loads((tmp_path / "h8" / "config.json").read_text())["quantization_config"]
     assert cfg["bits"] == 4 and cfg["dynamic"] == {"lm_head": {"bits": 8, "group_size": -1, "sym": True}}
     assert m["params"]["head_bits"] == 8
-    model = load_model(open_artifact(tmp_path / "h8"), torch.device("cpu"), torch.float32)
+    model = load_model(open_artifact(tmp_path / "h8"), torch.device("cpu"), torch.float32, PORTABLE)
     assert model.lm_head.bits == 8 and model.lm_head.scales.shape[0] == 1
     assert model.model.layers[0].mlp.down_proj.bits == 4
     plain = _quantize(src, tmp_path / "q4")

@@ -75,14 +75,26 @@ def test_bf16_load_of_a_4bit_checkpoint_uses_the_int4_kernel(trained_model, tmp_
     out = tmp_path / "q"
     assert CliRunner().invoke(app, ["quantize", str(trained_model), "-o", str(out), "--method", "rtn",
                                     "--eval-tokens", "0"]).exit_code == 0
+    from llamactl.layers.cpu import CpuQuantLinear, quant_fast
+    from llamactl.options import RuntimeOptions
+
     art = open_artifact(out)
-    fast = load_model(art, torch.device("cpu"), torch.bfloat16)
-    plain = load_model(art, torch.device("cpu"), torch.float32)
+    off = RuntimeOptions(kernels=False)
+    fast = load_model(art, torch.device("cpu"), torch.bfloat16, off)  # torch's tinygemm
+    plain = load_model(art, torch.device("cpu"), torch.float32, off)
     assert isinstance(fast.model.layers[0].mlp.down_proj, Int4Linear)
     assert isinstance(plain.model.layers[0].mlp.down_proj, GPTQLinear)
     a, b = _logits_of_both(fast, plain, 64)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     assert ((a - b).norm() / b.norm()).item() < 3e-2
+    if quant_fast():  # llamactl's CPU kernel, in float32 activations too
+        own = load_model(art, torch.device("cpu"), torch.float32)
+        assert isinstance(own.model.layers[0].mlp.down_proj, CpuQuantLinear)
+        a, b = _logits_of_both(own, plain, 64)
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+        assert ((a - b).norm() / b.norm()).item() < 3e-2
+        a, b = _logits_of_both(own, plain, 4)  # decode rows: the kernel itself (x rounded to int8)
+        assert ((a - b).norm() / b.norm()).item() < 3e-2
 
 
 def test_bench_synthetic_int4(tmp_path):
@@ -126,9 +138,12 @@ def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path
     if method == "rtn":
         args += ["--group-size", "-1"]
     assert CliRunner().invoke(app, args).exit_code == 0
+    from llamactl.options import RuntimeOptions
+
     art = open_artifact(out)
-    fast = load_model(art, torch.device("cpu"), torch.bfloat16)
-    plain = load_model(art, torch.device("cpu"), torch.float32)
+    off = RuntimeOptions(kernels=False)  # torch's int8 kernel (llamactl's CPU kernel: test_cpu_kernels)
+    fast = load_model(art, torch.device("cpu"), torch.bfloat16, off)
+    plain = load_model(art, torch.device("cpu"), torch.float32, off)
     assert isinstance(fast.model.layers[0].self_attn.q_proj, Int8Kernel)
     assert not isinstance(plain.model.layers[0].self_attn.q_proj, Int8Kernel)
     a, b = _logits_of_both(fast, plain, 32)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from llamactl.cli import app
 from llamactl.layers.gptq import BITS, GPTQLinear, pack_gptq, pack_rows, unpack_rows
+from llamactl.options import RuntimeOptions
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 runner = CliRunner()
@@ -95,11 +96,12 @@ def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, 
     assert r.exit_code == 0, r.output
     art = open_artifact(out)
     assert art.quantization["checkpoint_format"] == "gptq_p"  # as GPTQModel writes 3-7 bits: planes, zeros as they are
-    fast = load_model(art, torch.device(DEV), torch.bfloat16)  # on CUDA the loader swaps the plane layers in
+    off = RuntimeOptions(kernels=False) if DEV == "cpu" else None  # not llamactl's CPU kernels (test_cpu_kernels)
+    fast = load_model(art, torch.device(DEV), torch.bfloat16, off)  # on CUDA the loader swaps the plane layers in
     if DEV == "cpu":
         use_plane_kernels(fast)  # here, for the interpreter
     assert sum(isinstance(m, PlanesLinear) for m in fast.modules()) == 7 * art.args.num_hidden_layers
-    plain = load_model(art, torch.device(DEV), torch.float32)
+    plain = load_model(art, torch.device(DEV), torch.float32, off)
     ids = torch.randint(0, 8192, (1, 6), device=DEV)
     for m in (fast, plain):
         m.setup_caches(1, 16)

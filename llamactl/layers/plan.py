@@ -16,6 +16,7 @@ from torch import nn
 from llamactl.kernels import check, pinned
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.kernels.device import pdl_supported, runs_on, triton_version
+from llamactl.layers.cpu import CpuLinear
 from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
 from llamactl.layers.int4 import TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
@@ -24,7 +25,7 @@ from llamactl.options import RuntimeOptions
 
 @dataclass(frozen=True)
 class Plan:
-    """What the decode step runs. gemv: "triton", "cublas" or "torch"; inputs: what the int4/int8
+    """What the decode step runs. gemv: "triton", "cublas", "llamactl cpu" (kernels.cpu) or "torch"; inputs: what the int4/int8
     GEMVs multiply with ("float" where there are none); swiglu: the kernel that applies SwiGLU
     (None: unfused); attention: "triton split-kv" or "sdpa"; pins: where the pinned configs came
     from (None: autotuned); warnings: kernels that failed their self-check and were left out."""
@@ -78,6 +79,19 @@ def kernels_run(device: torch.device, options: RuntimeOptions, interpreter: bool
     return True, None
 
 
+def linear_kernels(device: torch.device, options: RuntimeOptions, interpreter: bool = False) -> str:
+    """Which kernels the linears run on: "triton" (kernels_run), "cpu" (llamactl's CPU kernels,
+    built and loaded; options.kernels) or "torch"."""
+    if kernels_run(device, options, interpreter)[0]:
+        return "triton"
+    if device.type == "cpu" and options.kernels:
+        from llamactl.layers.cpu import bf16_fast, quant_fast
+
+        if quant_fast() or bf16_fast():
+            return "cpu"
+    return "torch"
+
+
 def quant_input_layers(model) -> list[nn.Module]:
     """The layers whose batch-1 GEMV takes RuntimeOptions.quant_inputs: the int4 ones, and the
     int8 ones with whole 32-column blocks."""
@@ -96,10 +110,18 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     model.fuse_projections()
     on, warning = kernels_run(device, options, interpreter)
     warnings = [warning] if warning else []
+    cpu = not on and linear_kernels(device, options) == "cpu"
+    bf16 = False  # the 16-bit layers on llamactl's CPU product (with AVX-512 BF16 only)
+    if device.type == "cpu" and options.kernels and not on:
+        from llamactl.layers.cpu import bf16_fast, kernels_load
+
+        if kernels_load() is not None:
+            warnings.append(f"{kernels_load()}; the CPU runs torch's kernels (--kernels off silences this)")
+        bf16 = cpu and bf16_fast()
     unfuse(model)
     for name, mod in list(model.named_modules()):
-        if type(mod) in (nn.Linear, GemvLinear) and mod.weight.is_floating_point():
-            cls = GemvLinear if on else nn.Linear
+        if type(mod) in (nn.Linear, GemvLinear, CpuLinear) and mod.weight.is_floating_point():
+            cls = GemvLinear if on else CpuLinear if bf16 and mod.weight.dtype == torch.bfloat16 else nn.Linear
             if type(mod) is not cls:
                 parent, _, child = name.rpartition(".")
                 owner = model.get_submodule(parent) if parent else model
@@ -126,7 +148,8 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
         at = layer.self_attn
         at.decode_kernel, at.attn_min_chunk, at.pdl = attn, options.attn_min_chunk, pdl
     if not on:
-        return Plan(gemv="cublas" if device.type == "cuda" else "torch", warnings=tuple(warnings))
+        return Plan(gemv="cublas" if device.type == "cuda" else "llamactl cpu" if cpu else "torch",
+                    warnings=tuple(warnings))
     return Plan(gemv="triton", triton=triton_version(), pdl=pdl, inputs=inputs,
                 swiglu=_swiglu_site(model), attention="triton split-kv" if attn else "sdpa",
                 attn_min_chunk=options.attn_min_chunk if attn else None, pins=pins.source, warnings=tuple(warnings))

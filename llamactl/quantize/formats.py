@@ -20,7 +20,8 @@ class Format:
     writers: dict[str, Callable]  # method -> write(art, opts, folder, device, progress, log, stats) -> engine info
     swap: Callable  # (artifact, model on the meta device) -> None: quantized modules in place of nn.Linear
     rename: Callable[[str], str | None]  # checkpoint tensor name -> the runtime's (None: dropped)
-    finish: Callable  # (artifact, model, dtype, triton) -> kernels: fast layers in place of the portable ones
+    finish: Callable  # (artifact, model, dtype, kernels) -> labels: fast layers in place of the portable ones
+    # (kernels: layers.plan.linear_kernels, "triton", "cpu" or "torch")
 
     def write(self, art, opts, folder, device, progress, log, stats=None) -> dict[str, Any]:
         """stats: quantize.sensitivity's calibration statistics, where the stage has them."""
@@ -95,10 +96,12 @@ def _swap_embedding(art, model, v1: bool) -> None:
                                                   int(scheme.get("group_size", -1)), v1)
 
 
-def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
-    """bf16 compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
+def _gptq_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
+    """On the CPU with llamactl's kernels: every 2- to 8-bit layer on them (any dtype). Else bf16
+    compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
     dequantizing per call; 8-bit layers with one group per row on the int8 kernels. A low-bit
     embedding table looks rows up in the runtime's dtype."""
+    from llamactl.layers.cpu import use_cpu_kernels
     from llamactl.layers.gptq import GPTQLinear
     from llamactl.layers.int4 import use_int4_kernels
     from llamactl.layers.int8 import use_int8_kernels
@@ -107,10 +110,13 @@ def _gptq_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
     emb = model.model.embed_tokens
     if not isinstance(emb, torch.nn.Embedding):
         emb.dtype = dtype
-    if dtype != torch.bfloat16:
-        return []
-    q = art.quantization
     done = []
+    if kernels == "cpu" and use_cpu_kernels(model):
+        done.append("llamactl cpu")
+    if dtype != torch.bfloat16:
+        return done
+    q = art.quantization
+    triton = kernels == "triton"
     if use_int4_kernels(model, int(q.get("group_size", 128)), triton):  # the 4-bit modules, whatever the default
         done.append("int4 triton" if triton else "int4 tinygemm")
     if use_int8_kernels(model, triton):
@@ -132,10 +138,11 @@ def _bnb_rename(name: str) -> str | None:
     return rename_bnb_key(name)
 
 
-def _bnb_finish(art, model, dtype: torch.dtype, triton: bool) -> list[str]:
+def _bnb_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
     """bf16 compute: LLM.int8 layers on the int8 kernels; NF4 dequantizes per call."""
     from llamactl.layers.int8 import use_int8_kernels
 
+    triton = kernels == "triton"
     return (["int8 triton" if triton else "int8 torch"] if dtype == torch.bfloat16 and use_int8_kernels(model, triton)
             else [])
 

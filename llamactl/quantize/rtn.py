@@ -167,19 +167,24 @@ def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool 
 
 
 @torch.no_grad()
-def quantize_linears_planes(model, bits: int, group_size: int, triton: bool) -> int:
-    """RTN-quantize every decoder linear of an in-memory model to 3, 5 or 6 bits (synthetic
-    benchmarks): the plane kernels' layers where `triton`, else GPTQ layers (dequantized per call)."""
+def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu: bool = False) -> int:
+    """RTN-quantize every decoder linear of an in-memory model to `bits` (synthetic benchmarks):
+    the plane kernels' layers (3, 5, 6 bits) where `triton`, llamactl's CPU layers where `cpu`
+    (any bits; group_size -1: one group a row), else GPTQ layers (dequantized per call)."""
     from torch import nn
 
+    from llamactl.layers.cpu import CpuQuantLinear
     from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears
     from llamactl.layers.planes import PlanesLinear
 
     def packed(mod: nn.Linear) -> nn.Module:
         lin = GPTQLinear(mod.in_features, mod.out_features, bits, group_size, bias=False).to(mod.weight.device)
-        for k, v in pack_gptq(*rtn_quantize(mod.weight.float(), bits, group_size, True), bits).items():
+        for k, v in pack_gptq(*rtn_quantize(mod.weight.float(), bits, group_size, True), bits, planar=bits == 3).items():
             setattr(lin, k, v)
+        lin.planar = bits == 3
         lin.bias = mod.bias
+        if cpu:
+            return CpuQuantLinear.from_gptq(lin) or lin
         return PlanesLinear(lin) if triton and PlanesLinear.fits(lin) else lin
 
     names = [name for name, mod in model.named_modules() if type(mod) is nn.Linear and ".layers." in f".{name}"]

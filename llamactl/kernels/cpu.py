@@ -1,0 +1,97 @@
+"""llamactl's CPU kernels (cpu_gemv.cpp): built once per machine with the system's C++ compiler
+and loaded as torch operators (torch.ops.llamactl_cpu.qgemv / bgemv).
+
+The library is compiled for this CPU (-march=native) into the user's cache
+(~/.cache/llamactl/cpu-kernels, or XDG_CACHE_HOME), named by a hash of the source, the torch
+version, the compiler and the CPU's flags, so another machine, torch or source builds its own.
+The build writes to a temporary name and renames it into place (atomic; a second process waiting
+for the first finds it built). Nothing is built from a model folder. Where no compiler is found,
+or the build fails, `load()` returns the reason and the layers keep torch's paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+MAX_ROWS = 8  # rows one call multiplies (cpu_gemv.cpp MAX_ROWS); more go to torch's matmul
+VNNI, BF16 = 1, 2  # features() bits: the vector paths the build has
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamactl" / "cpu-kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    lib = library_paths()[0]
+    return [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG",
+            "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+            *[f"-I{p}" for p in include_paths()], str(SOURCE), f"-L{lib}", f"-Wl,-rpath,{lib}",
+            "-lc10", "-ltorch_cpu", "-o", str(out)]
+
+
+def _library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
+                 sys.version.encode()):
+        h.update(part)
+    return cache_root() / f"llamactl_cpu-{h.hexdigest()[:16]}.so"
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> str | None:
+    """Build (first use on this machine) and load the CPU kernels; None when they are loaded, else
+    why not (one line, for the plan's warning)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"llamactl's CPU kernels are built for x86-64 Linux, not {sys.platform} {platform.machine()}"
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler (g++) found to build llamactl's CPU kernels; install one, or set CXX"
+    try:
+        path = _library_path(cxx)
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=600)
+                if done.returncode:
+                    first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[-200:])
+                    return f"building llamactl's CPU kernels failed ({cxx}): {first}"
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        torch.ops.load_library(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        return f"llamactl's CPU kernels could not be built or loaded: {e}"
+    return None
+
+
+def features() -> int:
+    """The vector paths of the loaded build (VNNI | BF16); 0 when only plain loops run."""
+    return int(torch.ops.llamactl_cpu.features())

@@ -1,0 +1,129 @@
+"""llamactl's CPU kernels (kernels.cpu, layers.cpu) against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamactl.kernels import cpu as kcpu
+from llamactl.layers import cpu as lcpu
+from llamactl.layers.gptq import GPTQLinear, pack_gptq
+from llamactl.quantize.rtn import rtn_quantize
+
+pytestmark = pytest.mark.skipif(lcpu.kernels_load() is not None, reason=f"CPU kernels unavailable: {lcpu.kernels_load()}")
+
+
+def round_like_kernel(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as qgemv rounds it: int8 per block of 32, scale amax / 127 (float64)."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1)), 0)  # round half to even, as nearbyint
+    return (q * d).view_as(x)
+
+
+def layer(k: int, n: int, bits: int, group: int, act_order: bool = False, seed: int = 0):
+    """A GPTQLinear with RTN codes of a random weight, and its float64 weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    codes, zeros, scales, g_idx = rtn_quantize(w, bits, group, sym=False)
+    if act_order:  # a permuted group assignment, as GPTQ's act-order writes it
+        perm = torch.randperm(k, generator=g)
+        g_idx = g_idx[perm]
+        codes = codes[:, torch.argsort(perm)]
+        codes = torch.randint(0, 2**bits, (n, k), generator=g)
+    lin = GPTQLinear(k, n, bits, group, bias=False, v1=False, planar=bits == 3)
+    for name, t in pack_gptq(codes, zeros, scales, g_idx, bits, v1=False, planar=bits == 3).items():
+        setattr(lin, name, torch.nn.Parameter(t, requires_grad=False) if name == "bias" else t)
+        lin.register_buffer(name, t)
+    return lin, lin.dequantized(torch.float64)
+
+
+@pytest.mark.parametrize("k,n,bits,group,rows,act_order", [
+    (384, 96, 4, 128, 1, False), (576, 80, 4, 128, 3, False),  # a short last group (576 = 4 * 128 + 64)
+    (96, 40, 4, 32, 2, False),  # an odd number of blocks (the plain-loop tail)
+    (192, 48, 4, 96, 1, False),  # groups that split a chunk of 64
+    (256, 64, 8, 64, 8, False), (256, 64, 3, 128, 2, False), (256, 64, 5, 64, 1, False),
+    (256, 64, 6, 128, 4, False), (128, 32, 2, 32, 1, False), (256, 64, 4, 64, 2, True), (256, 64, 8, 128, 1, True),
+])
+def test_quantized_layer_matches_float64(k, n, bits, group, rows, act_order):
+    lin, w = layer(k, n, bits, group, act_order)
+    fast = lcpu.CpuQuantLinear.from_gptq(lin)
+    assert fast is not None and fast.store_bits == (4 if bits <= 4 else 8)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    perm = fast.perm if fast.perm.numel() else torch.arange(k)
+    xr = torch.empty_like(x, dtype=torch.float64)
+    xr[:, perm] = round_like_kernel(x[:, perm])  # the kernel rounds x in the order it reads it
+    ref = xr @ w.t()
+    y = fast(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # prefill rows: the layer dequantized to bf16 for torch's matmul
+    xs = torch.randn(kcpu.MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(fast(xs).double(), xs.double() @ w.t(), rtol=0.05, atol=0.03 * (xs.abs().max() * w.abs().sum(1).max()).item())
+
+
+def test_dequant_op_is_the_layer_weight():
+    lin, w = layer(576, 48, 4, 128)
+    fast = lcpu.CpuQuantLinear.from_gptq(lin)
+    d = torch.ops.llamactl_cpu.dequant(fast.weight_packed, fast.scales, fast.szeros, fast.blk2grp, 4, 576)
+    assert d.dtype == torch.bfloat16 and d.shape == (48, 576)
+    torch.testing.assert_close(d.double(), w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
+    torch.testing.assert_close(fast.dequantized(torch.float64), w)
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (5, 96))
+    packed = lcpu.pack_nibbles(codes)
+    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
+    assert torch.equal(lcpu.unpack_nibbles(packed, 96).long(), codes)
+    assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 32]) << 4  # input j and 32 + j share byte j
+
+
+def test_groups_that_split_a_block_are_left_to_torch():
+    assert lcpu.block_groups(torch.arange(64) // 16) == (None, None)  # groups of 16
+    assert lcpu.block_groups(torch.arange(40) // 40) == (None, None)  # not whole blocks of 32
+
+
+@pytest.mark.parametrize("k,rows", [(384, 1), (100, 3), (64, 8)])
+def test_bf16_layer_matches_float64(k, rows):
+    g = torch.Generator().manual_seed(3)
+    lin = lcpu.CpuLinear(k, 72, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(72, k, generator=g))
+        lin.bias.copy_(torch.randn(72, generator=g))
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    ref = x.double() @ lin.weight.double().t() + lin.bias.double()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_quantized_layers_concatenate():
+    a, wa = layer(256, 32, 4, 64, seed=1)
+    b, wb = layer(256, 48, 4, 64, seed=2)
+    fused = lcpu.CpuQuantLinear.concat([lcpu.CpuQuantLinear.from_gptq(a), lcpu.CpuQuantLinear.from_gptq(b)])
+    x = torch.randn(1, 256)
+    ref = round_like_kernel(x) @ torch.cat([wa, wb]).t()
+    torch.testing.assert_close(fused(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    c, _ = layer(256, 32, 8, 64)
+    assert lcpu.CpuQuantLinear.concat([lcpu.CpuQuantLinear.from_gptq(a), lcpu.CpuQuantLinear.from_gptq(c)]) is None
+
+
+def test_compiled_call():
+    lin, w = layer(256, 64, 4, 128)
+    fast = lcpu.CpuQuantLinear.from_gptq(lin)
+    x = torch.randn(1, 256)
+    f = torch.compile(lambda t: fast(t) * 2, fullgraph=True)
+    torch.testing.assert_close(f(x), fast(x) * 2)
+
+
+def test_no_compiler_is_one_line(monkeypatch):
+    monkeypatch.setattr(kcpu, "_compiler", lambda: None)
+    kcpu.load.cache_clear()
+    try:
+        problem = kcpu.load()
+    finally:
+        monkeypatch.undo()
+        kcpu.load.cache_clear()
+    assert problem is not None and "C++ compiler" in problem and "\n" not in problem
+    assert kcpu.load() is None  # built already: found in the cache
