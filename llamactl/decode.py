@@ -47,20 +47,26 @@ def attention_backend(model, batch: int, device: torch.device) -> str:
 
 def compile_regions(device: torch.device, options: RuntimeOptions) -> bool:
     """Whether torch.compile traces one decoder layer and reuses it (model._layer_region):
-    options.compile_regions, else on the CPU only (faster to compile there; on CUDA it decoded
-    about 2% slower, docs/bench/README.md)."""
-    return device.type == "cpu" if options.compile_regions is None else options.compile_regions
+    options.compile_regions, else never. Regions compile faster (a 30-layer CPU model: about
+    a tenth of the time) but on CUDA decoded about 2% slower (docs/bench/README.md), and on the
+    CPU they rule out Inductor's C++ wrapper, which decoded 1.3-1.6x faster (docs/bench/cpu.md)."""
+    return False if options.compile_regions is None else options.compile_regions
 
 
-def _inductor_options(compile_mode: str, llamactl_gemv: bool, dynamic_rows: bool = False) -> dict:
+def _inductor_options(compile_mode: str, llamactl_gemv: bool, dynamic_rows: bool = False,
+                      cpp_wrapper: bool = False) -> dict:
     """Inductor's settings for this compile only (torch.compile's `options`; no global config):
     its own cudagraphs off (the whole step is captured once, by the Decoder), and its matrix-vector
     tuning only where llamactl's GEMVs do not run (with them Inductor generates a few small
     kernels, and the tuning cost seconds of every warm start). With a dynamic row count (a
     server's buckets) reductions are not split: Inductor (torch 2.11, CUDA) fails to generate the
     split scan of top-p's cumsum over the vocabulary for a symbolic row count ("list indices must
-    be integers or slices, not NoneType"), which stopped llama2-7b's `serve --mode compile`."""
+    be integers or slices, not NoneType"), which stopped llama2-7b's `serve --mode compile`.
+    cpp_wrapper: the step's kernels called from generated C++ rather than Python (a CPU step of
+    one fixed shape: no Python between its kernels)."""
     opts = {"triton.cudagraphs": False, "coordinate_descent_tuning": not llamactl_gemv}
+    if cpp_wrapper:
+        opts["cpp_wrapper"] = True
     if dynamic_rows:
         opts["split_reductions"] = False
     if compile_mode == "max-autotune":
@@ -108,13 +114,19 @@ class Decoder:
             # a server's batch buckets (rows): one compile for every bucket of 2 rows or more, the
             # row dimension marked dynamic (_rows_dynamic), one for a lone row; else one shape, static
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=None if rows is not None else False,
-                                       options=_inductor_options(compile_mode, self.plan.kernels, rows is not None))
+                                       options=_inductor_options(compile_mode, self.plan.kernels, rows is not None,
+                                                                 self._cpp_wrapper(rows)))
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
         self.use_graph = self.use_graph and self.device.type == "cuda"
         # per (kind of position ("shared": [1], "rows": [B, 1]), rows): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _cpp_wrapper(self, rows) -> bool:
+        """Inductor's C++ wrapper for a CPU step of one shape (not with regions: Inductor has no
+        C++ wrapper for invoke_subgraph, torch 2.13)."""
+        return self.device.type == "cpu" and rows is None and not self.compile_regions
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]

@@ -27,7 +27,7 @@ class RuntimeOptions:
     attn_min_chunk: the split-KV decode attention's smallest chunk of the cache.
     pins: run the tuned configs of kernels/configs/ for this GPU instead of autotuning.
     pins_file: more pinned configs (a file `llamactl bench --tune` wrote) over the packaged ones.
-    compile_regions: torch.compile one decoder layer and reuse it (None: on the CPU only).
+    compile_regions: torch.compile one decoder layer and reuse it (None: no; see decode.compile_regions).
     """
 
     kernels: bool = True

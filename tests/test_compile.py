@@ -212,7 +212,8 @@ def test_regional_compilation_defaults_and_override():
     from llamactl.options import RuntimeOptions
 
     default = RuntimeOptions()
-    assert compile_regions(torch.device("cpu"), default) and not compile_regions(torch.device("cuda"), default)
+    assert not compile_regions(torch.device("cpu"), default) and not compile_regions(torch.device("cuda"), default)
+    assert compile_regions(torch.device("cpu"), RuntimeOptions(compile_regions=True))
     assert compile_regions(torch.device("cuda"), RuntimeOptions(compile_regions=True))
     assert not compile_regions(torch.device("cpu"), RuntimeOptions(compile_regions=False))
 

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -76,49 +77,17 @@ QuantRows quantize_rows(const T* x, int64_t m, int64_t k, const int64_t* perm, c
   return q;
 }
 
-// sum over the blocks of one weight row of dx[b] * s[g(b)] * (codes . xq), for `bits` 4 or 8.
-// xs: per chunk of 64 inputs, 16 floats (dx of its first block 8 times, then of its second), made
-// once per row of x; `grouped`: every group holds whole chunks (group sizes a multiple of 64),
-// so a group's chunks are summed before its scale multiplies them.
+// How a row's scale groups fall on its blocks of 32 (blk2grp): GROUPED, every group whole chunks of
+// 64 (a group's chunks are summed before its scale multiplies them); BLOCKWISE, one group a block
+// (group size 32: two consecutive scales a chunk); GENERIC, anything else.
+enum Mode { GROUPED = 0, BLOCKWISE = 1, GENERIC = 2 };
+
+// The plain-loop dot of one weight row over blocks [b, nb): sum dx[b] * s[g(b)] * (codes . xq).
 template <int BITS>
-float row_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* xs, const float* s,
-              const int32_t* blk2grp, int64_t nb, bool grouped) {
+float tail_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* s, const int32_t* blk2grp,
+               int64_t b, int64_t nb) {
   float total = 0.f;
-  int64_t b = 0;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  __m512 acc = _mm512_setzero_ps();
-  __m512 gacc = _mm512_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  int32_t group = blk2grp[0];
-  for (; b + 2 <= nb; b += 2) {
-    __m512i codes;
-    if constexpr (BITS == 4) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK / 2));
-      const __m256i lo = _mm256_and_si256(packed, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-      codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    } else {
-      codes = _mm512_loadu_si512(w + b * BLOCK);
-    }
-    const __m512i xv = _mm512_loadu_si512(xq + b * BLOCK);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv);  // lanes 0-7: block b, 8-15: b + 1
-    const __m512 xscale = _mm512_loadu_ps(xs + b * 8);
-    if (grouped) {
-      if (blk2grp[b] != group) {  // a new group: the last one's sum times its scale
-        acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(s[group]), acc);
-        gacc = _mm512_setzero_ps();
-        group = blk2grp[b];
-      }
-      gacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), xscale, gacc);
-    } else {
-      const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(s[blk2grp[b]]), _mm256_set1_ps(s[blk2grp[b + 1]]), 1);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(xscale, ws), acc);
-    }
-  }
-  acc = _mm512_fmadd_ps(gacc, _mm512_set1_ps(s[group]), acc);
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; b < nb; b += 2) {  // plain loops: what is left (or everything without VNNI)
+  for (; b < nb; b += 2) {
     const int64_t width = b + 2 <= nb ? 2 * BLOCK : BLOCK;  // a chunk of 64, or a last one of 32
     const uint8_t* wc = BITS == 4 ? w + b * BLOCK / 2 : w + b * BLOCK;
     for (int64_t half = 0; half * BLOCK < width; ++half) {
@@ -140,11 +109,120 @@ float row_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* 
   return total;
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLAMACTL_VNNI 1
+
+template <int BITS>
+inline __m512i load_codes(const uint8_t* w, int64_t b) {
+  // the 64 codes of the chunk starting at block b, as unsigned bytes in input order
+  if constexpr (BITS == 4) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK / 2));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(packed, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    return _mm512_loadu_si512(w + b * BLOCK);
+  }
+}
+
+// The vector part for R consecutive weight rows (w: the first, rows row_bytes apart; s: its
+// scales, rows `groups` apart) over blocks [0, nb2), nb2 even: out[r] = sum dx * s * (codes . xq).
+// xs: per chunk of 64, 16 floats (dx of its first block 8 times, then of its second). The R rows
+// share every load of x and keep R independent accumulators.
+template <int BITS, int R, int MODE>
+void vec_rows(const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* xs, const float* s, int64_t groups,
+              const int32_t* grp, int64_t nb2, float* out) {
+  __m512 acc[R], gacc[R];
+  for (int r = 0; r < R; ++r) acc[r] = gacc[r] = _mm512_setzero_ps();
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  int32_t group = grp[0];
+  for (int64_t b = 0; b < nb2; b += 2) {
+    const __m512i xv = _mm512_loadu_si512(xq + b * BLOCK);
+    const __m512 xscale = _mm512_loadu_ps(xs + b * 8);
+    if (MODE == GROUPED && grp[b] != group) {  // a new group: the last one's sums times its scales
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + group]), acc[r]);
+        gacc[r] = _mm512_setzero_ps();
+      }
+      group = grp[b];
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_codes<BITS>(w + r * row_bytes, b), xv);
+      const __m512 f = _mm512_cvtepi32_ps(dot);  // lanes 0-7: block b, 8-15: b + 1
+      if constexpr (MODE == GROUPED) {
+        gacc[r] = _mm512_fmadd_ps(f, xscale, gacc[r]);
+      } else {
+        __m512 ws;
+        if constexpr (MODE == BLOCKWISE) {  // s[b], s[b + 1]: one 8-byte load, spread over the halves
+          const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + r * groups + b)));
+          ws = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(two));
+        } else {
+          ws = _mm512_insertf32x8(_mm512_set1_ps(s[r * groups + grp[b]]), _mm256_set1_ps(s[r * groups + grp[b + 1]]), 1);
+        }
+        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(xscale, ws), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (MODE == GROUPED) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + group]), acc[r]);
+    out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <int BITS, int R>
+void vec_rows_mode(int mode, const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* xs, const float* s,
+                   int64_t groups, const int32_t* grp, int64_t nb2, float* out) {
+  if (mode == GROUPED) vec_rows<BITS, R, GROUPED>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
+  else if (mode == BLOCKWISE) vec_rows<BITS, R, BLOCKWISE>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
+  else vec_rows<BITS, R, GENERIC>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
+}
+#endif
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    i = n;
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// out[r] for weight rows o .. o + R - 1 against one row of x: the dots, less the zero points' part
+template <int BITS, int R>
+void rows_dot(const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* dx, const float* xs, const float* s,
+              const float* sz, const float* gz, int64_t groups, const int32_t* grp, int64_t nb, int mode, float* out) {
+  int64_t b = 0;
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+#ifdef LLAMACTL_VNNI
+  b = nb / 2 * 2;
+  if (b) vec_rows_mode<BITS, R>(mode, w, row_bytes, xq, xs, s, groups, grp, b, out);
+#endif
+  for (int r = 0; r < R; ++r) {
+    out[r] += tail_dot<BITS>(w + r * row_bytes, xq, dx, s + r * groups, grp, b, nb);
+    out[r] -= dot_f32(sz + r * groups, gz, groups);
+  }
+}
+
+template <typename T>
+void store_row(T* out, const float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(v[i]);
+}
+
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
                  const at::Tensor& blk2grp, const at::Tensor& perm, int64_t bits) {
   // x: [M, K] float32 or bf16; w: uint8 [N, K * bits / 8]; scales, szeros: float32 [N, G]
   // blk2grp: int32 [K / 32]; perm: int64 [K] (act-order: x is read as x[:, perm]) or empty -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qgemv: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemv: x must be float32 or bf16");
   TORCH_CHECK(bits == 4 || bits == 8, "qgemv: bits must be 4 or 8");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), groups = scales.size(1);
   TORCH_CHECK(k % BLOCK == 0 && blk2grp.numel() == k / BLOCK, "qgemv: K must be whole blocks of 32");
@@ -160,48 +238,67 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
   QuantRows q = x.scalar_type() == at::kBFloat16
                     ? quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, p, grp, groups)
                     : quantize_rows(x.data_ptr<float>(), m, k, p, grp, groups);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  float* out = y.data_ptr<float>();
+  at::Tensor y = at::empty({m, n}, x.options());
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = szeros.data_ptr<float>();
   const int64_t nb = k / BLOCK, row_bytes = k * bits / 8;
-  bool grouped = true;  // every group made of whole chunks of 64 (row_dot)
-  for (int64_t b = 0; b < nb; ++b) grouped = grouped && (b % 2 == 0 || grp[b] == grp[b - 1]);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* wr = wp + o * row_bytes;
-      const float* s = sp + o * groups;
-      const float* sz = zp + o * groups;
+  int mode = GROUPED, blockwise = 1;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 2 && grp[b] != grp[b - 1]) mode = GENERIC;
+    blockwise &= grp[b] == b;
+  }
+  if (mode == GENERIC && blockwise) mode = BLOCKWISE;
+  constexpr int64_t R = 4;  // weight rows a step shares x's loads between
+  at::parallel_for(0, (n + R - 1) / R, 4, [&](int64_t begin, int64_t end) {
+    float tmp[R];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o = blk * R, rows = std::min(R, n - o);
       for (int64_t r = 0; r < m; ++r) {
         const int8_t* xq = q.xq.data() + r * k;
         const float* dx = q.dx.data() + r * nb;
         const float* xs = q.xs.data() + r * nb * 8;
-        float v = bits == 4 ? row_dot<4>(wr, xq, dx, xs, s, grp, nb, grouped)
-                            : row_dot<8>(wr, xq, dx, xs, s, grp, nb, grouped);
         const float* gz = q.gz.data() + r * groups;
-        for (int64_t g = 0; g < groups; ++g) v -= sz[g] * gz[g];
-        out[r * n + o] = v;
+        for (int64_t i = 0; i < rows;) {
+          const uint8_t* wr = wp + (o + i) * row_bytes;
+          const float* s = sp + (o + i) * groups;
+          const float* sz = zp + (o + i) * groups;
+          const int take = rows - i >= R ? R : 1;
+          if (take == R) {
+            if (bits == 4) rows_dot<4, R>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
+            else rows_dot<8, R>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
+          } else {
+            if (bits == 4) rows_dot<4, 1>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
+            else rows_dot<8, 1>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
+          }
+          if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o + i, tmp, take);
+          else store_row(y.data_ptr<float>() + r * n + o + i, tmp, take);
+          i += take;
+        }
       }
     }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
-float bf16_row_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k) {
-  float total = 0.f;
+// dots of R consecutive bf16 weight rows (k apart) with one bf16 row of x
+template <int R>
+void bf16_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, float* out) {
   int64_t i = 0;
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
 #if defined(__AVX512BF16__)
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (; i + 32 <= k; i += 32) {
-    const __m512i wv = _mm512_loadu_si512(w + i);
-    const __m512i xv = _mm512_loadu_si512(x + i);
-    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(wv), reinterpret_cast<__m512bh>(xv));
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * k + i)), xv);
   }
-  total = _mm512_reduce_add_ps(acc);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 #endif
-  for (; i < k; ++i) total += static_cast<float>(w[i]) * static_cast<float>(x[i]);
-  return total;
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) out[r] += static_cast<float>(w[r * k + i]) * static_cast<float>(x[i]);
 }
 
 at::Tensor bgemv(const at::Tensor& x, const at::Tensor& w) {
@@ -209,17 +306,26 @@ at::Tensor bgemv(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "bgemv: shapes");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous(), "bgemv: w must be contiguous bf16");
   TORCH_CHECK(x.size(0) <= MAX_ROWS, "bgemv: at most 8 rows");
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "bgemv: x must be float32 or bf16");
+  const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : x.to(at::kBFloat16).contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  float* out = y.data_ptr<float>();
+  at::Tensor y = at::empty({m, n}, x.options());
+  const bool bf16_out = x.scalar_type() == at::kBFloat16;
   const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
   const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
+  // one weight row at a time: rows of 4 KB read side by side alias in the L1 cache (measured 5x slower)
+  c10::BFloat16* yb = bf16_out ? y.data_ptr<c10::BFloat16>() : nullptr;
+  float* yf = bf16_out ? nullptr : y.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
-      for (int64_t r = 0; r < m; ++r) out[r * n + o] = bf16_row_dot(wp + o * k, xp + r * k, k);
+      for (int64_t r = 0; r < m; ++r) {
+        float v;
+        bf16_rows_dot<1>(wp + o * k, xp + r * k, k, &v);
+        if (yb) yb[r * n + o] = static_cast<c10::BFloat16>(v);
+        else yf[r * n + o] = v;
+      }
   });
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y;
 }
 
 at::Tensor dequant(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros, const at::Tensor& blk2grp,
