@@ -272,6 +272,7 @@ def serve(
     kernels: KernelsOpt = None,
     pins_file: PinsFileOpt = None,
     allow_pickle: PickleOpt = False,
+    tp: TpOpt = 1,
 ):
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching, until SIGTERM."""
     from llamactl.options import api_key as key_from_env
@@ -283,8 +284,9 @@ def serve(
     options = _runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")
+    world = _tensor_parallel(tp, model, device, allow_pickle, synthetic, synthetic_quant)
     stopped_by = run(model, device, dtype, allow_pickle, options, opts, lambda m: ui.log(m, markup=False), ui.warn,
-                     synthetic, synthetic_quant)
+                     synthetic, synthetic_quant, world)
     ui.log(f"stopped ({stopped_by or 'the server ended'})", markup=False)
     if stopped_by == "SIGINT":
         raise typer.Exit(130)

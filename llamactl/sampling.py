@@ -12,6 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+@torch.library.custom_op("llamactl::cumsum_last", mutates_args=())
+def cumsum_last(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(-1), opaque to Inductor: with a dynamic row count (a server's compiled buckets) its
+    split scan over the vocabulary failed to generate on CUDA (torch 2.11: first "list indices must
+    be integers", then, without split reductions, "NYI TritonSplitDimKernel reductions"), which
+    stopped llama2-7b's `serve --mode compile`; as a call, the step runs ATen's cumsum."""
+    return x.cumsum(-1)
+
+
+@cumsum_last.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 _P = 2**31 - 1  # the hash works modulo this prime, on int64 without overflow (products < 2^62)
 _A, _B, _C, _D = 1_103_515_245, 2_147_482_951, 48_271, 69_621
 
@@ -79,7 +93,7 @@ class RowSampling:
         kk = torch.where(k > 0, k.clamp(max=v), torch.full_like(k, v))  # [B]
         kth = ordered.gather(-1, (kk - 1)[:, None])  # [B, 1]
         probs = ordered.softmax(-1)
-        drop = (probs.cumsum(-1) - probs) > p[:, None]  # keep the token that crosses top_p
+        drop = (cumsum_last(probs) - probs) > p[:, None]  # keep the token that crosses top_p
         cut = ordered.masked_fill(drop, float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
         x = x.masked_fill(torch.empty_like(x).scatter_(-1, order, cut) == float("-inf"), float("-inf"))

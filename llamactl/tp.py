@@ -14,7 +14,9 @@ zero points), row-parallel along the input at group boundaries (act-order checkp
 refused: their groups are spread over the input).
 
 Processes come from torchrun (`torchrun --nproc-per-node N -m llamactl generate ... --tp N`) or
-from `--tp N` alone, which starts them through torch.distributed.run (launch()).
+from `--tp N` alone, which starts them itself with torchrun's variables (launch()). `serve --tp N`:
+rank 0 serves HTTP and schedules, and sends each model action to the other ranks (send/receive
+over a gloo group), which follow it (serve.engine.Engine.follow).
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class World:
     size: int
     group: Any
     backend: str
+    control: Any = None  # a gloo group for host messages (serve: the leader's step orders)
 
 
 def join(tp: int, device: torch.device) -> World | None:
@@ -174,7 +177,24 @@ def join(tp: int, device: torch.device) -> World | None:
         dist.init_process_group(backend)
         # left to the interpreter's exit, gloo's threads are torn down still joinable and abort the rank
         atexit.register(_leave)
-    return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, backend)
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, backend, control)
+
+
+def send(message: Any, world: World) -> None:
+    """Rank 0: give every other rank `message` (a small picklable value: a serving step's order)."""
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([message], src=0, group=world.control)
+
+
+def receive(world: World) -> Any:
+    """Ranks above 0: the next message rank 0 sends."""
+    import torch.distributed as dist
+
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=world.control)
+    return box[0]
 
 
 def _leave() -> None:
@@ -200,15 +220,33 @@ def under_launcher() -> bool:
 
 
 def launch(tp: int, argv: list[str]) -> int:
-    """Run this command in `tp` processes through torch.distributed.run; their exit status."""
+    """Run this command in `tp` processes, as torchrun would start them (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, LOCAL_RANK), and return the first failing exit status (0 when all succeed).
+    SIGTERM goes to rank 0 alone, which ends the others (a server: its followers, after draining);
+    when a rank fails, the others are stopped rather than left waiting in a collective."""
+    import signal
+    import time
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "llamactl", *argv]
-    # torchrun would set 1 thread a process and say so; the CPU's cores are shared out instead
+    # one thread a process would waste the CPU's cores: they are shared out instead
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // tp)))
-    return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=threads))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(tp),
+               LOCAL_WORLD_SIZE=str(tp), OMP_NUM_THREADS=threads)
+    procs = [subprocess.Popen([sys.executable, "-m", "llamactl", *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(tp)]
+    previous = signal.signal(signal.SIGTERM, lambda *_: procs[0].send_signal(signal.SIGTERM))
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):  # one failed: the rest cannot finish
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return next((p.returncode for p in procs if p.returncode), 0)
 
 
 def plan_synthetic(args, quant: str, rank: int, world: int) -> Shard:

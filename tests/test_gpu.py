@@ -282,3 +282,36 @@ def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
                 continue
             y, want = a(x.to(torch.bfloat16)).float(), b(x)
             assert ((y - want).norm() / want.norm()) < 2e-2, (name, rows)
+
+
+def test_an_nccl_all_reduce_is_captured_in_the_decode_graph(trained_model, monkeypatch):
+    """Tensor parallelism's decode step stays one CUDA graph with its all-reduces inside (issue 22):
+    a one-process NCCL group (the only one a one-GPU machine has) on every row-parallel layer; the
+    graph replays give the eager step's greedy tokens, and the all-reduces are called as often for
+    32 tokens as for 8 (prefill, warm-up and capture): the replays call none of them."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists already")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+        ref = greedy(model, "eager")
+        for layer in model.model.layers:
+            layer.self_attn.tp_group = layer.mlp.tp_group = dist.group.WORLD
+        calls = []
+        for n in (8, 32):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                got = greedy(model, "graphs", n=n)
+            assert got == ref[:n]
+            calls.append(sum("all_reduce" in e.name for e in prof.events()))
+        assert calls[0] == calls[1] > 0, calls
+    finally:
+        dist.destroy_process_group()

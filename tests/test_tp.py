@@ -120,3 +120,28 @@ def test_bench_reports_the_world_and_its_all_reduces(tmp_path):
     row = json.loads(out.read_text())["results"][0]
     assert row["world_size"] == 2 and row["allreduce_ms_per_step"] > 0 and row["decode_tok_s"] > 0
     assert row["tensor_parallel"]["query_heads"] == [0, 4]  # rank 0's shard: its bytes, its fraction of the ceiling
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_server_answers_as_one_process(gqa_bf16):
+    """serve --tp 2 (gloo): rank 0 serves and schedules, rank 1 follows its steps; two requests at
+    once (greedy and seeded), the greedy one equal to one-process `generate`; SIGTERM ends both (0)."""
+    pytest.importorskip("uvicorn")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import Server
+
+    ref = generate(gqa_bf16, "--temperature", "0")
+    s = Server([str(gqa_bf16), "--tp", "2", "--dtype", "float32", "--max-batch", "2", "--max-seq", "128"])
+    try:
+        assert "tensor-parallel over 2 (gloo)" in "".join(s.lines)
+        bodies = [{"prompt": "The kernel schedules", "max_tokens": 10, "temperature": 0},
+                  {"prompt": "A second request", "max_tokens": 6, "temperature": 0.8, "seed": 3}]
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda b: s.client.post("/v1/completions", json=b).json(), bodies))
+        assert outs[0]["choices"][0]["text"] == ref["text"]
+        again = s.client.post("/v1/completions", json=bodies[1]).json()
+        assert again["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+    finally:
+        code = s.stop()
+    assert code == 0, "".join(s.lines)[-2000:]

@@ -117,7 +117,10 @@ class Engine:
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, world=None):
+        """world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
+        action to the other ranks, whose engines only follow() them (every rank computes the same
+        tokens: the head is replicated)."""
         self.device = model.device
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
@@ -144,6 +147,8 @@ class Engine:
         self._stopping = False
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
         self.times = EngineTimes()
+        self.world = world
+        self._followers_stopped = False
         self._thread = threading.Thread(target=self._run, name="llamactl-engine", daemon=True)
 
     # -- for callers (any thread) --------------------------------------------------------------
@@ -214,7 +219,9 @@ class Engine:
             with torch.inference_mode():
                 while self._iteration():
                     pass
-        except BaseException as e:  # a failed step breaks the batch: every request gets the error
+            self._stop_followers()
+        except BaseException as e:
+            self._stop_followers()  # a failed step breaks the batch: every request gets the error
             self.failure = f"{type(e).__name__}: {str(e)[:200]}"
             with self._cv:
                 left = list(self._queue) + [r for r in self._slots if r is not None]
@@ -222,6 +229,14 @@ class Engine:
                 self._slots = [None] * self.max_batch
             for r in left:
                 self._finish(r, "error", self.failure)
+
+    def _stop_followers(self) -> None:
+        """A tensor-parallel leader's last message (once): the other ranks' follow() returns."""
+        if self.world is not None and self.world.rank == 0 and not self._followers_stopped:
+            from llamactl.tp import send
+
+            self._followers_stopped = True
+            send(("stop",), self.world)
 
     def _iteration(self) -> bool:
         """Admit, drop the cancelled, one prefill budget, one decode step; False when stopped."""
@@ -256,12 +271,50 @@ class Engine:
         return joined
 
     def _set_sampling(self, r: Request) -> None:
-        # in place: a captured decode graph reads these same tensors
-        p, i = r.params, r.slot
-        self.rows.temperature[i] = p.temperature
-        self.rows.top_k[i] = p.top_k
-        self.rows.top_p[i] = p.top_p
-        self.rows.seed[i] = p.seed
+        p = r.params
+        self._do(("row", r.slot, p.temperature, p.top_k, p.top_p, p.seed))
+
+    # -- model actions: run here, and on a tensor-parallel leader sent to the other ranks first -----
+
+    def _do(self, action: tuple):
+        if self.world is not None and self.world.rank == 0:
+            from llamactl.tp import send
+
+            send(action, self.world)
+        return self._apply(action)
+
+    def _apply(self, action: tuple):
+        kind, *a = action
+        if kind == "row":  # in place: a captured decode graph reads these same tensors
+            i, t, k, p, seed = a
+            self.rows.temperature[i], self.rows.top_k[i], self.rows.top_p[i], self.rows.seed[i] = t, k, p, seed
+        elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
+            ids, slot, start, valid, last = a
+            tok = self.decoder.prefill(torch.tensor([ids], device=self.device), slot=slot, start=start, valid=valid)
+            if last:
+                self._tok[slot] = tok[0]
+            return tok  # [1]
+        elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
+            ids, slots, lens = a
+            toks = self.decoder.prefill_slots(torch.tensor(ids, device=self.device), slots, lens)  # [k]
+            self._tok[torch.tensor(slots, device=self.device)] = toks
+            return toks
+        elif kind == "step":  # one decode step of the first b rows
+            b, pos, kv_len, greedy = a
+            self.rows.greedy = greedy
+            out = self.decoder.step(self._tok[:b], torch.tensor(pos, device=self.device), kv_len)  # [b]
+            self._tok[:b].copy_(out)
+            return out
+        else:
+            raise ValueError(f"unknown engine action {kind!r}")
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks above 0 of a tensor-parallel server: run rank 0's model actions until it stops."""
+        from llamactl.tp import receive
+
+        while (action := receive(self.world))[0] != "stop":
+            self._apply(action)
 
     def _prefill(self) -> None:
         """Prefill prompt chunks, first come first, within the budget; with no row decoding there
@@ -276,13 +329,12 @@ class Engine:
                 chunk = r.prompt[r.prefilled : r.prefilled + n]
                 padded = min(-(-n // self.pad_to) * self.pad_to, self.max_seq - r.prefilled)
                 t0 = time.perf_counter()
-                ids = torch.tensor([chunk + [0] * (padded - n)], device=self.device)  # [1, padded]
-                tok = self.decoder.prefill(ids, slot=r.slot, start=r.prefilled, valid=n)  # [1]
+                last = r.prefilled + n == len(r.prompt)
+                tok = self._do(("prefill", chunk + [0] * (padded - n), r.slot, r.prefilled, n, last))  # [1]
                 r.prefilled += n
                 if budget is not None:
                     budget -= n
                 if r.decoding:
-                    self._tok[r.slot] = tok[0]
                     r.pos = len(r.prompt)
                     first = int(tok[0])  # the host read
                     self.times.prefilled(time.perf_counter() - t0, n)
@@ -306,9 +358,8 @@ class Engine:
             return budget
         t0 = time.perf_counter()
         s = min(-(-max(len(r.prompt) for r in group) // self.pad_to) * self.pad_to, self.max_seq)
-        ids = torch.tensor([r.prompt + [0] * (s - len(r.prompt)) for r in group], device=self.device)  # [k, s]
-        toks = self.decoder.prefill_slots(ids, [r.slot for r in group], [len(r.prompt) for r in group])  # [k]
-        self._tok[torch.tensor([r.slot for r in group], device=self.device)] = toks
+        ids = [r.prompt + [0] * (s - len(r.prompt)) for r in group]  # [k, s]
+        toks = self._do(("prefill_slots", ids, [r.slot for r in group], [len(r.prompt) for r in group]))  # [k]
         first = toks.tolist()  # the host read
         now = time.perf_counter()
         self.times.prefilled(now - t0, sum(len(r.prompt) for r in group))
@@ -325,11 +376,10 @@ class Engine:
         # before it is written again: 0 in a free slot, the next prompt position in a prefilling one.
         b = next(b for b in self.buckets if b > max(r.slot for r in live))
         pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots[:b]]
-        self.rows.greedy = all(r.params.temperature == 0 for r in self._slots[:b] if r is not None)
+        greedy = all(r.params.temperature == 0 for r in self._slots[:b] if r is not None)
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)  # eager SDPA: the cache rows in use
         t0 = time.perf_counter()
-        out = self.decoder.step(self._tok[:b], torch.tensor(pos, device=self.device), kv_len)  # [b]
-        self._tok[:b].copy_(out)
+        out = self._do(("step", b, pos, kv_len, greedy))  # [b]
         tokens = out.tolist()  # the one host read a step
         now = time.perf_counter()
         self.times.decode_s += now - t0

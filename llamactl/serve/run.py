@@ -41,7 +41,7 @@ def check_libraries() -> None:
                          "pip install 'llamactl[serve]'")
 
 
-def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: RuntimeOptions):
+def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: RuntimeOptions, world=None):
     """(name, model, tokenizer, eos ids, device) for random weights of a named shape: the embedded
     model's tokenizer writes the prompts (its ids fit every shape's vocabulary), no EOS."""
     from llamactl.artifact import open_artifact, resolve_model_path
@@ -49,10 +49,19 @@ def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: 
     from llamactl.checkpoint import load_tokenizer
     from llamactl.load import resolve_device
 
-    dev = resolve_device(device)
-    target = load_targets([], shape, dev, dtype, quant, None, options)[0]
+    dev = resolve_device(device) if world is None else _rank_device(device)
+    target = load_targets([], shape, dev, dtype, quant, None, options, world=world)[0]
     tok = load_tokenizer(open_artifact(resolve_model_path(None)))
     return target.label.replace(":", "-").replace(" ", "-"), target.model, tok, set(), dev
+
+
+def _rank_device(device: str):
+    import torch
+
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
 
 
 def _warm_up(engine) -> None:
@@ -70,9 +79,10 @@ def _warm_up(engine) -> None:
 
 def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
         serve: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None],
-        synthetic: str | None = None, synthetic_quant: str | None = None) -> str | None:
+        synthetic: str | None = None, synthetic_quant: str | None = None, world=None) -> str | None:
     """Serve until SIGTERM or Ctrl-C; returns the signal's name. synthetic: random weights of
-    that shape instead of `model` (load tests)."""
+    that shape instead of `model` (load tests). world: tensor parallelism (tp.World): rank 0
+    serves HTTP and schedules; the other ranks load their shards and follow its steps."""
     from llamactl.generate import eos_ids
     from llamactl.load import load
     from llamactl.serve.api import Service, build_app
@@ -82,23 +92,31 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     import sys
 
     check_libraries()
-    sock = bind(serve.host, serve.port)  # before loading: a busy port fails at once
+    leader = world is None or world.rank == 0
+    sock = bind(serve.host, serve.port) if leader else None  # before loading: a busy port fails at once
     sys.setswitchinterval(GIL_SWITCH_S)  # this process serves and nothing else
+    engine = None
     try:
         if synthetic:
-            label, m, tok, eos, dev = _synthetic(synthetic, synthetic_quant, device, dtype, options)
+            label, m, tok, eos, dev = _synthetic(synthetic, synthetic_quant, device, dtype, options, world)
         else:
-            art, m, tok, dev = load(model, device, dtype, allow_pickle, options)
+            art, m, tok, dev = load(model, device, dtype, allow_pickle, options, world=world)
             label, eos = art.path.name, eos_ids(m, tok, art)
         ctx = m.args.max_position_embeddings
         if serve.max_seq is not None and serve.max_seq > ctx:
             raise InputError(f"--max-seq {serve.max_seq} is longer than the model's context ({ctx})",
                              f"use --max-seq {ctx} or less")
         engine = Engine(m, eos, serve.max_batch, serve.max_queue,
-                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk)
+                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world)
         for w in engine.decoder.plan.warnings:
             warn(w)
         _warm_up(engine)
+        if not leader:
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then says stop
+            engine.follow()
+            return "rank 0 stopped"
         name = serve.model_name or label
         app = build_app(Service(engine.start(), tok, name, m.args.vocab_size, serve.api_key))
         from llamactl.bench import kv_alloc_bytes
@@ -108,12 +126,17 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         def ready(url: str) -> None:
             from llamactl.ui import human_bytes
 
-            log(f"serving {name} on {url} ({dev}, {str(m.dtype).replace('torch.', '')}, {engine.mode}, gemv "
+            tp = f", tensor-parallel over {world.size} ({world.backend})" if world else ""
+            log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}, gemv "
                 f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
                 f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}"
                 + (", API key required" if serve.api_key else ""))
 
         stopped_by = serve_app(app, sock, serve.drain_s, ready)
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
+        if engine is not None and leader:
+            engine.stop()
+            engine._stop_followers()
     return stopped_by
