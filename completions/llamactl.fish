@@ -162,5 +162,6 @@ complete -c llamactl -n '__fish_seen_subcommand_from serve' -l quant-inputs -x -
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l kernels -x -a 'on off' -d 'llamactls Triton kernels on the GPU: on or off (cuBLAS/SDPA) (default: LLAMACTL_KERNELS, else on).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l pins-file -r -d 'Pinned kernel configs to run over the packaged ones (a file `llamactl bench --tune` wrote) (default: LLAMACTL_PINS_FILE).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l allow-pickle -d 'Allow .bin/.pth weights (loaded with weights_only=True).'
+complete -c llamactl -n '__fish_seen_subcommand_from serve' -l tp -r -d 'Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l help -s h -d 'Show help.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -F
