@@ -56,6 +56,7 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
                   progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `model` to opts.kv_heads KV heads into `out`; returns the manifest written."""
     from llamactl.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device, resolve_model_path
+    from llamactl.options import RuntimeOptions
 
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
@@ -69,7 +70,7 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
     need_stats = opts.grouping == "similarity" or opts.merge == "fit"
     samples = _samples(art, opts, log, progress) if need_stats or opts.distill_steps else None
     stats = None
-    parent = load_model(art, dev, torch.float32)
+    parent = load_model(art, dev, torch.float32, RuntimeOptions(kernels=False))  # the exact float path
     if need_stats:
         stats = layer_stats(parent, samples, _advance_ctx(progress, "calibration statistics", args.num_hidden_layers))
     store = checkpoint_dtype(art)

@@ -63,8 +63,10 @@ def test_json_schema_on_synthetic_tiny(tiny_json):
         assert r["latency_ms_p50"] <= r["latency_ms_p95"]
         assert 0 < r["bandwidth_ceiling_frac"] < 1.5
         assert r["attention_backend"].startswith("sdpa")
-        # tiny: 4 layers x 2 KV heads x head_dim 32 x 2 (K, V) x 4 bytes (float32 on the CPU)
-        assert r["kv_bytes"] == 4 * 2 * 32 * 2 * 4 * (r["prompt_len"] + 8)
+        # tiny: 4 layers x 2 KV heads x head_dim 32 x 2 (K, V) x the dtype's bytes (the CPU's default:
+        # bf16 where llamactl's CPU kernels run it, else float32)
+        size = {"float32": 4, "bfloat16": 2}[r["dtype"]]
+        assert r["kv_bytes"] == 4 * 2 * 32 * 2 * size * (r["prompt_len"] + 8)
 
 
 def test_compare_fails_on_a_planted_slowdown(tiny_json, tmp_path):

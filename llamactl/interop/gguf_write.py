@@ -178,6 +178,7 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
 
     from llamactl.info import params_from_config
     from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
 
     if kind not in TYPES:
         raise InputError(f"--type {kind!r} is not known", f"use one of {', '.join(TYPES)}")
@@ -188,7 +189,9 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
     float_kind = {torch.float32: "f32", torch.float16: "f16"}.get(src_dtype, "bf16")
     if kind in ("f32", "f16", "bf16"):
         float_kind = kind
-    model = load_model(art, torch.device("cpu"), src_dtype if not art.quantization else torch.float32)
+    # the format's own modules (GPTQLinear), not the CPU kernels' repacked layers
+    model = load_model(art, torch.device("cpu"), src_dtype if not art.quantization else torch.float32,
+                       RuntimeOptions(kernels=False))
     meta = tokenizer_metadata(art.path, a.vocab_size)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(art.path.name)

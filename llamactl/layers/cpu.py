@@ -5,7 +5,8 @@ CpuQuantLinear takes any GPTQ-format layer of 2 to 8 bits (any group size whose 
 blocks of 32 inputs, a short last group too; act-order through a permutation of x): codes of up to
 4 bits are stored as nibbles, 5 to 8 bits as bytes, and multiplied as they are with x rounded to
 int8 per block of 32 (the kernel's docstring says how). Decode rows (up to kernels.cpu.MAX_ROWS)
-run the kernel; more rows (prefill) dequantize the layer for torch's matmul (oneDNN).
+run the kernel; more rows (prefill) dequantize the layer for torch's matmul (oneDNN; in bf16, or
+exactly in float32 for float32 activations).
 
 CpuLinear: a bf16 nn.Linear whose decode rows run the AVX-512 BF16 product (x rounded to bf16, as
 bf16 activations are anyway); more rows torch's matmul.
@@ -175,9 +176,12 @@ class CpuQuantLinear(nn.Module):
                                              self.blk2grp, self.perm, self.store_bits)
         else:
             xp = x2[:, self.perm] if self.perm.numel() else x2
-            w = torch.ops.llamactl_cpu.dequant(self.weight_packed, self.scales, self.szeros, self.blk2grp,
-                                               self.store_bits, self.in_features)  # [out, in] bf16
-            y = F.linear(xp.to(torch.bfloat16), w)
+            if xp.dtype == torch.float32:  # float32 stays exact (a quality measurement's prefill)
+                y = F.linear(xp, self.dequantized(torch.float32))
+            else:
+                w = torch.ops.llamactl_cpu.dequant(self.weight_packed, self.scales, self.szeros, self.blk2grp,
+                                                   self.store_bits, self.in_features)  # [out, in] bf16
+                y = F.linear(xp, w)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
