@@ -48,7 +48,7 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
     """Loading the cache puts each carried build where Inductor looks for it (its cache dir, same
     relative path), so the warm start loads it instead of running the C++ compiler; builds it
     already has are left alone, and a damaged one is left out with a warning. (How many builds a
-    step makes is Inductor's business: 2 in a fresh CI environment, more elsewhere.)"""
+    step makes is Inductor's business: 1 in a fresh CI environment with its C++ wrapper, more elsewhere.)"""
     import shutil
 
     from llamactl import compile as comp
@@ -56,7 +56,7 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
 
     out, entry = compiled
     names = sorted(entry["cpu_build_sha256"])
-    assert len(names) >= 2
+    assert len(names) >= 1
 
     def load(case: str, damage: str | None, keep: str | None):
         copy, cache = tmp_path / case / "c", tmp_path / case / "inductor"

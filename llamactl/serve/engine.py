@@ -219,9 +219,12 @@ class Engine:
             with torch.inference_mode():
                 while self._iteration():
                     pass
-            self._stop_followers()
-        except BaseException as e:
-            self._stop_followers()  # a failed step breaks the batch: every request gets the error
+            self.stop_followers()
+        except BaseException as e:  # a failed step breaks the batch: every request gets the error
+            try:
+                self.stop_followers()
+            except Exception:  # a follower gone already: its launcher stops the rest
+                pass
             self.failure = f"{type(e).__name__}: {str(e)[:200]}"
             with self._cv:
                 left = list(self._queue) + [r for r in self._slots if r is not None]
@@ -230,7 +233,7 @@ class Engine:
             for r in left:
                 self._finish(r, "error", self.failure)
 
-    def _stop_followers(self) -> None:
+    def stop_followers(self) -> None:
         """A tensor-parallel leader's last message (once): the other ranks' follow() returns."""
         if self.world is not None and self.world.rank == 0 and not self._followers_stopped:
             from llamactl.tp import send

@@ -138,5 +138,5 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             sock.close()
         if engine is not None and leader:
             engine.stop()
-            engine._stop_followers()
+            engine.stop_followers()
     return stopped_by
