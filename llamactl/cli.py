@@ -95,7 +95,7 @@ ModelReq = Annotated[str, typer.Argument(help="Model folder (Hugging Face format
                                          metavar="MODEL")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.", callback=_check_device)]
 DtypeOpt = Annotated[str, typer.Option("--dtype", callback=_check_dtype,
-    help="auto, float32, bfloat16 or float16; auto = the checkpoint's on a GPU, float32 on the CPU for small models.")]
+    help="auto, float32, bfloat16 or float16; auto = the checkpoint's on a GPU; on the CPU bfloat16 where its AVX-512 BF16 kernels build (and for GPTQ checkpoints), else float32 for models under 2B parameters.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
 TpOpt = Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow .bin/.pth weights (loaded with weights_only=True).")]

@@ -68,10 +68,9 @@ def _inductor_options(compile_mode: str, llamactl_gemv: bool, dynamic_rows: bool
     opts = {"triton.cudagraphs": False, "coordinate_descent_tuning": not llamactl_gemv}
     if cpp_wrapper:
         opts["cpp_wrapper"] = True
-        # Dynamo's guards run on every CPU step (a CUDA graph replay skips them) and cost 2.3 of the
-        # 15 ms of a 30-layer step; skipping the nn-module guards (torch.compiler.
-        # skip_guard_on_all_nn_modules_unsafe) also dropped the shape checks a prefill of another
-        # length needs ("expected size 12==64" from a step compiled for 64 rows), so they stay
+        # (Dynamo's guards on such a step: Decoder._checked. Skipping the nn-module guards at
+        # compile time, torch.compiler.skip_guard_on_all_nn_modules_unsafe, dropped the shape checks
+        # a prefill of another length needs: "expected size 12==64" from a step compiled for 64 rows.)
     if dynamic_rows:
         opts["split_reductions"] = False
     if compile_mode == "max-autotune":
@@ -127,6 +126,13 @@ class Decoder:
         self.use_graph = self.use_graph and self.device.type == "cuda"
         # per (kind of position ("shared": [1], "rows": [B, 1]), rows): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Kinds of step this Decoder has run compiled (guards checked). A compiled CPU step of one
+        # shape runs its later calls of a kind without Dynamo's guards (they cost 2.3 ms of a
+        # 30-layer step): torch.compiler.set_stance(skip_guard_eval_unsafe=True) then checks only
+        # the guards that tell cache entries apart (another Decoder's shapes, another model), and
+        # a kind's first call, with every guard, has made its entry.
+        self._checked: set[tuple] = set()
+        self._skip_guards = mode == "compile" and self.device.type == "cpu" and rows is None
 
     def _cpp_wrapper(self, rows) -> bool:
         """Inductor's C++ wrapper for a CPU step of one shape (not with regions: Inductor has no
@@ -204,7 +210,13 @@ class Decoder:
         if not self.use_graph or kind not in self._graphs:
             pos_t = pos.view(-1, 1) if rows else torch.tensor([pos], device=self.device)  # [B, 1] or [1]
             if not self.use_graph:
-                return self._step(*self._rows_dynamic(tok.view(-1, 1), pos_t), kv_len if self.mode == "eager" else None)
+                args = (*self._rows_dynamic(tok.view(-1, 1), pos_t), kv_len if self.mode == "eager" else None)
+                if self._skip_guards:
+                    if kind in self._checked:
+                        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                            return self._step(*args)
+                    self._checked.add(kind)
+                return self._step(*args)
             self._capture(kind, tok.view(-1, 1), pos_t)
         static_tok, static_pos, graph, out = self._graphs[kind]
         static_tok.copy_(tok.view(-1, 1))

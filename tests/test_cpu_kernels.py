@@ -62,21 +62,35 @@ def test_quantized_layer_matches_float64(k, n, bits, group, rows, act_order):
     torch.testing.assert_close(fast(xs).double(), xs.double() @ w.t(), rtol=0.05, atol=0.03 * (xs.abs().max() * w.abs().sum(1).max()).item())
 
 
-def test_dequant_op_is_the_layer_weight():
-    lin, w = layer(576, 48, 4, 128)
+@pytest.mark.parametrize("scales_dtype", [torch.float16, torch.float32])
+def test_dequant_op_is_the_layer_weight(scales_dtype):
+    lin, w = layer(576, 40, 4, 128)  # 40 outputs: a last tile of 8 rows
+    if scales_dtype == torch.float32:  # scales fp16 cannot hold exactly stay float32
+        lin.scales = lin.scales.float() * (1 + 2**-14)
+        w = lin.dequantized(torch.float64)
     fast = lcpu.CpuQuantLinear.from_gptq(lin)
-    d = torch.ops.llamactl_cpu.dequant(fast.weight_packed, fast.scales, fast.szeros, fast.blk2grp, 4, 576)
-    assert d.dtype == torch.bfloat16 and d.shape == (48, 576)
+    assert fast.scales.dtype == scales_dtype and fast.scales.shape == (3, 5, 16)
+    d = torch.ops.llamactl_cpu.dequant(fast.weight_packed, fast.scales, fast.zeros, fast.blk2grp, 4, 40, 576)
+    assert d.dtype == torch.bfloat16 and d.shape == (40, 576)
     torch.testing.assert_close(d.double(), w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
     torch.testing.assert_close(fast.dequantized(torch.float64), w)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
+    ref = round_like_kernel(x) @ w.t()
+    torch.testing.assert_close(fast(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_nibbles_round_trip():
-    codes = torch.randint(0, 16, (5, 96))
-    packed = lcpu.pack_nibbles(codes)
-    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
-    assert torch.equal(lcpu.unpack_nibbles(packed, 96).long(), codes)
-    assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 32]) << 4  # input j and 32 + j share byte j
+@pytest.mark.parametrize("bits,k", [(4, 96), (4, 128), (8, 96)])
+def test_tiles_round_trip(bits, k):
+    codes = torch.randint(0, 2**bits, (21, k))  # 21 rows: a padded second tile
+    packed = lcpu.pack_tiles(codes, bits)
+    assert packed.shape == (2, k * bits // 8 * 16) and packed.dtype == torch.uint8
+    assert torch.equal(lcpu.unpack_tiles(packed, 21, k, bits).long(), codes)
+    if bits == 4:  # unit 0 of the first chunk: row r's bytes 4r .. 4r + 3 hold inputs 0-3 | 32-35 << 4
+        assert int(packed[0, 4 * 3 + 1]) == int(codes[3, 1]) | int(codes[3, 33]) << 4
+    else:  # unit 1: inputs 4-7
+        assert int(packed[1, 64 + 4 * 2 + 3]) == int(codes[18, 7])
+    v = torch.randn(21, 3)
+    assert lcpu.tile_rows(v).shape == (2, 3, 16) and torch.equal(lcpu.untile_rows(lcpu.tile_rows(v), 21), v)
 
 
 def test_groups_that_split_a_block_are_left_to_torch():

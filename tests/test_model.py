@@ -233,3 +233,32 @@ def test_a_compiled_step_serves_its_batch_buckets_with_one_compile(tiny_gqa):
             out[mode] = (steps, counters["stats"]["unique_graphs"] - graphs)
     assert out["compile"][1] == 0
     assert all(torch.equal(a, b) for a, b in zip(out["eager"][0], out["compile"][0]))
+
+
+@pytest.mark.slow
+def test_compiled_cpu_steps_skip_guards_only_where_checked(tiny_gqa):
+    """A compiled CPU step runs a kind's later calls without Dynamo's guards (Decoder._checked);
+    a second Decoder of another batch and cache length on the same model still gets its own
+    compile, and both give the eager steps' tokens."""
+    import torch
+
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    prompt = torch.arange(10, 17).view(1, -1)
+
+    def run(mode: str, batch: int, max_seq: int) -> list[torch.Tensor]:
+        dec = Decoder(model, batch, max_seq, mode)
+        tok = dec.prefill(prompt.expand(batch, -1))
+        out = []
+        for i in range(4):
+            tok = dec.step(tok, prompt.shape[1] + i)
+            out.append(tok.clone())
+        assert dec._skip_guards == (mode == "compile") and len(dec._checked) == (mode == "compile")
+        return out
+
+    with torch.inference_mode():
+        for batch, max_seq in ((1, 24), (2, 40)):
+            assert all(torch.equal(a, b) for a, b in zip(run("eager", batch, max_seq), run("compile", batch, max_seq)))

@@ -150,7 +150,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server(["--max-batch", "4", "--max-queue", "8", "--max-seq", "256"])
+    s = Server(["--max-batch", "4", "--max-queue", "8", "--max-seq", "256", "--dtype", "float32"])  # exact: as the reference
     yield s
     assert s.stop() == 0
 

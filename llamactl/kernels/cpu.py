@@ -1,5 +1,5 @@
 """llamactl's CPU kernels (cpu_gemv.cpp): built once per machine with the system's C++ compiler
-and loaded as torch operators (torch.ops.llamactl_cpu.qgemv / bgemv).
+and loaded as torch operators (torch.ops.llamactl_cpu.qgemv / bgemv / dequant).
 
 The library is compiled for this CPU (-march=native) into the user's cache
 (~/.cache/llamactl/cpu-kernels, or XDG_CACHE_HOME), named by a hash of the source, the torch
@@ -56,7 +56,9 @@ def _command(cxx: str, out: Path) -> list[str]:
 
 
 def _library_path(cxx: str) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    real = Path(shutil.which(cxx) or cxx).resolve()
+    st = real.stat()  # the compiler named by its file (no process started per load)
+    version = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
                  sys.version.encode()):

@@ -5,16 +5,22 @@
 // llama.cpp's Q4_0/Q8_0 dot products, each row of x is rounded to int8 per block of 32 inputs
 // (scale amax / 127, one float per block) and multiplied with the unsigned weight codes in
 // integers (AVX-512 VNNI's vpdpbusd: u8 x s8 -> s32), then scaled per block:
-//   y[m, n] = sum_b dx[m, b] * s[n, g(b)] * sum_{i in b} q[n, i] * xq[m, i]
-//           - sum_g s[n, g] * z[n, g] * sum_{b in g} dx[m, b] * sum_{i in b} xq[m, i]
-// Weight layouts (one row of w per output, per chunk of 64 inputs; a last chunk of 32 the same
-// way with 32 in place of 64):
-//   4 bits (codes 0..15): 32 bytes, byte j holding input j in its low nibble, input 32 + j in its high
-//   8 bits (codes 0..255): 64 bytes, one a code
-// blk2grp [K / 32]: the scale group of each block of 32 inputs (every block lies in one group).
+//   y[m, n] = sum_b dx[m, b] * s[n, g(b)] * (sum_{i in b} q[n, i] * xq[m, i] - z[n, g(b)] * sum_{i in b} xq[m, i])
+// (the integer dot and the zero point's part are exact in float: both below 2^24)
+// Weights are stored in tiles of 16 output rows (the last tile padded with zero rows), the rows of
+// a tile interleaved by 4 inputs, so that one 64-byte load feeds one vpdpbusd for 16 outputs at
+// once (x's 4 bytes broadcast) and a tile's 16 sums stay in one register's lanes (no horizontal
+// sums). Per tile, units of 4 inputs, each 64 bytes (byte 4 r + j of a unit for row r, input j):
+//   8 bits (codes 0..255): unit u holds inputs 4u .. 4u + 3; a tile is 16 K bytes
+//   4 bits (codes 0..15): per chunk of 64 inputs 8 units, unit t holding inputs 4t + j in its low
+//     nibbles and 32 + 4t + j in its high ones (a last chunk of 32: 4 units, 16 in place of 32);
+//     a tile is 8 K bytes
+// Scales s: [tiles, groups, 16] float32, or fp16 where the checkpoint's scales are fp16 exactly;
+// zero points z: uint8 [tiles, groups, 16]; blk2grp [K / 32]: the group of each block of 32 inputs
+// (every block lies in one group; groups of any size and order).
 //
 // bgemv: 16-bit weights (bf16) with x rounded to bf16, accumulated in float (AVX-512 BF16's
-// vdpbf16ps), for the 16-bit layers. dequant: qgemv's weights as bf16, for prefill's matmul.
+// vdpbf16ps), for the 16-bit layers. dequant: qgemv's weights as bf16 [N, K], for prefill's matmul.
 //
 // Without AVX-512 VNNI / BF16 the same arithmetic runs in plain loops (slower, same results).
 
@@ -22,11 +28,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -36,180 +44,175 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;
+constexpr int64_t TILE = 16;
+constexpr int64_t UNIT = 64;  // bytes of one unit of 4 inputs for a tile's 16 rows
 constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t PREFETCH = 2048;  // bytes ahead of the weight stream to prefetch
 
+// x rounded per block: codes xq [M, K], scales dx and code sums xsum [M, K / 32].
+// Kept per thread between calls (no allocation per call).
 struct QuantRows {
-  // per row of x: int8 codes [K], one scale per block [K / 32], per group sum_b dx * sum(xq) [G]
   std::vector<int8_t> xq;
-  std::vector<float> dx;
-  std::vector<float> gz;
-  std::vector<float> xs;  // per chunk of 64: dx of its two blocks, 8 lanes each (row_dot)
+  std::vector<float> dx, xsum, row;
 };
 
 template <typename T>
-float as_float(T v) { return static_cast<float>(v); }
-
-template <typename T>
-QuantRows quantize_rows(const T* x, int64_t m, int64_t k, const int64_t* perm, const int32_t* blk2grp, int64_t groups) {
+void quantize_rows(QuantRows& q, const T* x, int64_t m, int64_t k, const int64_t* perm) {
   const int64_t nb = k / BLOCK;
-  QuantRows q{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * groups, 0.f),
-              std::vector<float>(m * nb * 8, 0.f)};
-  std::vector<float> row(k);
+  q.xq.resize(m * k);
+  q.dx.resize(m * nb);
+  q.xsum.resize(m * nb);
+  q.row.resize(k);
+  float* row = q.row.data();
   for (int64_t r = 0; r < m; ++r) {
     const T* xr = x + r * k;
-    for (int64_t i = 0; i < k; ++i) row[i] = as_float(xr[perm ? perm[i] : i]);
+    if (perm) for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[perm[i]]);
+    else for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[i]);
+    int8_t* xq = q.xq.data() + r * k;
     for (int64_t b = 0; b < nb; ++b) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(row[b * BLOCK + i]));
-      const float d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
+      const float* v = row + b * BLOCK;
       int32_t sum = 0;
+      float d;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
+      d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1))) / 127.f;
+      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv));  // round half to even, as nearbyint
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+      float amax = 0.f;
+      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+      d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
       for (int64_t i = 0; i < BLOCK; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(row[b * BLOCK + i] * inv));
-        q.xq[r * k + b * BLOCK + i] = static_cast<int8_t>(v);
-        sum += v;
+        const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+        xq[b * BLOCK + i] = static_cast<int8_t>(c);
+        sum += c;
       }
+#endif
       q.dx[r * nb + b] = d;
-      q.gz[r * groups + blk2grp[b]] += d * static_cast<float>(sum);
-      for (int64_t i = 0; i < 8; ++i) q.xs[r * nb * 8 + b * 8 + i] = d;
+      q.xsum[r * nb + b] = static_cast<float>(sum);
     }
   }
-  return q;
 }
 
-// How a row's scale groups fall on its blocks of 32 (blk2grp): GROUPED, every group whole chunks of
-// 64 (a group's chunks are summed before its scale multiplies them); BLOCKWISE, one group a block
-// (group size 32: two consecutive scales a chunk); GENERIC, anything else.
-enum Mode { GROUPED = 0, BLOCKWISE = 1, GENERIC = 2 };
-
-// The plain-loop dot of one weight row over blocks [b, nb): sum dx[b] * s[g(b)] * (codes . xq).
+// The code of (row r, input i) in a tile of K inputs (the layout above).
 template <int BITS>
-float tail_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* s, const int32_t* blk2grp,
-               int64_t b, int64_t nb) {
-  float total = 0.f;
-  for (; b < nb; b += 2) {
-    const int64_t width = b + 2 <= nb ? 2 * BLOCK : BLOCK;  // a chunk of 64, or a last one of 32
-    const uint8_t* wc = BITS == 4 ? w + b * BLOCK / 2 : w + b * BLOCK;
-    for (int64_t half = 0; half * BLOCK < width; ++half) {
-      int32_t dot = 0;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const int64_t j = half * BLOCK + i;  // position in the chunk
-        int32_t code;
-        if constexpr (BITS == 4) {
-          const int64_t h = width / 2;
-          code = j < h ? (wc[j] & 0x0F) : (wc[j - h] >> 4);
-        } else {
-          code = wc[j];
-        }
-        dot += code * static_cast<int32_t>(xq[b * BLOCK + j]);
-      }
-      total += dx[b + half] * s[blk2grp[b + half]] * static_cast<float>(dot);
-    }
+inline int32_t code_at(const uint8_t* tile, int64_t r, int64_t i, int64_t k) {
+  if constexpr (BITS == 8) {
+    return tile[(i / 4) * UNIT + 4 * r + i % 4];
+  } else {
+    const int64_t c = i / 64, base = c * 64, half = std::min<int64_t>(64, k - base) / 2, p = i - base;
+    const int64_t q = p < half ? p : p - half;
+    const uint8_t byte = tile[c * 8 * UNIT + (q / 4) * UNIT + 4 * r + q % 4];
+    return p < half ? (byte & 0x0F) : (byte >> 4);
   }
-  return total;
+}
+
+inline float as_float(float v) { return v; }
+inline float as_float(c10::Half v) { return static_cast<float>(v); }
+
+// A tile's 16 outputs for one row of x, in plain loops.
+template <int BITS, typename S>
+void tile_dot_plain(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s,
+                    const uint8_t* z, const int32_t* grp, int64_t k, float* out) {
+  const int64_t nb = k / BLOCK;
+  for (int64_t r = 0; r < TILE; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t dot = 0;
+      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i) dot += code_at<BITS>(w, r, i, k) * xq[i];
+      const int64_t g = grp[b] * TILE + r;
+      total += dx[b] * as_float(s[g]) * (static_cast<float>(dot) - static_cast<float>(z[g]) * xsum[b]);
+    }
+    out[r] = total;
+  }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define LLAMACTL_VNNI 1
 
-template <int BITS>
-inline __m512i load_codes(const uint8_t* w, int64_t b) {
-  // the 64 codes of the chunk starting at block b, as unsigned bytes in input order
-  if constexpr (BITS == 4) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK / 2));
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(packed, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+inline __m512 load_scales(const float* s) { return _mm512_loadu_ps(s); }
+inline __m512 load_scales(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+inline __m512i bcast4(const int8_t* x) {  // x's 4 bytes in every lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// A tile's 16 outputs for one row of x: one vpdpbusd per unit, independent accumulators.
+template <int BITS, typename S>
+void tile_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s, const uint8_t* z,
+              const int32_t* grp, int64_t k, float* out) {
+  const int64_t nb = k / BLOCK;
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  // block b's integer dot `dot` (times `unit`: 16 for high nibbles used in place) into acc:
+  // acc += dx[b] / unit * s[g(b)] * (dot - unit * z[g(b)] * xsum[b]), for the 16 rows
+  const auto add = [&](__m512& acc, __m512i dot, int64_t b, float unit) {
+    const int64_t g = grp[b] * TILE;
+    const __m512 zs = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))));
+    const __m512 f = _mm512_fnmadd_ps(zs, _mm512_set1_ps(unit * xsum[b]), _mm512_cvtepi32_ps(dot));
+    acc = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(dx[b] / unit), load_scales(s + g)), acc);
+  };
+  if constexpr (BITS == 8) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * 8 * UNIT;
+      const int8_t* xb = xq + b * BLOCK;
+      __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, _mm512_loadu_si512(wb + t * UNIT), bcast4(xb + 4 * t));
+        i1 = _mm512_dpbusd_epi32(i1, _mm512_loadu_si512(wb + (t + 1) * UNIT), bcast4(xb + 4 * t + 4));
+      }
+      add(b % 2 ? acc1 : acc0, _mm512_add_epi32(i0, i1), b, 1.f);
+    }
   } else {
-    return _mm512_loadu_si512(w + b * BLOCK);
-  }
-}
-
-// The vector part for R consecutive weight rows (w: the first, rows row_bytes apart; s: its
-// scales, rows `groups` apart) over blocks [0, nb2), nb2 even: out[r] = sum dx * s * (codes . xq).
-// xs: per chunk of 64, 16 floats (dx of its first block 8 times, then of its second). The R rows
-// share every load of x and keep R independent accumulators.
-template <int BITS, int R, int MODE>
-void vec_rows(const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* xs, const float* s, int64_t groups,
-              const int32_t* grp, int64_t nb2, float* out) {
-  __m512 acc[R], gacc[R];
-  for (int r = 0; r < R; ++r) acc[r] = gacc[r] = _mm512_setzero_ps();
-  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  int32_t group = grp[0];
-  for (int64_t b = 0; b < nb2; b += 2) {
-    const __m512i xv = _mm512_loadu_si512(xq + b * BLOCK);
-    const __m512 xscale = _mm512_loadu_ps(xs + b * 8);
-    if (MODE == GROUPED && grp[b] != group) {  // a new group: the last one's sums times its scales
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + group]), acc[r]);
-        gacc[r] = _mm512_setzero_ps();
+    // the high nibbles are used in place (16 x the code)
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const uint8_t* wc = w + b * 4 * UNIT;  // a chunk of 64 inputs: 8 units
+      const int8_t* x0 = xq + b * BLOCK;
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + 4 * UNIT), _MM_HINT_T0);
+      __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, hi[2] = {lo[0], lo[0]};
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
+        lo[t % 2] = _mm512_dpbusd_epi32(lo[t % 2], _mm512_and_si512(v, lo4), bcast4(x0 + 4 * t));
+        hi[t % 2] = _mm512_dpbusd_epi32(hi[t % 2], _mm512_and_si512(v, hi4), bcast4(x0 + BLOCK + 4 * t));
       }
-      group = grp[b];
+      add(acc0, _mm512_add_epi32(lo[0], lo[1]), b, 1.f);
+      add(acc1, _mm512_add_epi32(hi[0], hi[1]), b + 1, 16.f);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load_codes<BITS>(w + r * row_bytes, b), xv);
-      const __m512 f = _mm512_cvtepi32_ps(dot);  // lanes 0-7: block b, 8-15: b + 1
-      if constexpr (MODE == GROUPED) {
-        gacc[r] = _mm512_fmadd_ps(f, xscale, gacc[r]);
-      } else {
-        __m512 ws;
-        if constexpr (MODE == BLOCKWISE) {  // s[b], s[b + 1]: one 8-byte load, spread over the halves
-          const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + r * groups + b)));
-          ws = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(two));
-        } else {
-          ws = _mm512_insertf32x8(_mm512_set1_ps(s[r * groups + grp[b]]), _mm256_set1_ps(s[r * groups + grp[b + 1]]), 1);
-        }
-        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(xscale, ws), acc[r]);
+    if (b < nb) {  // a last chunk of 32 inputs: 4 units, inputs 4t + j low, 16 + 4t + j high
+      const uint8_t* wc = w + b * 4 * UNIT;
+      const int8_t* x0 = xq + b * BLOCK;
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
+        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, lo4), bcast4(x0 + 4 * t));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_srli_epi16(_mm512_and_si512(v, hi4), 4), bcast4(x0 + 16 + 4 * t));
       }
+      add(acc0, _mm512_add_epi32(lo, hi), b, 1.f);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (MODE == GROUPED) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + group]), acc[r]);
-    out[r] = _mm512_reduce_add_ps(acc[r]);
-  }
-}
-
-template <int BITS, int R>
-void vec_rows_mode(int mode, const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* xs, const float* s,
-                   int64_t groups, const int32_t* grp, int64_t nb2, float* out) {
-  if (mode == GROUPED) vec_rows<BITS, R, GROUPED>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
-  else if (mode == BLOCKWISE) vec_rows<BITS, R, BLOCKWISE>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
-  else vec_rows<BITS, R, GENERIC>(w, row_bytes, xq, xs, s, groups, grp, nb2, out);
+  _mm512_storeu_ps(out, _mm512_add_ps(acc0, acc1));
 }
 #endif
 
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  float total = 0.f;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-    i = n;
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// out[r] for weight rows o .. o + R - 1 against one row of x: the dots, less the zero points' part
-template <int BITS, int R>
-void rows_dot(const uint8_t* w, int64_t row_bytes, const int8_t* xq, const float* dx, const float* xs, const float* s,
-              const float* sz, const float* gz, int64_t groups, const int32_t* grp, int64_t nb, int mode, float* out) {
-  int64_t b = 0;
-  for (int r = 0; r < R; ++r) out[r] = 0.f;
+template <int BITS, typename S>
+void tile_dot_any(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s,
+                  const uint8_t* z, const int32_t* grp, int64_t k, float* out) {
 #ifdef LLAMACTL_VNNI
-  b = nb / 2 * 2;
-  if (b) vec_rows_mode<BITS, R>(mode, w, row_bytes, xq, xs, s, groups, grp, b, out);
+  tile_dot<BITS, S>(w, xq, dx, xsum, s, z, grp, k, out);
+#else
+  tile_dot_plain<BITS, S>(w, xq, dx, xsum, s, z, grp, k, out);
 #endif
-  for (int r = 0; r < R; ++r) {
-    out[r] += tail_dot<BITS>(w + r * row_bytes, xq, dx, s + r * groups, grp, b, nb);
-    out[r] -= dot_f32(sz + r * groups, gz, groups);
-  }
 }
 
 template <typename T>
@@ -217,65 +220,65 @@ void store_row(T* out, const float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(v[i]);
 }
 
-at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros,
-                 const at::Tensor& blk2grp, const at::Tensor& perm, int64_t bits) {
-  // x: [M, K] float32 or bf16; w: uint8 [N, K * bits / 8]; scales, szeros: float32 [N, G]
-  // blk2grp: int32 [K / 32]; perm: int64 [K] (act-order: x is read as x[:, perm]) or empty -> [M, N]
+void check_layout(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& blk2grp,
+                  int64_t bits, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8");
+  TORCH_CHECK(k % BLOCK == 0 && blk2grp.numel() == k / BLOCK, op, ": K must be whole blocks of 32");
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == tiles &&
+                  w.size(1) == k * bits / 8 * TILE, op, ": weight layout (uint8 [tiles, K * bits / 8 * 16])");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == tiles && scales.size(2) == TILE,
+              op, ": scales must be float32 or fp16 [tiles, G, 16]");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.sizes() == scales.sizes(), op,
+              ": zeros must be uint8 [tiles, G, 16]");
+  TORCH_CHECK(blk2grp.scalar_type() == at::kInt && blk2grp.is_contiguous(), op, ": blk2grp must be int32");
+}
+
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros,
+                 const at::Tensor& blk2grp, const at::Tensor& perm, int64_t bits, int64_t n) {
+  // x: [M, K] float32 or bf16; w, scales, zeros: the tiles (above); blk2grp: int32 [K / 32];
+  // perm: int64 [K] (act-order: x is read as x[:, perm]) or empty -> [M, n] in x's dtype
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qgemv: x must be a contiguous [M, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemv: x must be float32 or bf16");
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemv: bits must be 4 or 8");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), groups = scales.size(1);
-  TORCH_CHECK(k % BLOCK == 0 && blk2grp.numel() == k / BLOCK, "qgemv: K must be whole blocks of 32");
-  TORCH_CHECK(w.size(1) == k * bits / 8 && w.scalar_type() == at::kByte && w.is_contiguous(), "qgemv: weight layout");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && szeros.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  szeros.is_contiguous() && scales.sizes() == szeros.sizes() && scales.size(0) == n,
-              "qgemv: scales and szeros must be float32 [N, G]");
-  TORCH_CHECK(blk2grp.scalar_type() == at::kInt && blk2grp.is_contiguous(), "qgemv: blk2grp must be int32");
+  const int64_t m = x.size(0), k = x.size(1), groups = scales.size(1), nb = k / BLOCK;
+  check_layout(w, scales, zeros, blk2grp, bits, n, k, "qgemv");
   TORCH_CHECK(m <= MAX_ROWS, "qgemv: at most 8 rows");
   const int64_t* p = perm.numel() ? perm.data_ptr<int64_t>() : nullptr;
   TORCH_CHECK(!p || (perm.numel() == k && perm.scalar_type() == at::kLong), "qgemv: perm must be int64 [K]");
   const int32_t* grp = blk2grp.data_ptr<int32_t>();
-  QuantRows q = x.scalar_type() == at::kBFloat16
-                    ? quantize_rows(x.data_ptr<c10::BFloat16>(), m, k, p, grp, groups)
-                    : quantize_rows(x.data_ptr<float>(), m, k, p, grp, groups);
+  thread_local QuantRows q;
+  if (x.scalar_type() == at::kBFloat16) quantize_rows(q, x.data_ptr<c10::BFloat16>(), m, k, p);
+  else quantize_rows(q, x.data_ptr<float>(), m, k, p);
   at::Tensor y = at::empty({m, n}, x.options());
   const bool bf16_out = x.scalar_type() == at::kBFloat16;
+  const bool half = scales.scalar_type() == at::kHalf;
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = szeros.data_ptr<float>();
-  const int64_t nb = k / BLOCK, row_bytes = k * bits / 8;
-  int mode = GROUPED, blockwise = 1;
-  for (int64_t b = 0; b < nb; ++b) {
-    if (b % 2 && grp[b] != grp[b - 1]) mode = GENERIC;
-    blockwise &= grp[b] == b;
-  }
-  if (mode == GENERIC && blockwise) mode = BLOCKWISE;
-  constexpr int64_t R = 4;  // weight rows a step shares x's loads between
-  at::parallel_for(0, (n + R - 1) / R, 4, [&](int64_t begin, int64_t end) {
-    float tmp[R];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t o = blk * R, rows = std::min(R, n - o);
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  const void* sp = scales.data_ptr();
+  const int64_t tile_bytes = w.size(1), tiles = w.size(0);
+  const QuantRows& qr = q;
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    float tmp[TILE];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = wp + t * tile_bytes;
+      const uint8_t* zt = zp + t * groups * TILE;
+      const int64_t o = t * TILE, rows = std::min(TILE, n - o);
       for (int64_t r = 0; r < m; ++r) {
-        const int8_t* xq = q.xq.data() + r * k;
-        const float* dx = q.dx.data() + r * nb;
-        const float* xs = q.xs.data() + r * nb * 8;
-        const float* gz = q.gz.data() + r * groups;
-        for (int64_t i = 0; i < rows;) {
-          const uint8_t* wr = wp + (o + i) * row_bytes;
-          const float* s = sp + (o + i) * groups;
-          const float* sz = zp + (o + i) * groups;
-          const int take = rows - i >= R ? R : 1;
-          if (take == R) {
-            if (bits == 4) rows_dot<4, R>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
-            else rows_dot<8, R>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
-          } else {
-            if (bits == 4) rows_dot<4, 1>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
-            else rows_dot<8, 1>(wr, row_bytes, xq, dx, xs, s, sz, gz, groups, grp, nb, mode, tmp);
-          }
-          if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o + i, tmp, take);
-          else store_row(y.data_ptr<float>() + r * n + o + i, tmp, take);
-          i += take;
+        const int8_t* xq = qr.xq.data() + r * k;
+        const float* dx = qr.dx.data() + r * nb;
+        const float* xsum = qr.xsum.data() + r * nb;
+        if (half) {
+          const c10::Half* st = static_cast<const c10::Half*>(sp) + t * groups * TILE;
+          if (bits == 4) tile_dot_any<4>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
+          else tile_dot_any<8>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
+        } else {
+          const float* st = static_cast<const float*>(sp) + t * groups * TILE;
+          if (bits == 4) tile_dot_any<4>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
+          else tile_dot_any<8>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
         }
+        if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, tmp, rows);
+        else store_row(y.data_ptr<float>() + r * n + o, tmp, rows);
       }
     }
   });
@@ -328,36 +331,63 @@ at::Tensor bgemv(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor dequant(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& szeros, const at::Tensor& blk2grp,
-                   int64_t bits, int64_t k) {
-  // qgemv's weights -> bf16 [N, K] (s * code - s * z), for prefill's matmul
-  TORCH_CHECK(bits == 4 || bits == 8, "dequant: bits must be 4 or 8");
-  const int64_t n = w.size(0), groups = scales.size(1), nb = k / BLOCK, row_bytes = k * bits / 8;
-  TORCH_CHECK(w.size(1) == row_bytes && blk2grp.numel() == nb, "dequant: weight layout");
+template <int BITS, typename S>
+void dequant_tile(const uint8_t* wt, const S* st, const uint8_t* zt, const int32_t* grp, int64_t k, int64_t rows,
+                  c10::BFloat16* out) {
+  // one tile -> rows [rows, K] of bf16 (s * code - s * z)
+  thread_local std::vector<uint8_t> codes;  // [16, K], the tile's codes in row order
+  codes.resize(TILE * k);
+  uint8_t* c = codes.data();
+  if constexpr (BITS == 8) {
+    for (int64_t u = 0; u < k / 4; ++u)
+      for (int64_t r = 0; r < TILE; ++r) std::memcpy(c + r * k + 4 * u, wt + u * UNIT + 4 * r, 4);
+  } else {
+    for (int64_t base = 0; base < k; base += 64) {  // a chunk: its units, low nibbles then high
+      const int64_t half = std::min<int64_t>(64, k - base) / 2;
+      const uint8_t* wc = wt + base / 64 * 8 * UNIT;
+      for (int64_t t = 0; t < half / 4; ++t)
+        for (int64_t r = 0; r < TILE; ++r)
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = wc[t * UNIT + 4 * r + j];
+            c[r * k + base + 4 * t + j] = byte & 0x0F;
+            c[r * k + base + half + 4 * t + j] = byte >> 4;
+          }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < k / BLOCK; ++b) {
+      const int64_t g = grp[b];
+      const float s = as_float(st[g * TILE + r]), sz = s * static_cast<float>(zt[g * TILE + r]);
+      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i)
+        out[r * k + i] = static_cast<c10::BFloat16>(s * static_cast<float>(codes[r * k + i]) - sz);
+    }
+}
+
+at::Tensor dequant(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& blk2grp,
+                   int64_t bits, int64_t n, int64_t k) {
+  // qgemv's weights -> bf16 [n, K], for prefill's matmul
+  check_layout(w, scales, zeros, blk2grp, bits, n, k, "dequant");
+  const int64_t groups = scales.size(1), tile_bytes = w.size(1);
   at::Tensor out = at::empty({n, k}, w.options().dtype(at::kBFloat16));
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = szeros.data_ptr<float>();
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
   const int32_t* grp = blk2grp.data_ptr<int32_t>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* wr = wp + o * row_bytes;
-      c10::BFloat16* orow = op + o * k;
-      for (int64_t b = 0; b < nb; b += 2) {
-        const int64_t width = b + 2 <= nb ? 2 * BLOCK : BLOCK;
-        for (int64_t j = 0; j < width; ++j) {
-          int32_t code;
-          if (bits == 4) {
-            const uint8_t* wc = wr + b * BLOCK / 2;
-            const int64_t h = width / 2;
-            code = j < h ? (wc[j] & 0x0F) : (wc[j - h] >> 4);
-          } else {
-            code = wr[b * BLOCK + j];
-          }
-          const int32_t g = grp[b + j / BLOCK];
-          orow[b * BLOCK + j] = static_cast<c10::BFloat16>(sp[o * groups + g] * code - zp[o * groups + g]);
-        }
+  const bool half = scales.scalar_type() == at::kHalf;
+  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t rows = std::min(TILE, n - t * TILE);
+      const uint8_t* wt = wp + t * tile_bytes;
+      const uint8_t* zt = zp + t * groups * TILE;
+      c10::BFloat16* o = op + t * TILE * k;
+      if (half) {
+        const c10::Half* st = scales.data_ptr<c10::Half>() + t * groups * TILE;
+        if (bits == 4) dequant_tile<4>(wt, st, zt, grp, k, rows, o);
+        else dequant_tile<8>(wt, st, zt, grp, k, rows, o);
+      } else {
+        const float* st = scales.data_ptr<float>() + t * groups * TILE;
+        if (bits == 4) dequant_tile<4>(wt, st, zt, grp, k, rows, o);
+        else dequant_tile<8>(wt, st, zt, grp, k, rows, o);
       }
     }
   });
@@ -379,9 +409,9 @@ int64_t features() {
 }  // namespace
 
 TORCH_LIBRARY(llamactl_cpu, lib) {
-  lib.def("qgemv(Tensor x, Tensor w, Tensor scales, Tensor szeros, Tensor blk2grp, Tensor perm, int bits) -> Tensor");
+  lib.def("qgemv(Tensor x, Tensor w, Tensor scales, Tensor zeros, Tensor blk2grp, Tensor perm, int bits, int n) -> Tensor");
   lib.def("bgemv(Tensor x, Tensor w) -> Tensor");
-  lib.def("dequant(Tensor w, Tensor scales, Tensor szeros, Tensor blk2grp, int bits, int k) -> Tensor");
+  lib.def("dequant(Tensor w, Tensor scales, Tensor zeros, Tensor blk2grp, int bits, int n, int k) -> Tensor");
   lib.def("features() -> int");
 }
 

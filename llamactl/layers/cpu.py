@@ -3,10 +3,10 @@
 
 CpuQuantLinear takes any GPTQ-format layer of 2 to 8 bits (any group size whose groups hold whole
 blocks of 32 inputs, a short last group too; act-order through a permutation of x): codes of up to
-4 bits are stored as nibbles, 5 to 8 bits as bytes, and multiplied as they are with x rounded to
-int8 per block of 32 (the kernel's docstring says how). Decode rows (up to kernels.cpu.MAX_ROWS)
-run the kernel; more rows (prefill) dequantize the layer for torch's matmul (oneDNN; in bf16, or
-exactly in float32 for float32 activations).
+4 bits are stored as nibbles, 5 to 8 bits as bytes, in tiles of 16 output rows interleaved by 4
+inputs, and multiplied as they are with x rounded to int8 per block of 32 (the kernel's comment
+says how). Decode rows (up to kernels.cpu.MAX_ROWS) run the kernel; more rows (prefill) dequantize
+the layer for torch's matmul (oneDNN; in bf16, or exactly in float32 for float32 activations).
 
 CpuLinear: a bf16 nn.Linear whose decode rows run the AVX-512 BF16 product (x rounded to bf16, as
 bf16 activations are anyway); more rows torch's matmul.
@@ -24,18 +24,19 @@ from llamactl.kernels import cpu as kcpu
 from llamactl.layers.gptq import GPTQLinear, layer_codes, swap_linears
 
 BLOCK = 32
+TILE = 16  # output rows a tile of the kernel's layout interleaves
 
 
-def _qgemv_fake(x, w, scales, szeros, blk2grp, perm, bits):
-    return x.new_empty(x.shape[0], w.shape[0])
+def _qgemv_fake(x, w, scales, zeros, blk2grp, perm, bits, n):
+    return x.new_empty(x.shape[0], n)
 
 
 def _bgemv_fake(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-def _dequant_fake(w, scales, szeros, blk2grp, bits, k):
-    return w.new_empty(w.shape[0], k, dtype=torch.bfloat16)
+def _dequant_fake(w, scales, zeros, blk2grp, bits, n, k):
+    return w.new_empty(n, k, dtype=torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,33 +62,53 @@ def bf16_fast() -> bool:
     return kernels_load() is None and bool(kcpu.features() & kcpu.BF16)
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """codes: [N, K] in 0..15, K a multiple of 32 -> uint8 [N, K / 2] in the kernel's layout: per
-    chunk of 64 inputs 32 bytes, byte j = input j | input 32 + j << 4 (a last chunk of 32: 16 bytes)."""
+def pack_tiles(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: [N, K] (0..15 for bits 4, 0..255 for 8), K a multiple of 32 -> uint8 [ceil(N / 16),
+    K * bits / 8 * 16]: tiles of 16 rows (the last padded with zero rows), interleaved by 4 inputs
+    (the kernel's layout, cpu_gemv.cpp)."""
     n, k = codes.shape
-    c = codes.to(torch.uint8)
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, -n % TILE)).view(-1, TILE, k)  # [T, 16, K]
+    t = c.shape[0]
+    if bits == 8:  # unit u: [16 rows, inputs 4u .. 4u + 3]
+        return c.view(t, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(t, -1).contiguous()
     full = k // 64 * 64
     parts = []
-    if full:
-        v = c[:, :full].reshape(n, -1, 2, 32)
-        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, -1))
-    if k - full:
-        v = c[:, full:].reshape(n, 1, 2, 16)
-        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, -1))
+    if full:  # per chunk of 64, unit t: inputs 4t + j low, 32 + 4t + j high
+        v = c[:, :, :full].reshape(t, TILE, -1, 2, 8, 4)
+        parts.append((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, -1))
+    if k - full:  # a last chunk of 32: inputs 4t + j low, 16 + 4t + j high
+        v = c[:, :, full:].reshape(t, TILE, 2, 4, 4)
+        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).permute(0, 2, 1, 3).reshape(t, -1))
     return torch.cat(parts, dim=1).contiguous()
 
 
-def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """pack_nibbles' inverse: uint8 [N, K / 2] -> codes [N, K] (uint8)."""
-    n = packed.shape[0]
+def unpack_tiles(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
+    """pack_tiles' inverse: -> codes [N, K] (uint8)."""
+    t = packed.shape[0]
+    if bits == 8:
+        c = packed.view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(t * TILE, k)
+        return c[:n]
     full = k // 64 * 64
-    lo, hi = packed & 0x0F, packed >> 4
     parts = []
     if full:
-        parts.append(torch.stack([lo[:, : full // 2].reshape(n, -1, 32), hi[:, : full // 2].reshape(n, -1, 32)], 2).reshape(n, -1))
+        v = packed[:, : full * 8].reshape(t, -1, 8, TILE, 4).permute(0, 3, 1, 2, 4)  # [T, 16, chunks, 8, 4]
+        parts.append(torch.stack([v & 0x0F, v >> 4], dim=3).reshape(t, TILE, full))
     if k - full:
-        parts.append(torch.cat([lo[:, full // 2 :], hi[:, full // 2 :]], dim=1))
-    return torch.cat(parts, dim=1)
+        v = packed[:, full * 8 :].reshape(t, 4, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, 4, 4]
+        parts.append(torch.stack([v & 0x0F, v >> 4], dim=2).reshape(t, TILE, 32))
+    return torch.cat(parts, dim=2).reshape(t * TILE, k)[:n]
+
+
+def tile_rows(v: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [ceil(N / 16), G, 16] (the last tile padded with zeros): per tile and group the 16
+    rows side by side, as the kernel loads them."""
+    n, g = v.shape
+    return F.pad(v, (0, 0, 0, -n % TILE)).view(-1, TILE, g).transpose(1, 2).contiguous()
+
+
+def untile_rows(v: torch.Tensor, n: int) -> torch.Tensor:
+    """tile_rows' inverse: -> [N, G]."""
+    return v.transpose(1, 2).reshape(-1, v.shape[1])[:n]
 
 
 def block_groups(g_idx: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -112,19 +133,26 @@ class CpuQuantLinear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
                  blk2grp: torch.Tensor, bits: int, bias: torch.Tensor | None):
-        """codes: [out, in] in the order x is read (perm applied), zeros/scales: [groups, out]."""
+        """codes: [out, in] in the order x is read (perm applied), zeros (integers 0..255) and
+        scales: [groups, out]. Scales stay fp16 where they are fp16 exactly (GPTQ checkpoints),
+        else float32."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.bits = bits
         self.store_bits = 4 if bits <= 4 else 8
-        w = pack_nibbles(codes) if self.store_bits == 4 else codes.to(torch.uint8).contiguous()
-        s = scales.float().t().contiguous()  # [out, groups]
-        self.register_buffer("weight_packed", w)
-        self.register_buffer("scales", s)
-        self.register_buffer("szeros", (s * zeros.float().t()).contiguous())
-        self.register_buffer("blk2grp", blk2grp)
-        self.register_buffer("perm", torch.empty(0, dtype=torch.long) if perm is None else perm.long().contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        s = scales.t().float()  # [out, groups]
+        if torch.equal(s.half().float(), s):
+            s = s.half()
+        # frozen parameters rather than buffers: Dynamo checks buffers against each other for
+        # aliasing on every call of a compiled step, parameters not (about 1.4 ms of a 30-layer
+        # CPU step)
+        frozen = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.weight_packed = frozen(pack_tiles(codes, self.store_bits))
+        self.scales = frozen(tile_rows(s))
+        self.zeros = frozen(tile_rows(zeros.t().to(torch.uint8)))
+        self.blk2grp = frozen(blk2grp)
+        self.perm = frozen(torch.empty(0, dtype=torch.long) if perm is None else perm.long().contiguous())
+        self.bias = None if bias is None else frozen(bias.float())
 
     @classmethod
     def from_gptq(cls, lin: GPTQLinear) -> "CpuQuantLinear | None":
@@ -138,6 +166,12 @@ class CpuQuantLinear(nn.Module):
             codes = codes[:, perm]
         return cls(codes, zeros, lin.scales, perm, blk2grp, lin.bits, lin.bias)
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [out, in] in x's column order, zeros [groups, out], scales [groups, out])."""
+        n = self.out_features
+        codes = unpack_tiles(self.weight_packed, n, self.in_features, self.store_bits)
+        return codes, untile_rows(self.zeros, n).t(), untile_rows(self.scales, n).t()
+
     @classmethod
     def concat(cls, mods: list["CpuQuantLinear"]) -> "CpuQuantLinear | None":
         """One layer computing the outputs of `mods` (same input, same layout) side by side."""
@@ -147,23 +181,18 @@ class CpuQuantLinear(nn.Module):
                    and m.scales.shape[1] == first.scales.shape[1] for m in mods)
         if not same:
             return None
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = first.in_features, sum(m.out_features for m in mods)
-        new.bits, new.store_bits = max(m.bits for m in mods), first.store_bits
-        for name in ("weight_packed", "scales", "szeros"):
-            new.register_buffer(name, torch.cat([getattr(m, name) for m in mods]))
-        new.register_buffer("blk2grp", first.blk2grp)
-        new.register_buffer("perm", first.perm)
-        new.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias for m in mods]), requires_grad=False)
+        codes, zeros, scales = zip(*(m.parts() for m in mods))
+        bias = None if first.bias is None else torch.cat([m.bias for m in mods])
+        new = cls(torch.cat(codes), torch.cat(zeros, 1), torch.cat([s.float() for s in scales], 1),
+                  first.perm if first.perm.numel() else None, first.blk2grp, max(m.bits for m in mods), bias)
         return new
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] in x's column order (perm applied), for prefill."""
-        k = self.in_features
-        codes = unpack_nibbles(self.weight_packed, k) if self.store_bits == 4 else self.weight_packed
+        codes, zeros, scales = self.parts()
         g = self.blk2grp.long().repeat_interleave(BLOCK)  # [in]
-        return (codes.to(dtype) * self.scales[:, g].to(dtype) - self.szeros[:, g].to(dtype))
+        s = scales.t()[:, g].to(dtype)  # [out, in]
+        return codes.to(dtype) * s - s * zeros.t()[:, g].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -172,15 +201,15 @@ class CpuQuantLinear(nn.Module):
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         if x2.shape[0] <= kcpu.MAX_ROWS:
-            y = torch.ops.llamactl_cpu.qgemv(x2.contiguous(), self.weight_packed, self.scales, self.szeros,
-                                             self.blk2grp, self.perm, self.store_bits)
+            y = torch.ops.llamactl_cpu.qgemv.default(x2.contiguous(), self.weight_packed, self.scales, self.zeros,
+                                             self.blk2grp, self.perm, self.store_bits, self.out_features)
         else:
             xp = x2[:, self.perm] if self.perm.numel() else x2
             if xp.dtype == torch.float32:  # float32 stays exact (a quality measurement's prefill)
                 y = F.linear(xp, self.dequantized(torch.float32))
             else:
-                w = torch.ops.llamactl_cpu.dequant(self.weight_packed, self.scales, self.szeros, self.blk2grp,
-                                                   self.store_bits, self.in_features)  # [out, in] bf16
+                w = torch.ops.llamactl_cpu.dequant.default(self.weight_packed, self.scales, self.zeros, self.blk2grp,
+                                                   self.store_bits, self.out_features, self.in_features)  # [out, in] bf16
                 y = F.linear(xp, w)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -195,7 +224,7 @@ class CpuLinear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > kcpu.MAX_ROWS or self.weight.dtype != torch.bfloat16:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.llamactl_cpu.bgemv(x2.contiguous(), self.weight)
+        y = torch.ops.llamactl_cpu.bgemv.default(x2.contiguous(), self.weight)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -207,7 +236,11 @@ def use_cpu_kernels(model) -> int:
     returns how many (0 when the kernels did not load or have no vector path here)."""
     if not quant_fast():
         return 0
-    names = [name for name, mod in model.named_modules()
-             if isinstance(mod, GPTQLinear) and mod.qweight.device.type == "cpu" and block_groups(mod.g_idx)[1] is not None]
-    swap_linears(model, names, CpuQuantLinear.from_gptq)
-    return len(names)
+    swapped = 0
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, GPTQLinear) and mod.qweight.device.type == "cpu":
+            fast = CpuQuantLinear.from_gptq(mod)
+            if fast is not None:
+                swap_linears(model, [name], lambda _: fast)  # noqa: B023 (called at once)
+                swapped += 1
+    return swapped
