@@ -197,11 +197,25 @@ def receive(world: World) -> Any:
     return box[0]
 
 
-def _leave() -> None:
+def _leave(wait_s: float = 20.0) -> None:
+    """Tear the group down at exit, after every rank has checked in at the store (bounded by
+    `wait_s`: a rank that failed or was stopped is not waited for): a rank tearing down its
+    connections while another still runs aborts that one (gloo: a thread destroyed joinable)."""
+    import time
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        arrived, end = store.add("llamactl/leaving", 1), time.monotonic() + wait_s
+        while arrived < dist.get_world_size() and time.monotonic() < end:
+            time.sleep(0.02)
+            arrived = store.add("llamactl/leaving", 0)
+    except Exception:  # noqa: BLE001 - the store's host already left: nothing to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def shared_seed() -> int:
