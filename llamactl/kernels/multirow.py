@@ -5,6 +5,13 @@ times. Here each program takes BLOCK_N output columns, streams their weights onc
 (BLOCK_M of them, 16 at least for tl.dot, the rest masked), dequantizes them in registers (int8:
 per output channel; int4: the layout of kernels.gemv, one group's scale and zero per block) and
 multiplies them on the tensor cores in bf16/fp16 with float32 sums.
+
+int4 layers with groups of 128 columns or a multiple (GPTQ's and RTN's usual g128) take a
+split-K kernel instead: SPLIT programs share a column block's K and add their float32 sums
+atomically (so the summation order, and the last bits of a sum, may differ between runs). It
+decodes up to 16 rows as the plane kernel does (8 nibble planes, 16-column dots), more with the
+nibbles unpacked to contiguous columns and one 128-column dot; measured against the plane kernel,
+torch's tinygemm and dequantize + cuBLAS in docs/bench/README.md (scripts/int4_batch_probe.py).
 """
 
 from __future__ import annotations
@@ -82,9 +89,77 @@ def _multirow_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr, UNPACK: tl.constexpr,
+                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr = False):
+    # x: [M, K] 16-bit, w: [N, K // 8] int32 (nibble j of word i: column 8 i + j), s: [N, K // G]
+    # fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N] float32, zeroed before: program
+    # (n, k, m) adds its share of K's 128-column blocks (a block lies in one group)
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok, n_ok = rm < M, rn < N
+    dt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
+    prec: tl.constexpr = "ieee" if F32 else "tf32"
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K  # [BM, 1]
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    blocks = K // 128
+    per = tl.cdiv(blocks, SPLIT)
+    for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
+        words = b * 16 + tl.arange(0, 16)  # [16]
+        p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16]
+        g = b * 128 // G
+        s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+        z = tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32)
+        if UNPACK:  # contiguous columns, one dot of 128
+            c = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, 16, 8]
+            w = ((tl.reshape(c, (BLOCK_N, 128)).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 128]
+            x = tl.load(x_rows + (b * 128 + tl.arange(0, 128))[None, :], mask=m_ok[:, None], other=0.0).to(dt)
+            acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
+        else:  # nibble plane j meets x's columns 8 i + j
+            for j in tl.static_range(8):
+                w = ((((p >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 16]
+                x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, 16]
+                acc += tl.dot(x, tl.trans(w), input_precision=prec)
+    tl.atomic_add(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 # the choice per shape is kept in Triton's cache
 _tuned = triton.autotune(configs=_configs(), key=["BLOCK_M", "N", "K", "G", "KIND"],
                          prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_multirow_kernel)
+
+
+_splitk_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
+             for bn in (32, 64, 128) for sp in (1, 2, 4, 8) for w, st in ((4, 3), (8, 4))],
+    key=["BLOCK_M", "N", "K", "G", "UNPACK"], reset_to_zero=["y_ptr"], cache_results=True)(_int4_splitk_kernel)
+
+
+def splitk_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """multirow_int4 for groups of a multiple of 128 columns (checked there): x [M, K] -> [M, N]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    args = (x, qweight, scales, zeros, y, m, n, k)
+    if interpreted():  # two splits: the atomic sums are exercised
+        _int4_splitk_kernel[(triton.cdiv(n, 32), 2, 1)](*args, G=group_size, UNPACK=m > 16, SPLIT=2,
+                                                        BLOCK_M=block_m, BLOCK_N=32, F32=True)
+    else:
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], triton.cdiv(m, block_m))
+
+        _splitk_tuned[grid](*args, G=group_size, UNPACK=m > 16, BLOCK_M=block_m)
+    return y.to(x.dtype)
+
+
+def int4_rows(group_size: int) -> int:
+    """The most rows multirow_int4 is for with these groups (more: dequantize + cuBLAS). Measured on
+    the H200 (llama2-7b shapes, docs/bench/README.md): the split-K kernel is 2.3x dequantize +
+    cuBLAS at 32 rows; the plane kernel was behind it above 16."""
+    return MAX_ROWS if group_size % 128 == 0 else 16
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None, n: int, k: int,
@@ -133,6 +208,10 @@ def multirow_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 32 or k % group_size:
         raise ValueError(f"int4 groups of {group_size} over {k} columns: need G % 32 == 0 and K % G == 0")
+    if group_size % 128 == 0:
+        if not 0 < x.shape[0] <= MAX_ROWS:
+            raise ValueError(f"multirow products take 1 to {MAX_ROWS} rows, not {x.shape[0]}")
+        return splitk_int4(_check(x, k), qweight, scales, zeros, group_size)
     return _launch(_check(x, k), qweight, scales, zeros, n, k, group_size, W4)
 
 

@@ -24,10 +24,6 @@ from llamactl.layers.fused import FusedIO
 from llamactl.layers.gptq import GPTQLinear, unpack_rows
 
 INNER_K_TILES = 8
-# Rows up to which a decode batch takes kernels.multirow; more dequantize for cuBLAS. Measured on the
-# H200 (llama2-7b shape, docs/bench/README.md): at 8 rows multirow 698 tok/s against 639 for a GEMV
-# a row; at 32 dequantizing + cuBLAS 1,204 against 1,116 (16, between them, is not measured).
-INT4_MULTIROW = 16
 
 
 def supported(in_features: int, out_features: int, group_size: int) -> bool:
@@ -204,9 +200,9 @@ def use_int4_kernels(model, group_size: int, triton: bool) -> int:
 class TritonInt4Linear(nn.Module, FusedIO):
     """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
-    Single rows run the int4 GEMV (reads 4 bits a weight), a small decode batch (2 to
-    INT4_MULTIROW rows) the multi-row kernel (kernels.multirow: the weights read once for all
-    rows), more rows (larger batches, prefill) dequantize the layer to 16 bits with a Triton
+    Single rows run the int4 GEMV (reads 4 bits a weight), a decode batch (2 to
+    multirow.int4_rows rows: 64 with groups of 128, else 16) the multi-row kernels
+    (kernels.multirow: the weights read once for all rows), more rows (larger batches, prefill) dequantize the layer to 16 bits with a Triton
     kernel and use cuBLAS.
     """
 
@@ -256,7 +252,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         from llamactl.kernels.gemv import dequantize_int4, gemv_int4
-        from llamactl.kernels.multirow import multirow_int4
+        from llamactl.kernels.multirow import int4_rows, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():
             y = gemv_int4(x.reshape(-1), self.qweight, self.scales, self.zeros, self.group_size, *self._norm_args(),
@@ -271,7 +267,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
-        elif x2.shape[0] <= INT4_MULTIROW:  # a small decode batch: every weight read once for all rows
+        elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
         else:
             y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
