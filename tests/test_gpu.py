@@ -189,11 +189,14 @@ def test_bench_scores_int8_fp16_and_int16_input_rows_through_the_decode_step(rtn
     assert abs(q16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3
     assert abs(qi16["kl_mean"] - qf["kl_mean"]) < 0.05 * qf["kl_mean"] + 1e-3
 
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
-def test_rows_at_their_own_positions_on_the_gpu(trained_model, mode):
-    """Each row of a batch at its own position (SDPA and cuBLAS for B > 1) against each alone
-    (llamactl's batch-1 kernels): greedy tokens agree within bf16's rounding."""
-    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+def test_rows_at_their_own_positions_on_the_gpu(trained_model, mode, weights, request):
+    """Each row of a batch at its own position (SDPA and cuBLAS or the int4 split-K kernel for
+    B > 1) against each alone (llamactl's batch-1 kernels): greedy tokens agree within bf16's
+    rounding."""
+    folder = trained_model if weights == "bf16" else request.getfixturevalue("rtn4")
+    model = load_model(open_artifact(folder), torch.device("cuda"), torch.bfloat16)
     prompts = [torch.arange(10, 15, device="cuda"), torch.arange(100, 109, device="cuda"),
                torch.arange(300, 313, device="cuda")]
     n = 8
