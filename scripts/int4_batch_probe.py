@@ -1,9 +1,11 @@
 """Which int4 product a decode batch of 1-64 rows should take: llama2-7b layer shapes on the GPU.
 
-Usage: python scripts/int4_batch_probe.py OUT.json [--check]. For each shape (N, K) and rows M,
+Usage: python scripts/int4_batch_probe.py OUT.json [--check] [--rows 8,16,32]. For each shape (N, K) and rows M,
 device time in us (calls in a CUDA graph) of:
   cublas_bf16     the 16-bit product (the bandwidth reference: 2 bytes a weight)
-  multirow        llamactl's multi-row int4 kernel (8 nibble planes, K=16 dots, one group a block)
+  multirow        what llamactl's multirow_int4 runs at the probed commit (before 2026-12-03: 8 nibble
+                  planes, K=16 dots, one group a block; since: the split-K kernel, scale and zero
+                  point applied per block)
   splitk_planes   the same decode split over K (SPLIT programs a column block, float32 atomics)
   splitk_unpack   nibbles unpacked to contiguous columns in registers, one K=BLOCK_K dot a block,
                   split over K (the torchao / gpt-fast Triton int4 layout of the loop)
@@ -130,7 +132,7 @@ def timed(fn, n=20):
     return a.elapsed_time(b) * 1000 / (10 * n)
 
 
-def main(out):
+def main(out, rows_probed):
     from llamactl.kernels.int4_layout import dequantize_int4
     from llamactl.kernels.multirow import multirow_int4
 
@@ -152,7 +154,7 @@ def main(out):
                 "tinygemm": torch.ops.aten._weight_int4pack_mm(x, tg, G, sz), "multirow": multirow_int4(x, q, s, z, G)}
         errs = {key: ((v.double() - ref).norm() / ref.norm()).item() for key, v in errs.items()}
         print(name, {key: f"{v:.1e}" for key, v in errs.items()}, flush=True)
-        for m in ROWS:
+        for m in rows_probed:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             r = {"layer": name, "N": n, "K": k, "M": m, "errors": errs,
                  "cublas_bf16": timed(lambda: F.linear(x, w16)),
@@ -170,4 +172,8 @@ def main(out):
 
 
 if __name__ == "__main__":
-    check() if "--check" in sys.argv else main(sys.argv[1])
+    if "--check" in sys.argv:
+        check()
+    else:
+        rows_arg = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else None
+        main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS)
