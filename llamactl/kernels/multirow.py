@@ -112,21 +112,16 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.conste
         g = b * 128 // G
         s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
         z = tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32)
-        # the group's scale and zero point leave the weights: a block adds s (x . codes - z sum(x)),
-        # so a weight costs a shift, a mask and a conversion (codes 0..15 are exact in 16 bits)
         if UNPACK:  # contiguous columns, one dot of 128
             c = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, 16, 8]
+            w = ((tl.reshape(c, (BLOCK_N, 128)).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 128]
             x = tl.load(x_rows + (b * 128 + tl.arange(0, 128))[None, :], mask=m_ok[:, None], other=0.0).to(dt)
-            d = tl.dot(x, tl.trans(tl.reshape(c, (BLOCK_N, 128)).to(dt)), input_precision=prec)  # [BM, BN]
-            xsum = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+            acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
         else:  # nibble plane j meets x's columns 8 i + j
-            d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for j in tl.static_range(8):
+                w = ((((p >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 16]
                 x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, 16]
-                d += tl.dot(x, tl.trans(((p >> (4 * j)) & 0xF).to(dt)), input_precision=prec)
-                xsum += tl.sum(x.to(tl.float32), axis=1)
-        acc += (d - xsum[:, None] * z[None, :]) * s[None, :]
+                acc += tl.dot(x, tl.trans(w), input_precision=prec)
     tl.atomic_add(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
