@@ -4,8 +4,8 @@ Usage: python scripts/int4_batch_probe.py OUT.json [--check] [--rows 8,16,32]. F
 device time in us (calls in a CUDA graph) of:
   cublas_bf16     the 16-bit product (the bandwidth reference: 2 bytes a weight)
   multirow        what llamactl's multirow_int4 runs at the probed commit (before 2026-12-03: 8 nibble
-                  planes, K=16 dots, one group a block; since: the split-K kernel, scale and zero
-                  point applied per block)
+                  planes, K=16 dots, one group a block; since: the split-K kernel, as splitk_*; in
+                  commit 212ad57 alone, scale and zero point applied per block: slower)
   splitk_planes   the same decode split over K (SPLIT programs a column block, float32 atomics)
   splitk_unpack   nibbles unpacked to contiguous columns in registers, one K=BLOCK_K dot a block,
                   split over K (the torchao / gpt-fast Triton int4 layout of the loop)
