@@ -127,7 +127,8 @@ class Attention(nn.Module):
         self.qkv_sizes = (h * d, kv * d, kv * d)
         self.kv_cache: KVCache | None = None
         # set by layers.prepare for S == 1: "rope" (llamactl's split-KV attention with RoPE and the
-        # cache write folded in), "plain" (the attention kernel alone), or "" (SDPA); with its
+        # cache write folded in), "plain" (the attention kernel alone), "cpu" (llamactl's CPU
+        # decode attention, kernels/cpu_attention.cpp), or "" (SDPA); with its
         # smallest chunk of the cache and programmatic dependent launch
         self.decode_kernel = ""
         self.attn_min_chunk = 64
@@ -170,6 +171,11 @@ class Attention(nn.Module):
 
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos.view(-1),
                                  self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
+        if kernel and self.decode_kernel == "cpu" and q.dtype == k.dtype:  # reads positions 0..input_pos alone
+            y = torch.ops.llamactl_cpu.decode_attention.default(
+                q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), k, v, input_pos.reshape(-1),
+                self.head_dim**-0.5)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
         if mask.shape[-1] < k.shape[2]:  # the caller cut the cache to the positions that matter (eager steps)
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]

@@ -123,6 +123,44 @@ def test_quantized_layers_concatenate():
     assert lcpu.CpuQuantLinear.concat([lcpu.CpuQuantLinear.from_gptq(a), lcpu.CpuQuantLinear.from_gptq(c)]) is None
 
 
+def attention_reference(q, k, v, pos):
+    """Row b of q [B, H_kv, R, D] against cache positions 0..pos[b] of k/v, in float64."""
+    out = []
+    for b in range(q.shape[0]):
+        n = int(pos[b if pos.numel() > 1 else 0]) + 1
+        s = q[b].double() @ k[b, :, :n].double().transpose(-1, -2) * q.shape[-1] ** -0.5  # [H_kv, R, n]
+        out.append(torch.softmax(s, -1) @ v[b, :, :n].double())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,h,r,d,s,pos", [(1, 3, 3, 64, 192, [150]), (3, 2, 4, 64, 600, [0, 300, 599]),
+                                           (2, 6, 1, 128, 64, [10, 63]), (1, 1, 8, 80, 1000, [999])])
+def test_decode_attention_matches_float64(dtype, b, h, r, d, s, pos):
+    """GQA groups of 1-8 query heads, each row at its own position (one for all rows with [1]),
+    caches longer than one chunk of 256 (chunks combined), a head width of 80, a cache with more
+    rows than the batch; positions past a row's own are never read (they hold NaN here)."""
+    g = torch.Generator().manual_seed(b * 100 + s)
+    q = torch.randn(b, h, r, d, generator=g).to(dtype)
+    k, v = (torch.randn(b + 1, h, s, d, generator=g).to(dtype) for _ in range(2))
+    p = torch.tensor(pos)
+    for t, n in zip(k, [*pos, -1] if len(pos) > 1 else [pos[0]] * (b + 1)):  # unused positions: NaN
+        t[:, n + 1 :] = float("nan")
+    for t, n in zip(v, [*pos, -1] if len(pos) > 1 else [pos[0]] * (b + 1)):
+        t[:, n + 1 :] = float("nan")
+    got = torch.ops.llamactl_cpu.decode_attention(q, k, v, p, d**-0.5)
+    ref = attention_reference(q, k, v, p)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_decode_attention_refuses_a_position_outside_the_cache():
+    q, k = torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 8, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.llamactl_cpu.decode_attention(q, k, k, torch.tensor([8]), 0.125)
+
+
 def test_compiled_call():
     lin, w = layer(256, 64, 4, 128)
     fast = lcpu.CpuQuantLinear.from_gptq(lin)

@@ -1,8 +1,9 @@
-"""llamactl's CPU kernels (cpu_gemv.cpp): built once per machine with the system's C++ compiler
-and loaded as torch operators (torch.ops.llamactl_cpu.qgemv / bgemv / dequant).
+"""llamactl's CPU kernels (cpu_gemv.cpp, cpu_attention.cpp): built once per machine with the
+system's C++ compiler into one library and loaded as torch operators
+(torch.ops.llamactl_cpu.qgemv / bgemv / dequant / decode_attention).
 
 The library is compiled for this CPU (-march=native) into the user's cache
-(~/.cache/llamactl/cpu-kernels, or XDG_CACHE_HOME), named by a hash of the source, the torch
+(~/.cache/llamactl/cpu-kernels, or XDG_CACHE_HOME), named by a hash of the sources, the torch
 version, the compiler and the CPU's flags, so another machine, torch or source builds its own.
 The build writes to a temporary name and renames it into place (atomic; a second process waiting
 for the first finds it built). Nothing is built from a model folder. Where no compiler is found,
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
 MAX_ROWS = 8  # rows one call multiplies (cpu_gemv.cpp MAX_ROWS); more go to torch's matmul
 VNNI, BF16 = 1, 2  # features() bits: the vector paths the build has
 
@@ -51,7 +52,7 @@ def _command(cxx: str, out: Path) -> list[str]:
     lib = library_paths()[0]
     return [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG",
             "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
-            *[f"-I{p}" for p in include_paths()], str(SOURCE), f"-L{lib}", f"-Wl,-rpath,{lib}",
+            *[f"-I{p}" for p in include_paths()], *map(str, SOURCES), f"-L{lib}", f"-Wl,-rpath,{lib}",
             "-lc10", "-ltorch_cpu", "-o", str(out)]
 
 
@@ -60,7 +61,7 @@ def _library_path(cxx: str) -> Path:
     st = real.stat()  # the compiler named by its file (no process started per load)
     version = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
                  sys.version.encode()):
         h.update(part)
     return cache_root() / f"llamactl_cpu-{h.hexdigest()[:16]}.so"

@@ -39,6 +39,10 @@ def _dequant_fake(w, scales, zeros, blk2grp, bits, n, k):
     return w.new_empty(n, k, dtype=torch.bfloat16)
 
 
+def _attention_fake(q, k, v, pos, scale):
+    return torch.empty_like(q)
+
+
 @functools.lru_cache(maxsize=None)
 def kernels_load() -> str | None:
     """None when the CPU kernels are built and loaded (with their shapes for torch.compile), else
@@ -48,6 +52,7 @@ def kernels_load() -> str | None:
         torch.library.register_fake("llamactl_cpu::qgemv", _qgemv_fake)
         torch.library.register_fake("llamactl_cpu::bgemv", _bgemv_fake)
         torch.library.register_fake("llamactl_cpu::dequant", _dequant_fake)
+        torch.library.register_fake("llamactl_cpu::decode_attention", _attention_fake)
     return problem
 
 

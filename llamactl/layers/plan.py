@@ -27,7 +27,7 @@ from llamactl.options import RuntimeOptions
 class Plan:
     """What the decode step runs. gemv: "triton", "cublas", "llamactl cpu" (kernels.cpu) or "torch"; inputs: what the int4/int8
     GEMVs multiply with ("float" where there are none); swiglu: the kernel that applies SwiGLU
-    (None: unfused); attention: "triton split-kv" or "sdpa"; pins: where the pinned configs came
+    (None: unfused); attention: "triton split-kv", "llamactl cpu" or "sdpa"; pins: where the pinned configs came
     from (None: autotuned); warnings: kernels that failed their self-check and were left out."""
 
     gemv: str
@@ -55,8 +55,8 @@ class Plan:
 
     @property
     def attention_label(self) -> str:
-        if self.attention == "sdpa":
-            return "sdpa"
+        if self.attention in ("sdpa", "llamactl cpu"):
+            return self.attention
         from llamactl.kernels.attention import label
 
         return label(self.attn_min_chunk)
@@ -143,13 +143,13 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     if on:
         fuse(model, options.swiglu)
     hd = model.args.head_dim
-    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else ""
+    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else "cpu" if cpu and hd <= 256 else ""
     for layer in model.model.layers:
         at = layer.self_attn
         at.decode_kernel, at.attn_min_chunk, at.pdl = attn, options.attn_min_chunk, pdl
     if not on:
         return Plan(gemv="cublas" if device.type == "cuda" else "llamactl cpu" if cpu else "torch",
-                    warnings=tuple(warnings))
+                    attention="llamactl cpu" if attn == "cpu" else "sdpa", warnings=tuple(warnings))
     return Plan(gemv="triton", triton=triton_version(), pdl=pdl, inputs=inputs,
                 swiglu=_swiglu_site(model), attention="triton split-kv" if attn else "sdpa",
                 attn_min_chunk=options.attn_min_chunk if attn else None, pins=pins.source, warnings=tuple(warnings))

@@ -1,0 +1,186 @@
+// llamactl's CPU decode attention: one new position per row against the static KV cache, reading
+// only the cache positions in use (SDPA reads the whole cache under a mask), the query heads of a
+// KV head sharing each cache row's loads (grouped-query attention without a copy).
+//
+// decode_attention(q [B, H_kv, R, D], k/v [B', H_kv, S, D] (B' >= B: cache rows 0..B-1 are used),
+// pos [B] or [1] int64, scale) -> [B, H_kv, R, D]: row b attends to cache positions 0..pos[b]
+// (pos[0] for every row when pos has one element). q, k, v: bfloat16 or float32 alike, sums and
+// the softmax in float32.
+//
+// Work is split over (row, KV head, chunk of CHUNK positions), as flash-decoding does, so that a
+// long cache keeps every thread busy when B x H_kv is small; each chunk keeps its running max and
+// sum, and a last pass combines the chunks of a (row, head). exp is a polynomial (2^f on [0, 1),
+// relative error about 2e-7) that the compiler vectorizes.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 256;  // cache positions one task reads
+constexpr int64_t MAX_R = 16;  // query heads per KV head
+
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float exp_neg(float x) {
+  // e^x for x <= 0 (a score less the running max); below -87 it is 0 to float precision
+  x = std::max(x, -87.0f) * 1.4426950409f;  // log2(e) x
+  const float n = std::floor(x), f = x - n;  // x = n + f, f in [0, 1)
+  float p = 1.8775767e-3f;  // 2^f, degree-5 minimax
+  p = p * f + 8.9893397e-3f;
+  p = p * f + 5.5826318e-2f;
+  p = p * f + 2.4015361e-1f;
+  p = p * f + 6.9315308e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, 4);
+  return p * s;
+}
+
+// One (row, KV head, chunk): the R queries' running max m, sum l and unnormalized output acc [R, D].
+template <typename T>
+void chunk_attention(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r, int64_t d,
+                     float* m, float* l, float* acc) {
+  thread_local std::vector<float> kf, sc;
+  kf.resize(d);
+  sc.resize(MAX_R * CHUNK);
+  const int64_t n = t1 - t0;
+  for (int64_t t = 0; t < n; ++t) {  // scores [R, n]
+    const T* kt = k + (t0 + t) * d;
+    for (int64_t i = 0; i < d; ++i) kf[i] = as_float(kt[i]);
+    for (int64_t j = 0; j < r; ++j) {
+      const float* qj = q + j * d;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < d; ++i) s += qj[i] * kf[i];
+      sc[j * CHUNK + t] = s;
+    }
+  }
+  for (int64_t j = 0; j < r; ++j) {  // probabilities, less the chunk's max
+    float* s = sc.data() + j * CHUNK;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_neg(s[t] - mx);
+      sum += s[t];
+    }
+    m[j] = mx;
+    l[j] = sum;
+    std::fill(acc + j * d, acc + (j + 1) * d, 0.0f);
+  }
+  for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] v[t]
+    const T* vt = v + (t0 + t) * d;
+    for (int64_t i = 0; i < d; ++i) kf[i] = as_float(vt[i]);
+    for (int64_t j = 0; j < r; ++j) {
+      const float p = sc[j * CHUNK + t];
+      float* a = acc + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += p * kf[i];
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, bool per_row,
+         float scale, at::Tensor& out) {
+  const int64_t b = q.size(0), h = q.size(1), r = q.size(2), d = q.size(3), s = k.size(2);
+  int64_t chunks = 1;
+  for (int64_t i = 0; i < b; ++i) chunks = std::max(chunks, (pos[per_row ? i : 0] + CHUNK) / CHUNK);
+  // per task: m [R], l [R], acc [R, D]
+  const int64_t stride = r * (d + 2);
+  std::vector<float> work(b * h * chunks * stride);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  at::parallel_for(0, b * h * chunks, 1, [&](int64_t lo, int64_t hi) {
+    float qf[MAX_R * 256];
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t c = task % chunks, bh = task / chunks, row = bh / h, head = bh % h;
+      const int64_t len = pos[per_row ? row : 0] + 1, t0 = c * CHUNK, t1 = std::min(len, t0 + CHUNK);
+      float* w = work.data() + task * stride;
+      if (t0 >= t1) {  // past this row's positions
+        std::fill(w, w + r, -std::numeric_limits<float>::infinity());
+        std::fill(w + r, w + 2 * r, 0.0f);
+        continue;
+      }
+      const T* qh = qp + bh * r * d;
+      for (int64_t i = 0; i < r * d; ++i) qf[i] = as_float(qh[i]) * scale;
+      const int64_t cache = (row * h + head) * s * d;
+      chunk_attention<T>(qf, kp + cache, vp + cache, t0, t1, r, d, w, w + r, w + 2 * r);
+    }
+  });
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, b * h, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> y(d);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      for (int64_t j = 0; j < r; ++j) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, work[(bh * chunks + c) * stride + j]);
+        float sum = 0.0f;
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* w = work.data() + (bh * chunks + c) * stride;
+          if (w[r + j] == 0.0f) continue;  // an empty chunk
+          const float f = exp_neg(w[j] - mx);
+          sum += f * w[r + j];
+          const float* a = w + 2 * r + j * d;
+          for (int64_t i = 0; i < d; ++i) y[i] += f * a[i];
+        }
+        T* o = op + (bh * r + j) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(y[i] / sum);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-d");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "decode_attention: contiguous tensors");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "decode_attention: q, k, v of one dtype");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+              "decode_attention: cache [B' >= B, H_kv, S, D] for q [B, H_kv, R, D]");
+  TORCH_CHECK(q.size(2) <= MAX_R && q.size(3) <= 256, "decode_attention: at most 16 query heads a KV head, D <= 256");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && (pos.numel() == q.size(0) || pos.numel() == 1),
+              "decode_attention: pos int64 [B] or [1]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i)
+    TORCH_CHECK(0 <= pp[i] && pp[i] < k.size(2), "decode_attention: a position outside the cache");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const bool per_row = pos.numel() == q.size(0) && q.size(0) > 1;
+  if (q.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(q, k, v, pp, per_row, static_cast<float>(scale), out);
+  else if (q.scalar_type() == at::kFloat)
+    run<float>(q, k, v, pp, per_row, static_cast<float>(scale), out);
+  else
+    TORCH_CHECK(false, "decode_attention: bfloat16 or float32, not ", q.scalar_type());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llamactl_cpu, lib) {
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llamactl_cpu, CPU, lib) { lib.impl("decode_attention", decode_attention); }
