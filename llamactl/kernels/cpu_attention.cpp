@@ -7,7 +7,7 @@
 // (pos[0] for every row when pos has one element). q, k, v: bfloat16 or float32 alike, sums and
 // the softmax in float32.
 //
-// Work is split over (row, KV head, chunk of CHUNK positions), as flash-decoding does, so that a
+// Work is split over (row, KV head, chunk of 32-256 positions), as flash-decoding does, so that a
 // long cache keeps every thread busy when B x H_kv is small; each chunk keeps its running max and
 // sum, and a last pass combines the chunks of a (row, head). exp is a polynomial (2^f on [0, 1),
 // relative error about 2e-7) that the compiler vectorizes.
@@ -18,6 +18,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,7 +31,8 @@
 
 namespace {
 
-constexpr int64_t CHUNK = 256;  // cache positions one task reads
+constexpr int64_t CHUNK = 256;  // cache positions one task reads, at most
+constexpr int64_t MIN_CHUNK = 32;  // ... and at least (fewer tasks rather than tinier ones)
 constexpr int64_t MAX_R = 16;  // query heads per KV head
 
 inline float as_float(float v) { return v; }
@@ -99,12 +104,68 @@ void chunk_attention(const float* q, const T* k, const T* v, int64_t t0, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float: the bits shifted up
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// chunk_attention for D % 16 == 0: a cache row loaded once as D / 16 vectors for the R queries
+template <typename T>
+void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r, int64_t d,
+                            float* m, float* l, float* acc) {
+  thread_local std::vector<float> sc;
+  sc.resize(MAX_R * CHUNK);
+  const int64_t n = t1 - t0, dv = d / 16;
+  for (int64_t t = 0; t < n; ++t) {  // scores [R, n]
+    const T* kt = k + (t0 + t) * d;
+    __m512 s[MAX_R];
+    for (int64_t j = 0; j < r; ++j) s[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dv; ++c) {
+      const __m512 kv = load16(kt + 16 * c);
+      for (int64_t j = 0; j < r; ++j) s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c), kv, s[j]);
+    }
+    for (int64_t j = 0; j < r; ++j) sc[j * CHUNK + t] = _mm512_reduce_add_ps(s[j]);
+  }
+  for (int64_t j = 0; j < r; ++j) {
+    float* sj = sc.data() + j * CHUNK;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      sj[t] = exp_neg(sj[t] - mx);
+      sum += sj[t];
+    }
+    m[j] = mx;
+    l[j] = sum;
+    std::fill(acc + j * d, acc + (j + 1) * d, 0.0f);
+  }
+  for (int64_t t = 0; t < n; ++t) {  // acc[j] += p[j, t] v[t]
+    const T* vt = v + (t0 + t) * d;
+    for (int64_t c = 0; c < dv; ++c) {
+      const __m512 vv = load16(vt + 16 * c);
+      for (int64_t j = 0; j < r; ++j) {
+        float* a = acc + j * d + 16 * c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(sc[j * CHUNK + t]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, bool per_row,
          float scale, at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), r = q.size(2), d = q.size(3), s = k.size(2);
-  int64_t chunks = 1;
-  for (int64_t i = 0; i < b; ++i) chunks = std::max(chunks, (pos[per_row ? i : 0] + CHUNK) / CHUNK);
+  int64_t longest = 1;
+  for (int64_t i = 0; i < b; ++i) longest = std::max(longest, pos[per_row ? i : 0] + 1);
+  // chunks of MIN_CHUNK..CHUNK positions, enough tasks for every thread (4 each) where there are
+  // fewer rows x heads than that
+  const int64_t want = std::max<int64_t>(1, (4 * at::get_num_threads() + b * h - 1) / (b * h));
+  const int64_t size = std::clamp<int64_t>((longest + want - 1) / want, MIN_CHUNK, CHUNK);
+  const int64_t chunks = (longest + size - 1) / size;
   // per task: m [R], l [R], acc [R, D]
   const int64_t stride = r * (d + 2);
   std::vector<float> work(b * h * chunks * stride);
@@ -115,7 +176,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
     float qf[MAX_R * 256];
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t c = task % chunks, bh = task / chunks, row = bh / h, head = bh % h;
-      const int64_t len = pos[per_row ? row : 0] + 1, t0 = c * CHUNK, t1 = std::min(len, t0 + CHUNK);
+      const int64_t len = pos[per_row ? row : 0] + 1, t0 = c * size, t1 = std::min(len, t0 + size);
       float* w = work.data() + task * stride;
       if (t0 >= t1) {  // past this row's positions
         std::fill(w, w + r, -std::numeric_limits<float>::infinity());
@@ -125,6 +186,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
       const T* qh = qp + bh * r * d;
       for (int64_t i = 0; i < r * d; ++i) qf[i] = as_float(qh[i]) * scale;
       const int64_t cache = (row * h + head) * s * d;
+#if defined(__AVX512F__)
+      if (d % 16 == 0) {
+        chunk_attention_avx512<T>(qf, kp + cache, vp + cache, t0, t1, r, d, w, w + r, w + 2 * r);
+        continue;
+      }
+#endif
       chunk_attention<T>(qf, kp + cache, vp + cache, t0, t1, r, d, w, w + r, w + 2 * r);
     }
   });
