@@ -21,6 +21,7 @@ import torch
 from llamactl import __version__
 from llamactl.decode import Decoder, attention_backend, sync
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.layers.plan import products
 from llamactl.options import RuntimeOptions
 from llamactl.stats import median, percentile, spread
 
@@ -122,7 +123,8 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     backend = attention_backend(model, batch, device)
     if dec.kernels["decode_attention"] != "sdpa":
         backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
-    return {"runs": timed, "backend": backend, "kv_bytes": kv_alloc_bytes(model), "gemv": dec.plan.label, "plan": dec.plan}
+    return {"runs": timed, "backend": backend, "kv_bytes": kv_alloc_bytes(model), "gemv": dec.plan.label, "plan": dec.plan,
+            "products": products(model, batch)}
 
 
 def allreduce_ms_per_step(model, batch: int, steps: int = 20) -> float:
@@ -247,6 +249,7 @@ def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) ->
         "repeats": len(runs),
         "attention_backend": raw["backend"],
         "gemv": raw.get("gemv"),
+        "products": raw.get("products"),
         "plan": raw["plan"].as_dict() if raw.get("plan") else None,
         "kv_bytes": raw["kv_bytes"],
     }

@@ -17,6 +17,7 @@ COLUMNS = [  # (header, key, format)
     ("ms/token p50", "latency_ms_p50", "{:.2f}"),
     ("p95", "latency_ms_p95", "{:.2f}"), ("speed-up", "speedup", "{:.2f}x"), ("peak mem", "peak_mem_bytes", "bytes"),
     ("weights", "weight_bytes", "bytes"), ("KV cache", "kv_bytes", "bytes"), ("attention", "attention_backend", "{}"),
+    ("products", "products", "{}"),
     ("of ceiling", "bandwidth_ceiling_frac", "{:.0%}"),
 ]
 

@@ -62,6 +62,7 @@ def test_json_schema_on_synthetic_tiny(tiny_json):
         assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0
         assert r["latency_ms_p50"] <= r["latency_ms_p95"]
         assert 0 < r["bandwidth_ceiling_frac"] < 1.5
+        assert r["products"], r  # what the linears ran at this batch, named
         # SDPA, or llamactl's CPU decode attention with SDPA for prefill
         assert r["attention_backend"].startswith(("sdpa", "llamactl cpu (decode), sdpa"))
         # tiny: 4 layers x 2 KV heads x head_dim 32 x 2 (K, V) x the dtype's bytes (the CPU's default:
@@ -219,3 +220,22 @@ def test_a_busy_cpu_is_said(monkeypatch):
     assert _busy_cpu() == "load 9.0 on 2 cores"
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
     assert _busy_cpu() is None
+
+
+def test_rows_name_the_products_of_their_batch():
+    """A bench row says what the linears ran at its batch: int4 layers with groups of 128 and of
+    64 at 1 to 65 rows (the layers' own product(), no GPU needed), torch's for the rest."""
+    import torch
+
+    from llamactl.layers.int4 import TritonInt4Linear
+    from llamactl.layers.plan import products
+
+    lin = TritonInt4Linear.__new__(TritonInt4Linear)  # no weights: product() reads the group size alone
+    torch.nn.Module.__init__(lin)
+    lin.group_size = 128
+    assert [lin.product(r) for r in (1, 8, 64, 65)] == ["int4 GEMV", "int4 split-K", "int4 split-K",
+                                                        "int4 dequantize + cuBLAS"]
+    lin.group_size = 64
+    assert lin.product(16) == "int4 multirow" and lin.product(17) == "int4 dequantize + cuBLAS"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), lin)
+    assert products(model, 8) == "torch Linear; int4 multirow"

@@ -220,6 +220,10 @@ class CpuQuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
+    def product(self, rows: int) -> str:
+        """What multiplies `rows` rows (bench rows name it)."""
+        return "low-bit llamactl cpu" if rows <= kcpu.MAX_ROWS else "low-bit dequantize + oneDNN"
+
 
 class CpuLinear(nn.Linear):
     """A bf16 nn.Linear whose decode rows run llamactl's AVX-512 BF16 product."""
@@ -233,6 +237,10 @@ class CpuLinear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: int) -> str:
+        """What multiplies `rows` rows (bench rows name it)."""
+        return "bf16 llamactl cpu" if rows <= kcpu.MAX_ROWS else "bf16 oneDNN"
 
 
 @torch.no_grad()

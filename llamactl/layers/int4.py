@@ -275,3 +275,13 @@ class TritonInt4Linear(nn.Module, FusedIO):
             y = y + self.bias.to(y.dtype)
         y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
         return y if residual is None else residual + y
+
+    def product(self, rows: int) -> str:
+        """What multiplies `rows` rows (bench rows name it)."""
+        from llamactl.kernels.multirow import int4_rows
+
+        if rows == 1:
+            return "int4 GEMV"
+        if rows <= int4_rows(self.group_size):
+            return "int4 split-K" if self.group_size % 128 == 0 else "int4 multirow"
+        return "int4 dequantize + cuBLAS"

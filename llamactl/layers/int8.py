@@ -93,6 +93,14 @@ class Int8Kernel(nn.Module, FusedIO):
         y = self._unfused_output(y.view(*shape[:-1], self.out_features).to(dtype))
         return y if residual is None else residual + y
 
+    def product(self, rows: int) -> str:
+        """What multiplies `rows` rows (bench rows name it)."""
+        from llamactl.kernels.multirow import MAX_ROWS
+
+        if self.triton:
+            return "int8 GEMV" if rows == 1 else "int8 multirow" if rows <= MAX_ROWS else "int8 dequantize + cuBLAS"
+        return "int8 torch int8pack" if self.torch_mm else "int8 dequantize + cuBLAS"
+
 
 def _from_module(mod, triton: bool) -> Int8Kernel | None:
     if isinstance(mod, Int8Linear):

@@ -155,6 +155,18 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
                 attn_min_chunk=options.attn_min_chunk if attn else None, pins=pins.source, warnings=tuple(warnings))
 
 
+def products(model, rows: int) -> str:
+    """What the decode step's linears run at `rows` rows, each kind once ("int4 split-K; 16-bit
+    cuBLAS"): the layers that say (product()), torch's for the rest."""
+    seen: dict[str, None] = {}
+    for mod in model.modules():
+        if hasattr(mod, "product"):
+            seen[mod.product(rows)] = None
+        elif type(mod) is nn.Linear or type(mod).__name__ in ("GPTQLinear", "Int4Linear"):
+            seen[f"torch {type(mod).__name__}"] = None
+    return "; ".join(seen)
+
+
 def _swiglu_site(model) -> str | None:
     """Which kernel applies SwiGLU after fuse: "gate_up" (its output), "down" (its input) or None."""
     mlp = model.model.layers[0].mlp if len(model.model.layers) else None
