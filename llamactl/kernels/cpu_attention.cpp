@@ -111,14 +111,29 @@ inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float: the bits sh
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// chunk_attention for D % 16 == 0: a cache row loaded once as D / 16 vectors for the R queries
+// e^x of 16 lanes, x <= 0 (exp_neg's polynomial, vectorized)
+inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.4426950409f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.8775767e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// chunk_attention for D % 16 == 0: a cache row loaded once as D / 16 vectors for the R queries;
+// the weighted sum of V keeps each query's 16 output columns in a register across the chunk
 template <typename T>
 void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r, int64_t d,
                             float* m, float* l, float* acc) {
   thread_local std::vector<float> sc;
-  sc.resize(MAX_R * CHUNK);
-  const int64_t n = t1 - t0, dv = d / 16;
-  for (int64_t t = 0; t < n; ++t) {  // scores [R, n]
+  sc.resize(MAX_R * (CHUNK + 16));
+  const int64_t n = t1 - t0, dv = d / 16, ld = CHUNK + 16;  // scores [R, n], rows padded to whole vectors
+  for (int64_t t = 0; t < n; ++t) {
     const T* kt = k + (t0 + t) * d;
     __m512 s[MAX_R];
     for (int64_t j = 0; j < r; ++j) s[j] = _mm512_setzero_ps();
@@ -126,31 +141,32 @@ void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, 
       const __m512 kv = load16(kt + 16 * c);
       for (int64_t j = 0; j < r; ++j) s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c), kv, s[j]);
     }
-    for (int64_t j = 0; j < r; ++j) sc[j * CHUNK + t] = _mm512_reduce_add_ps(s[j]);
+    for (int64_t j = 0; j < r; ++j) sc[j * ld + t] = _mm512_reduce_add_ps(s[j]);
   }
-  for (int64_t j = 0; j < r; ++j) {
-    float* sj = sc.data() + j * CHUNK;
+  const int64_t whole = (n + 15) / 16;
+  for (int64_t j = 0; j < r; ++j) {  // probabilities less the chunk's max; the padding gets 0
+    float* sj = sc.data() + j * ld;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sj[t] = exp_neg(sj[t] - mx);
-      sum += sj[t];
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t b = 0; b < whole; ++b) {
+      const __mmask16 live = n - 16 * b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * b)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sj + 16 * b), vmx)));
+      _mm512_storeu_ps(sj + 16 * b, e);
+      sum = _mm512_add_ps(sum, e);
     }
     m[j] = mx;
-    l[j] = sum;
-    std::fill(acc + j * d, acc + (j + 1) * d, 0.0f);
+    l[j] = _mm512_reduce_add_ps(sum);
   }
-  for (int64_t t = 0; t < n; ++t) {  // acc[j] += p[j, t] v[t]
-    const T* vt = v + (t0 + t) * d;
-    for (int64_t c = 0; c < dv; ++c) {
-      const __m512 vv = load16(vt + 16 * c);
-      for (int64_t j = 0; j < r; ++j) {
-        float* a = acc + j * d + 16 * c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(sc[j * CHUNK + t]), vv, _mm512_loadu_ps(a)));
-      }
+  for (int64_t c = 0; c < dv; ++c) {  // acc[j, 16c..16c+15] = sum_t p[j, t] v[t, 16c..]
+    __m512 a[MAX_R];
+    for (int64_t j = 0; j < r; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 vv = load16(v + (t0 + t) * d + 16 * c);
+      for (int64_t j = 0; j < r; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * ld + t]), vv, a[j]);
     }
+    for (int64_t j = 0; j < r; ++j) _mm512_storeu_ps(acc + j * d + 16 * c, a[j]);
   }
 }
 #endif
