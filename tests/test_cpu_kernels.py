@@ -179,3 +179,32 @@ def test_no_compiler_is_one_line(monkeypatch):
         kcpu.load.cache_clear()
     assert problem is not None and "C++ compiler" in problem and "\n" not in problem
     assert kcpu.load() is None  # built already: found in the cache
+
+
+@pytest.mark.parametrize("heads,kv_heads,want", [(4, 1, "llamactl cpu"), (32, 1, "sdpa")])
+def test_decode_attention_is_planned_where_it_fits(tmp_path, heads, kv_heads, want):
+    """A model whose KV heads serve more query heads than the kernel takes (32 to 1) keeps SDPA;
+    either way greedy decoding gives the tokens of torch's own path (float32)."""
+    from conftest import make_hf_model
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.layers.plan import prepare
+    from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
+
+    folder = make_hf_model(tmp_path / "m", heads=heads, kv_heads=kv_heads, hidden=256, layers=2, seed=4)
+    runs = {}
+    for kernels in (True, False):
+        options = RuntimeOptions(kernels=kernels)
+        model = load_model(open_artifact(folder), torch.device("cpu"), torch.float32, options)
+        plan = prepare(model, options)
+        dec = Decoder(model, 1, 48, options=options)
+        ids = torch.arange(3, 20).view(1, -1)
+        with torch.inference_mode():
+            toks = [dec.prefill(ids)]
+            for i in range(8):
+                toks.append(dec.step(toks[-1], ids.shape[1] + i))
+        runs[kernels] = ([int(t) for t in toks], plan.attention)
+    vector = lcpu.quant_fast() or lcpu.bf16_fast()  # the CPU layers (and this attention) run at all here
+    assert runs[True][1] == (want if vector else "sdpa") and runs[False][1] == "sdpa"
+    assert runs[True][0] == runs[False][0]

@@ -142,8 +142,8 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
             mod.pdl, mod.pins = pdl, pins.id
     if on:
         fuse(model, options.swiglu)
-    hd = model.args.head_dim
-    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else "cpu" if cpu and hd <= 256 else ""
+    hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
+    attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else "cpu" if cpu and cpu_attention_fits(hd, group) else ""
     for layer in model.model.layers:
         at = layer.self_attn
         at.decode_kernel, at.attn_min_chunk, at.pdl = attn, options.attn_min_chunk, pdl
@@ -153,6 +153,14 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     return Plan(gemv="triton", triton=triton_version(), pdl=pdl, inputs=inputs,
                 swiglu=_swiglu_site(model), attention="triton split-kv" if attn else "sdpa",
                 attn_min_chunk=options.attn_min_chunk if attn else None, pins=pins.source, warnings=tuple(warnings))
+
+
+def cpu_attention_fits(head_dim: int, group: int) -> bool:
+    """Whether llamactl's CPU decode attention takes heads of head_dim with `group` query heads a
+    KV head (else SDPA)."""
+    from llamactl.kernels import cpu as kcpu
+
+    return head_dim <= kcpu.ATTN_MAX_HEAD_DIM and group <= kcpu.ATTN_MAX_GROUP
 
 
 def products(model, rows: int) -> str:
