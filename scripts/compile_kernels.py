@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from llamactl.kernels import attention, gemv  # noqa: E402
+from llamactl.kernels import attention, gemv, multirow  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
@@ -94,6 +94,16 @@ def cases():
         yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,
                dict(R=r, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
                     PRECISION="tf32", PDL=pdl))
+    rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "M": "i32",
+            "N": "i32", "K": "i32"}
+    for kind, w_type, s_type in ((multirow.W16, "*bf16", "*bf16"), (multirow.W8, "*i8", "*bf16"),
+                                 (multirow.W4, "*i32", "*fp16")):
+        yield (f"multirow kind={kind}", multirow._multirow_kernel, dict(rows, w_ptr=w_type, s_ptr=s_type),
+               dict(G=128, KIND=kind, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128))
+    for unpack, block_m in ((False, 16), (True, 32)):
+        yield (f"multirow int4 split-K unpack={unpack}", multirow._int4_splitk_kernel,
+               dict(rows, w_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32"),
+               dict(G=128, UNPACK=unpack, SPLIT=2, BLOCK_M=block_m, BLOCK_N=64))
     for pdl in (False, True):
         yield (f"attention merge pdl={pdl}", attention._merge_kernel,
                {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))

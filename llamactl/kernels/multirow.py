@@ -137,21 +137,23 @@ _splitk_tuned = triton.autotune(
 
 
 def splitk_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """multirow_int4 for groups of a multiple of 128 columns (checked there): x [M, K] -> [M, N]."""
+                group_size: int, unpack: bool | None = None) -> torch.Tensor:
+    """multirow_int4 for groups of a multiple of 128 columns (checked there): x [M, K] -> [M, N].
+    unpack: contiguous columns (True) or nibble planes (False); None: past 16 rows."""
     m, k = x.shape
+    unpack = m > 16 if unpack is None else unpack
     n = qweight.shape[0]
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     args = (x, qweight, scales, zeros, y, m, n, k)
     if interpreted():  # two splits: the atomic sums are exercised
-        _int4_splitk_kernel[(triton.cdiv(n, 32), 2, 1)](*args, G=group_size, UNPACK=m > 16, SPLIT=2,
+        _int4_splitk_kernel[(triton.cdiv(n, 32), 2, 1)](*args, G=group_size, UNPACK=unpack, SPLIT=2,
                                                         BLOCK_M=block_m, BLOCK_N=32, F32=True)
     else:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], triton.cdiv(m, block_m))
 
-        _splitk_tuned[grid](*args, G=group_size, UNPACK=m > 16, BLOCK_M=block_m)
+        _splitk_tuned[grid](*args, G=group_size, UNPACK=unpack, BLOCK_M=block_m)
     return y.to(x.dtype)
 
 
@@ -165,8 +167,6 @@ def int4_rows(group_size: int) -> int:
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None, n: int, k: int,
             g: int, kind: int) -> torch.Tensor:
     m = x.shape[0]
-    if not 0 < m <= MAX_ROWS:
-        raise ValueError(f"multirow products take 1 to {MAX_ROWS} rows, not {m}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     args = (x, w, w if s is None else s, w if z is None else z, y, m, n, k)
@@ -185,6 +185,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, z: torch.T
 def _check(x: torch.Tensor, k: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], not {tuple(x.shape)}")
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"multirow products take 1 to {MAX_ROWS} rows, not {x.shape[0]}")
     return x.contiguous()
 
 
@@ -209,8 +211,6 @@ def multirow_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if group_size % 32 or k % group_size:
         raise ValueError(f"int4 groups of {group_size} over {k} columns: need G % 32 == 0 and K % G == 0")
     if group_size % 128 == 0:
-        if not 0 < x.shape[0] <= MAX_ROWS:
-            raise ValueError(f"multirow products take 1 to {MAX_ROWS} rows, not {x.shape[0]}")
         return splitk_int4(_check(x, k), qweight, scales, zeros, group_size)
     return _launch(_check(x, k), qweight, scales, zeros, n, k, group_size, W4)
 
