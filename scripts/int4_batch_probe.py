@@ -7,14 +7,15 @@ device time in us (calls in a CUDA graph) of:
   multirow        what llamactl's multirow_int4 runs at the probed commit (before 2026-12-03: 8 nibble
                   planes, K=16 dots, one group a block; since: the split-K kernel, as splitk_*; in
                   commit 212ad57 alone, scale and zero point applied per block: slower)
-  splitk_planes   the same decode split over K (SPLIT programs a column block, float32 atomics)
-  splitk_unpack   nibbles unpacked to contiguous columns in registers, one K=BLOCK_K dot a block,
-                  split over K (the torchao / gpt-fast Triton int4 layout of the loop)
+  splitk_planes   the plane decode split over K (SPLIT programs a column block, float32 atomics):
+                  kernels.multirow.splitk_int4 (written here first, 6438a5c, then moved there)
+  splitk_unpack   the same with nibbles unpacked to contiguous columns in registers, one 128-column
+                  dot a block (the torchao / gpt-fast Triton int4 layout of the loop)
   splitk_swap     the plane decode with the operands swapped (weights first, as tinygemm; --swap
                   times it against cuBLAS and tinygemm alone)
   tinygemm        torch's _weight_int4pack_mm (its own packed layout, bf16 scales and zeros)
   dequant_cublas  dequantize to bf16 (Triton) + cuBLAS (what llamactl runs above 16 rows)
---check runs the two experimental kernels against float64 (works under TRITON_INTERPRET=1).
+--check runs the split-K decodes and the swapped kernel against float64 (under TRITON_INTERPRET=1).
 """
 
 import json
@@ -24,47 +25,20 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from multirow_probe import timed  # scripts/ is this script's import path
+
+from llamactl.kernels.device import interpreted
+from llamactl.kernels.int4_layout import dequantize_int4, pack_int4 as pack
+from llamactl.kernels.multirow import multirow_int4, splitk_int4
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 ROWS = [1, 2, 4, 8, 16, 32]
 G = 128
 
 
-@triton.jit
-def _splitk(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr, SPLIT: tl.constexpr,
-            UNPACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
-    # x [M, K] bf16, w [N, K // 8] int32 (nibble j of word i: column 8 i + j), s/z [N, K // G]
-    # -> y [M, N] float32 (zeroed; SPLIT programs add their part of K). A block is one group.
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    m_ok, n_ok = rm < M, rn < N
-    dt: tl.constexpr = tl.float32 if F32 else tl.bfloat16
-    prec: tl.constexpr = "ieee" if F32 else "tf32"
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    groups = K // G
-    per = tl.cdiv(groups, SPLIT)
-    for g in range(pid_k * per, tl.minimum(groups, (pid_k + 1) * per)):
-        words = g * (G // 8) + tl.arange(0, G // 8)  # [G/8]
-        p = tl.load(w_ptr + rn.to(tl.int64)[:, None] * (K // 8) + words[None, :], mask=n_ok[:, None], other=0)
-        s = tl.load(s_ptr + rn.to(tl.int64) * groups + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
-        z = tl.load(z_ptr + rn.to(tl.int64) * groups + g, mask=n_ok, other=0).to(tl.float32)
-        if UNPACK:
-            shifts = tl.arange(0, 8) * 4  # [8]
-            c = (p[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, G/8, 8]
-            c = tl.reshape(c, (BLOCK_N, G))  # column 8 i + j, in order
-            w = ((c.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, G]
-            cols = g * G + tl.arange(0, G)
-            x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, G]
-            acc += tl.dot(x, tl.trans(w), input_precision=prec)
-        else:
-            for j in tl.static_range(8):
-                w = ((((p >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, G/8]
-                x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)
-                acc += tl.dot(x, tl.trans(w), input_precision=prec)
-    out = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+def splitk(x, q, s, z, unpack: bool):
+    """llamactl's split-K kernel (kernels/multirow.py) with the decode chosen: planes or unpacked."""
+    return splitk_int4(x, q, s, z, G, unpack)
 
 
 @triton.jit
@@ -101,46 +75,17 @@ _swap_tuned = triton.autotune(
     key=["M", "N", "K", "BLOCK_M"], reset_to_zero=["y_ptr"])(_splitk_swap)
 
 
-def splitk_swap(x, q, s, z, interpret: bool = False):
+def splitk_swap(x, q, s, z):
     m, k = x.shape
     n = q.shape[0]
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     bm = max(16, triton.next_power_of_2(m))
-    if interpret:
+    if interpreted():
         _splitk_swap[(triton.cdiv(n, 32), 2)](x, q, s, z, y, m, n, k, G=G, SPLIT=2, BLOCK_M=bm, BLOCK_N=32, F32=True)
     else:
         _swap_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](x, q, s, z, y, m, n, k, G=G,
                                                                                    BLOCK_M=bm, F32=False)
     return y.to(x.dtype)
-
-
-def _configs():
-    return [triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
-            for bn in (32, 64, 128) for sp in (1, 2, 4, 8) for w, st in ((4, 3), (8, 4))]
-
-
-_tuned = triton.autotune(configs=_configs(), key=["M", "N", "K", "UNPACK", "BLOCK_M"], reset_to_zero=["y_ptr"])(_splitk)
-
-
-def splitk(x, q, s, z, unpack: bool, interpret: bool = False):
-    m, k = x.shape
-    n = q.shape[0]
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    bm = max(16, triton.next_power_of_2(m))
-    if interpret:
-        _splitk[(triton.cdiv(n, 32), 2, 1)](x, q, s, z, y, m, n, k, G=G, SPLIT=2, UNPACK=unpack, BLOCK_M=bm,
-                                           BLOCK_N=32, F32=True)
-    else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], triton.cdiv(m, bm))](
-            x, q, s, z, y, m, n, k, G=G, UNPACK=unpack, BLOCK_M=bm, F32=False)
-    return y.to(x.dtype)
-
-
-def pack(codes):
-    n, k = codes.shape
-    c = codes.to(torch.int64).view(n, k // 8, 8)
-    words = (c << (torch.arange(8, device=codes.device) * 4)).sum(dim=-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def reference(x, codes, s, z):
@@ -156,40 +101,17 @@ def check():
     x = torch.randn(m, k).to(torch.bfloat16)
     ref = reference(x, codes, s.half().float(), z)
     for unpack in (False, True):
-        got = splitk(x.float(), pack(codes), s.half(), z, unpack, interpret=True).double()
+        got = splitk(x.float(), pack(codes), s.half(), z, unpack).double()
         err = ((got - ref).norm() / ref.norm()).item()
         print(f"unpack={unpack}: relative error {err:.2e}")
         assert err < 1e-3
-    got = splitk_swap(x.float(), pack(codes), s.half(), z, interpret=True).double()
+    got = splitk_swap(x.float(), pack(codes), s.half(), z).double()
     err = ((got - ref).norm() / ref.norm()).item()
     print(f"swapped: relative error {err:.2e}")
     assert err < 1e-3
 
 
-def timed(fn, n=20):
-    """Device time of one call in us: n calls in a CUDA graph, replayed 10 times."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1000 / (10 * n)
-
-
 def main(out, rows_probed, swap_only=False, layers=None):
-    from llamactl.kernels.int4_layout import dequantize_int4
-    from llamactl.kernels.multirow import multirow_int4
-
     torch.manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
