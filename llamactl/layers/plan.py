@@ -18,7 +18,8 @@ from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.kernels.device import pdl_supported, runs_on, triton_version
 from llamactl.layers.cpu import CpuLinear
 from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
-from llamactl.layers.int4 import TritonInt4Linear
+from llamactl.layers.gptq import GPTQLinear
+from llamactl.layers.int4 import Int4Linear, TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
 from llamactl.options import RuntimeOptions
 
@@ -170,7 +171,7 @@ def products(model, rows: int) -> str:
     for mod in model.modules():
         if hasattr(mod, "product"):
             seen[mod.product(rows)] = None
-        elif type(mod) is nn.Linear or type(mod).__name__ in ("GPTQLinear", "Int4Linear"):
+        elif type(mod) is nn.Linear or isinstance(mod, (GPTQLinear, Int4Linear)):
             seen[f"torch {type(mod).__name__}"] = None
     return "; ".join(seen)
 
