@@ -26,7 +26,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
 MAX_ROWS = 8  # rows one call multiplies (cpu_gemv.cpp MAX_ROWS); more go to torch's matmul
 VNNI, BF16 = 1, 2  # features() bits: the vector paths the build has
-ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 16, 256  # what decode_attention takes (cpu_attention.cpp MAX_R, D)
+ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 16, 256  # what decode_attention takes (cpu_attention.cpp MAX_R, MAX_D)
 
 
 def cache_root() -> Path:

@@ -33,7 +33,8 @@ namespace {
 
 constexpr int64_t CHUNK = 256;  // cache positions one task reads, at most
 constexpr int64_t MIN_CHUNK = 32;  // ... and at least (fewer tasks rather than tinier ones)
-constexpr int64_t MAX_R = 16;  // query heads per KV head
+constexpr int64_t MAX_R = 16;  // query heads per KV head (kernels/cpu.py ATTN_MAX_GROUP)
+constexpr int64_t MAX_D = 256;  // head width (kernels/cpu.py ATTN_MAX_HEAD_DIM)
 
 inline float as_float(float v) { return v; }
 inline float as_float(c10::BFloat16 v) {
@@ -43,16 +44,17 @@ inline float as_float(c10::BFloat16 v) {
   return f;
 }
 
+// 2^f on [0, 1), degree-5 minimax, highest power first; e^x for x <= 0 is 2^n 2^f with
+// x log2(e) = n + f, and below -87 it is 0 to float precision
+constexpr float EXP2_POLY[6] = {1.8775767e-3f, 8.9893397e-3f, 5.5826318e-2f, 2.4015361e-1f, 6.9315308e-1f, 1.0f};
+constexpr float EXP_FLOOR = -87.0f, LOG2E = 1.4426950409f;
+
 inline float exp_neg(float x) {
-  // e^x for x <= 0 (a score less the running max); below -87 it is 0 to float precision
-  x = std::max(x, -87.0f) * 1.4426950409f;  // log2(e) x
-  const float n = std::floor(x), f = x - n;  // x = n + f, f in [0, 1)
-  float p = 1.8775767e-3f;  // 2^f, degree-5 minimax
-  p = p * f + 8.9893397e-3f;
-  p = p * f + 5.5826318e-2f;
-  p = p * f + 2.4015361e-1f;
-  p = p * f + 6.9315308e-1f;
-  p = p * f + 1.0f;
+  // e^x for x <= 0 (a score less the running max)
+  x = std::max(x, EXP_FLOOR) * LOG2E;
+  const float n = std::floor(x), f = x - n;
+  float p = EXP2_POLY[0];
+  for (int i = 1; i < 6; ++i) p = p * f + EXP2_POLY[i];
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float s;
   std::memcpy(&s, &e, 4);
@@ -113,14 +115,10 @@ inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float: the bits sh
 
 // e^x of 16 lanes, x <= 0 (exp_neg's polynomial, vectorized)
 inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.4426950409f));
+  x = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR)), _mm512_set1_ps(LOG2E));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.8775767e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[i]));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
@@ -189,7 +187,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   at::parallel_for(0, b * h * chunks, 1, [&](int64_t lo, int64_t hi) {
-    float qf[MAX_R * 256];
+    float qf[MAX_R * MAX_D];
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t c = task % chunks, bh = task / chunks, row = bh / h, head = bh % h;
       const int64_t len = pos[per_row ? row : 0] + 1, t0 = c * size, t1 = std::min(len, t0 + size);
@@ -243,7 +241,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: q, k, v of one dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
               "decode_attention: cache [B' >= B, H_kv, S, D] for q [B, H_kv, R, D]");
-  TORCH_CHECK(q.size(2) <= MAX_R && q.size(3) <= 256, "decode_attention: at most 16 query heads a KV head, D <= 256");
+  TORCH_CHECK(q.size(2) <= MAX_R && q.size(3) <= MAX_D, "decode_attention: at most 16 query heads a KV head, D <= 256");
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && (pos.numel() == q.size(0) || pos.numel() == 1),
               "decode_attention: pos int64 [B] or [1]");
   const int64_t* pp = pos.data_ptr<int64_t>();
