@@ -157,11 +157,16 @@ def splitk_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     return y.to(x.dtype)
 
 
+def splitk_takes(group_size: int) -> bool:
+    """Whether multirow_int4 runs the split-K kernel for these groups (else the plane kernel)."""
+    return group_size % 128 == 0
+
+
 def int4_rows(group_size: int) -> int:
     """The most rows multirow_int4 is for with these groups (more: dequantize + cuBLAS). Measured on
     the H200 (llama2-7b shapes, docs/bench/README.md): the split-K kernel is 2.3x dequantize +
     cuBLAS at 32 rows; the plane kernel was behind it above 16."""
-    return MAX_ROWS if group_size % 128 == 0 else 16
+    return MAX_ROWS if splitk_takes(group_size) else 16
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, z: torch.Tensor | None, n: int, k: int,
@@ -210,7 +215,7 @@ def multirow_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 32 or k % group_size:
         raise ValueError(f"int4 groups of {group_size} over {k} columns: need G % 32 == 0 and K % G == 0")
-    if group_size % 128 == 0:
+    if splitk_takes(group_size):
         return splitk_int4(_check(x, k), qweight, scales, zeros, group_size)
     return _launch(_check(x, k), qweight, scales, zeros, n, k, group_size, W4)
 

@@ -278,10 +278,10 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
-        from llamactl.kernels.multirow import int4_rows
+        from llamactl.kernels.multirow import int4_rows, splitk_takes
 
         if rows == 1:
             return "int4 GEMV"
         if rows <= int4_rows(self.group_size):
-            return "int4 split-K" if self.group_size % 128 == 0 else "int4 multirow"
+            return "int4 split-K" if splitk_takes(self.group_size) else "int4 multirow"
         return "int4 dequantize + cuBLAS"
