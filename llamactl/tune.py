@@ -25,6 +25,8 @@ def picks() -> list[dict]:
         names = list(tuned.keys)  # the autotune key's argument names, then the dtypes of the tensors
         for key, config in sorted(tuned.cache.items(), key=repr):
             values = dict(zip(names, key))
+            if values.get("HI"):
+                continue  # 5- and 6-bit launches are tuned, never pinned (a pin's key has no field for them)
             dtype = str(key[len(names)]).removeprefix("torch.")  # x, the first tensor argument
             third = "G" if kernel == "int4" else "HAS_SCALE"
             row_key = {"N": values["N"], "K": values["K"], third: values[third], "NORM": values["NORM"],

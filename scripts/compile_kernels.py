@@ -23,7 +23,7 @@ from llamactl.kernels import attention, gemv, multirow  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
         "N": "i32", "K": "i32", "eps": "fp32"}
-INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
+INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
         "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16",
         "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "S": "i32", "scale": "fp32"}
@@ -86,6 +86,12 @@ def cases():
                    dict(GEMV, w_ptr="*i8"),
                    dict(HAS_SCALE=True, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
                         PREFETCH=False, REDUCE_EACH=False, PDL=pdl, **{arith: True}))
+    for (norm, glu, res), hi, arith in itertools.product(flags, [1, 2], ["", "A8", "I16"]):
+        if not (norm and glu):  # 5- and 6-bit codes (a high plane beside the nibbles)
+            yield (f"gemv int{4 + hi} {arith.lower() or 'float'} norm={norm} glu={glu} residual={res}",
+                   gemv._gemv_int4_kernel, INT4,
+                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
+                        PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
     yield ("dequantize int4", gemv._dequant_int4_kernel,
            {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
            dict(G=128, BLOCK_N=32, WORDS=32))
@@ -100,10 +106,10 @@ def cases():
                                  (multirow.W4, "*i32", "*fp16")):
         yield (f"multirow kind={kind}", multirow._multirow_kernel, dict(rows, w_ptr=w_type, s_ptr=s_type),
                dict(G=128, KIND=kind, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128))
-    for unpack, block_m in ((False, 16), (True, 32)):
-        yield (f"multirow int4 split-K unpack={unpack}", multirow._int4_splitk_kernel,
-               dict(rows, w_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32"),
-               dict(G=128, UNPACK=unpack, SPLIT=2, BLOCK_M=block_m, BLOCK_N=64))
+    for (unpack, block_m), hi in itertools.product(((False, 16), (True, 32)), (0, 1, 2)):
+        yield (f"multirow int{4 + hi} split-K unpack={unpack}", multirow._int4_splitk_kernel,
+               dict(rows, w_ptr="*i32", h_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32"),
+               dict(G=128, UNPACK=unpack, SPLIT=2, BLOCK_M=block_m, BLOCK_N=64, HI=hi))
     for pdl in (False, True):
         yield (f"attention merge pdl={pdl}", attention._merge_kernel,
                {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))

@@ -200,7 +200,7 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
     y4 = torch.empty(64, dtype=x.dtype)
     x4 = torch.randn(512, dtype=torch.float16)
     gemv._gemv_int4_tuned[lambda m: (triton.cdiv(64, m["BLOCK_N"]),)](
-        x4, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
+        x4, q, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
     assert gemv._gemv_int4_tuned.best_config.kwargs == gemv._int4_configs()[-1].kwargs
     assert rel(y4, w4 @ x4.double()) < 1e-2
     # each candidate was benchmarked once (int4: all of them divide into groups of 128)

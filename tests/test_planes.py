@@ -84,10 +84,10 @@ def test_layers_the_planes_cannot_take_stay_portable():
 
 @pytest.mark.parametrize("bits", (3, 5, 6))
 def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, bits):
-    """Uniform RTN at 3, 5 and 6 bits: the file loads (plane kernels through the interpreter in
+    """Uniform RTN at 3, 5 and 6 bits: the file loads (Triton layers through the interpreter in
     bf16, the portable layer in float32, the same logits)."""
     from llamactl.artifact import open_artifact
-    from llamactl.layers.planes import PlanesLinear, use_plane_kernels
+    from llamactl.layers.planes import Int4PlanesLinear, PlanesLinear, use_plane_kernels
     from llamactl.load import load_model
 
     out = tmp_path / f"q{bits}"
@@ -100,7 +100,8 @@ def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, 
     fast = load_model(art, torch.device(DEV), torch.bfloat16, off)  # on CUDA the loader swaps the plane layers in
     if DEV == "cpu":
         use_plane_kernels(fast)  # here, for the interpreter
-    assert sum(isinstance(m, PlanesLinear) for m in fast.modules()) == 7 * art.args.num_hidden_layers
+    kind = PlanesLinear if bits == 3 else Int4PlanesLinear  # 5 and 6 bits: the int4 GEMV with a high plane
+    assert sum(isinstance(m, kind) for m in fast.modules()) == 7 * art.args.num_hidden_layers
     plain = load_model(art, torch.device(DEV), torch.float32, off)
     ids = torch.randint(0, 8192, (1, 6), device=DEV)
     for m in (fast, plain):

@@ -33,6 +33,7 @@ from llamactl.kernels.device import interpreted, pdl_launch
 from llamactl.kernels.int4_layout import _dequant_int4_kernel, _whole_groups, dequantize_int4, pack_int4  # noqa: F401
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
+from llamactl.kernels.high_bits import _high_dot
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 from llamactl.kernels.int16_inputs import _int4_i16_dot, _int8_i16_dot
 
@@ -305,12 +306,15 @@ def _nibble_float(p, mask, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
+def _gemv_int4_kernel(x_ptr, q_ptr, h_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, G: tl.constexpr,
                       NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_ASM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
                       GLU_OUT: tl.constexpr = False, PDL: tl.constexpr = False, X_CONTIG: tl.constexpr = False,
-                      A8: tl.constexpr = False, H16: tl.constexpr = False, I16: tl.constexpr = False):
+                      A8: tl.constexpr = False, H16: tl.constexpr = False, I16: tl.constexpr = False,
+                      HI: tl.constexpr = 0):
     # x: [K] ([2K] with GLU), q: [N, K // 8] int32, s: [N, K // G] fp16, z: [N, K // G] uint8, y: [N];
+    # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits and h: [N, K // 8] uint8 / int16 (given as
+    # int32 words) the high ones (kernels.high_bits); HI = 0: 4 bits, h unused.
     # NORM, GLU, RESIDUAL and GLU_OUT fold in the same steps as _gemv_kernel
     # K % G == 0 and BLOCK_K % G == 0 (the launcher picks such blocks); a K tail is masked by word.
     # Codes become floats without int-to-float conversions: nibble j, masked in place, OR-ed into
@@ -334,8 +338,15 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     # words a row; K % G == 0 makes it a multiple of G // 8 (16 for G = 128), which Triton cannot
     # know from K's own divisibility (16): with it, 16-byte weight loads instead of 8-byte ones
     KW = tl.multiple_of(K // 8, G // 8)
+    tl.static_assert(HI == 0 or not H16, "packed fp16 arithmetic takes 4-bit codes only")
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
+    if HI == 1:
+        h_rows = h_ptr.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64)[:, None] * KW  # [BN, 1] a byte a word
+    elif HI == 2:
+        h_rows = h_ptr.to(tl.pointer_type(tl.int16)) + rows.to(tl.int64)[:, None] * KW  # [BN, 1] a half word a word
+    else:
+        h_rows = q_rows
     g_rows = rows.to(tl.int64)[:, None] * (K // G)  # [BN, 1]
     words = tl.arange(0, WORDS)  # [W]
     quads = tl.arange(0, WORDS // 4)  # [W/4]
@@ -348,8 +359,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
     elif PDL:
         p_first = _block(q_rows, words, row_ok, KW)  # [BN, W] int32
         _wait_for_previous_kernel(PDL, USE_ASM)
-        acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16)
+        acc, ss = _int4_step(p_first, 0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words,
+                             quads, G, NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16, HI)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         word = k0 // 8 + words  # [W] word index along K
@@ -358,8 +369,8 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
             p_next = _block(q_rows, word + WORDS, row_ok, KW)
         else:
             p = _block(q_rows, word, row_ok, KW)  # [BN, W] int32
-        acc, ss = _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G,
-                             NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16)
+        acc, ss = _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads,
+                             G, NORM, GLU, USE_ASM, X_CONTIG, BLOCK_N, WORDS, A8, H16, I16, HI)
     y = tl.sum(acc, axis=1)  # [BN]
     if NORM:
         y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
@@ -367,15 +378,18 @@ def _gemv_int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, ep
 
 
 @triton.jit
-def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads, G: tl.constexpr,
-               NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
+def _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_ptr, words, quads,
+               G: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, USE_ASM: tl.constexpr, X_CONTIG: tl.constexpr,
                BLOCK_N: tl.constexpr, WORDS: tl.constexpr, A8: tl.constexpr = False, H16: tl.constexpr = False,
-               I16: tl.constexpr = False):
+               I16: tl.constexpr = False, HI: tl.constexpr = 0):
     """One block of _gemv_int4_kernel: the words p: [BN, W] at columns k0 .. k0 + 8 W, with their
-    groups' scales and zeros and x's slices, into acc: [BN, W/4]; ss: [W] sums x^2 for NORM.
-    Returns (acc, ss)."""
+    groups' scales and zeros, their high bits (HI > 0: from h_rows) and x's slices, into acc:
+    [BN, W/4]; ss: [W] sums x^2 for NORM. Returns (acc, ss)."""
     word = k0 // 8 + words  # [W] word index along K
     w_ok = word < KW
+    h = p
+    if HI > 0:
+        h = _block(h_rows, word, row_ok, KW).to(tl.int32)  # [BN, W] each word's high bits
     group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
     g_ok = row_ok[:, None] & (group < K // G)[None, :]
     s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
@@ -402,19 +416,20 @@ def _int4_step(p, k0, acc, ss, x_ptr, s_ptr, z_ptr, g_rows, row_ok, K, KW, nw_pt
     if NORM:
         ss += sq
     if A8:
-        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)  # [BN, W/4]
+        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)  # [BN, W/4]
     elif I16:
-        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)
+        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)
     else:
-        part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS)
+        part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)
     return acc + s * part, ss
 
 
 @triton.jit
 def _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                    WORDS: tl.constexpr):
+                    WORDS: tl.constexpr, h=None, HI: tl.constexpr = 0):
     """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats (see _gemv_int4_kernel):
-    words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points."""
+    words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points; h: [BN, W]
+    the words' high bits (HI > 0)."""
     xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [W] sum_j x[8w + j]
     p_hi = p >> 12
     part = _nibble_dot(p, 0, x0, USE_ASM)  # [BN, W] sum_j code[8w + j] x[8w + j]
@@ -425,6 +440,8 @@ def _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr,
     part += _nibble_dot(p_hi, 2, x5, USE_ASM)
     part += _nibble_dot(p_hi, 3, x6, USE_ASM)
     part += _nibble_dot(p_hi, 4, x7, USE_ASM)
+    if HI > 0:
+        part += _high_dot(h, x0, x1, x2, x3, x4, x5, x6, x7, HI)
     # 4 consecutive words (one 16-byte load, one thread) share a group: sum them, then scale
     part = tl.sum(tl.reshape(part, [BLOCK_N, WORDS // 4, 4]), axis=2)  # [BN, W/4]
     xsum = tl.sum(tl.reshape(xsum, [WORDS // 4, 4]), axis=1)  # [W/4]
@@ -456,7 +473,7 @@ def _nibble_dot(p, j: tl.constexpr, xj, USE_ASM: tl.constexpr):
 
 _gemv_int4_tuned = triton.autotune(configs=_int4_configs(),
                                    key=["N", "K", "G", "NORM", "GLU", "RESIDUAL", "USE_ASM", "GLU_OUT", "PDL", "A8",
-                                        "H16", "I16"],
+                                        "H16", "I16", "HI"],
                                    prune_configs_by={"early_config_prune": _prune_int4},
                                    cache_results=True)(_gemv_int4_kernel)
 
@@ -539,18 +556,24 @@ def gemv_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.T
 def run_gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
                   glu: bool = False, glu_out: bool = False, inputs: str = "float", pdl: bool = False, pins: str = "",
-                  fixed: bool = False) -> torch.Tensor:
+                  fixed: bool = False, high: torch.Tensor | None = None, high_bits: int = 0) -> torch.Tensor:
     """`gemv_int4` as a plain function; fixed: one fixed config, no autotuning (the self-check)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
+    if high_bits not in (0, 1, 2) or (high_bits and (high is None or high.shape != (n, k * high_bits // 32)
+                                                     or inputs == "fp16")):
+        raise ValueError(f"high planes of 1 or 2 bits a column, [{n}, {k} x bits / 32] int32, and inputs other than "
+                         f"fp16, not {high_bits} bits, {None if high is None else tuple(high.shape)}, {inputs}")
     arith = switches(inputs)
     y = torch.empty(n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     key = (n, k, group_size, norm_weight is not None, glu, residual is not None, glu_out, pdl, inputs,
-           str(x.dtype).removeprefix("torch."))
+           str(x.dtype).removeprefix("torch.")) + ((f"hi{high_bits}",) if high_bits else ())
     _launch(_gemv_int4_tuned, _gemv_int4_kernel,
-            (x, qweight, scales, zeros, x if norm_weight is None else norm_weight, x if residual is None else residual,
-             y, n, k, eps, group_size, norm_weight is not None, glu, residual is not None, not interpreted()),
-            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, pdl, pins, fixed, key, **arith)
+            (x, qweight, qweight if high is None else high, scales, zeros, x if norm_weight is None else norm_weight,
+             x if residual is None else residual, y, n, k, eps, group_size, norm_weight is not None, glu,
+             residual is not None, not interpreted()),
+            {"BLOCK_K": 2 * group_size, **INT4_FIXED}, y.numel(), glu_out, pdl, pins, fixed, key, HI=high_bits,
+            **arith)
     return y
 
 
@@ -558,17 +581,19 @@ def run_gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def gemv_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
               glu: bool = False, glu_out: bool = False, inputs: str = "float", pdl: bool = False,
-              pins: str = "") -> torch.Tensor:
+              pins: str = "", high: torch.Tensor | None = None, high_bits: int = 0) -> torch.Tensor:
     """x: [K] ([2K] with glu) -> y: [N] ([N // 2] with glu_out) in x's dtype, for the 4-bit layout of
     this module's docstring, with the RMSNorm, SwiGLU and residual folded in as in `gemv`; inputs,
-    pdl and pins as in `gemv`."""
+    pdl and pins as in `gemv`. high, high_bits (1 or 2): 5- or 6-bit codes, qweight their low 4
+    bits and high: [N, K * high_bits / 32] int32 the high plane (kernels.high_bits; not with fp16
+    inputs)."""
     return run_gemv_int4(x, qweight, scales, zeros, group_size, norm_weight, eps, residual, glu, glu_out, inputs,
-                         pdl, pins)
+                         pdl, pins, high=high, high_bits=high_bits)
 
 
 @gemv_int4.register_fake
 def _(x, qweight, scales, zeros, group_size, norm_weight=None, eps=1e-6, residual=None, glu=False, glu_out=False,
-      inputs="float", pdl=False, pins=""):
+      inputs="float", pdl=False, pins="", high=None, high_bits=0):
     return x.new_empty(qweight.shape[0] // 2 if glu_out else qweight.shape[0])
 
 

@@ -18,6 +18,7 @@ weights in H16); int4 weights, a word's even and odd nibbles as bytes (LOP3; SHF
 import triton
 import triton.language as tl
 
+from llamactl.kernels.high_bits import code_bytes
 from llamactl.kernels.int8_inputs import _int_op, _quad_max, _quad_sum, _quad_words, _repeat, _round
 
 
@@ -96,11 +97,12 @@ def _int8_i16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 @triton.jit
 def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WORDS: tl.constexpr):
+                  WORDS: tl.constexpr, h=None, HI: tl.constexpr = 0):
     """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats, with x in 16-bit fixed
     point per quad (module docstring). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4]
     the quads' zero points. A word's even nibbles as bytes (0, 2, 4, 6) take x's pairs (0, 2) and
-    (4, 6) in two DP2A, its odd ones (shifted by 4) the pairs (1, 3) and (5, 7); a quad is one chain."""
+    (4, 6) in two DP2A, its odd ones (shifted by 4) the pairs (1, 3) and (5, 7); a quad is one chain.
+    HI > 0: 5- or 6-bit codes, their high bits h: [BN, W] added to the bytes (kernels.high_bits)."""
     down, up = _int16_scale(_quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS))  # [W/4] each
     up_w = _repeat(up, 4, WORDS // 4)  # [W] each word's quad's
     v0, v1, v2, v3 = _round16(x0, up_w, USE_ASM), _round16(x1, up_w, USE_ASM), _round16(x2, up_w, USE_ASM), \
@@ -108,8 +110,7 @@ def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, B
     v4, v5, v6, v7 = _round16(x4, up_w, USE_ASM), _round16(x5, up_w, USE_ASM), _round16(x6, up_w, USE_ASM), \
         _round16(x7, up_w, USE_ASM)
     vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
-    even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
-    odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    even, odd = code_bytes(p, h, HI)  # [BN, W] the codes of columns 0, 2, 4, 6 / 1, 3, 5, 7 as bytes
     e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)  # [BN, W/4] each
     o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
     a0, a1, a2, a3 = _word_pairs(v0, v2, BLOCK_N, WORDS)  # [BN, W/4] each: x's pairs by word of the quad
@@ -120,6 +121,8 @@ def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, B
     dot = _nibbles_i16(e1, o1, a1, b1, c1, d1, dot, USE_ASM)
     dot = _nibbles_i16(e2, o2, a2, b2, c2, d2, dot, USE_ASM)
     dot = _nibbles_i16(e3, o3, a3, b3, c3, d3, dot, USE_ASM)  # [BN, W/4] sum over the quad of code v, exact
+    if HI > 0:  # codes up to 63: dot and z * vsum up to 2^26, so their difference is taken in integers
+        return (dot - z.to(tl.int32) * vsum[None, :]).to(tl.float32) * down[None, :]
     # dot and z * vsum are integers below 2^24 (32 x 15 x 2^15), exact in float32
     return (dot.to(tl.float32) - z * vsum.to(tl.float32)[None, :]) * down[None, :]
 

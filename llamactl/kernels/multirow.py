@@ -90,11 +90,14 @@ def _multirow_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr
 
 
 @triton.jit
-def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr, UNPACK: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr = False):
+def _int4_splitk_kernel(x_ptr, w_ptr, h_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.constexpr, UNPACK: tl.constexpr,
+                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr = False,
+                        HI: tl.constexpr = 0):
     # x: [M, K] 16-bit, w: [N, K // 8] int32 (nibble j of word i: column 8 i + j), s: [N, K // G]
     # fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N] float32, zeroed before: program
     # (n, k, m) adds its share of K's 128-column blocks (a block lies in one group)
+    # HI = 1 or 2: 5- or 6-bit codes, w their low 4 bits and h [N, K // 8] uint8 / int16 (given as
+    # int32) the high ones, bits HI j .. of word i's entry for column 8 i + j (kernels.high_bits)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -103,23 +106,34 @@ def _int4_splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl.conste
     prec: tl.constexpr = "ieee" if F32 else "tf32"
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * K  # [BM, 1]
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    if HI == 1:
+        h_rows = h_ptr.to(tl.pointer_type(tl.uint8)) + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    else:
+        h_rows = h_ptr.to(tl.pointer_type(tl.int16)) + rn.to(tl.int64)[:, None] * (K // 8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     blocks = K // 128
     per = tl.cdiv(blocks, SPLIT)
     for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
         words = b * 16 + tl.arange(0, 16)  # [16]
         p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16]
+        if HI > 0:
+            h = tl.load(h_rows + words[None, :], mask=n_ok[:, None], other=0).to(tl.int32)  # [BN, 16]
         g = b * 128 // G
         s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
         z = tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32)
         if UNPACK:  # contiguous columns, one dot of 128
             c = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, 16, 8]
+            if HI > 0:
+                c = c | (((h[:, :, None] >> (tl.arange(0, 8) * HI)[None, None, :]) & ((1 << HI) - 1)) << 4)
             w = ((tl.reshape(c, (BLOCK_N, 128)).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 128]
             x = tl.load(x_rows + (b * 128 + tl.arange(0, 128))[None, :], mask=m_ok[:, None], other=0.0).to(dt)
             acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
         else:  # nibble plane j meets x's columns 8 i + j
             for j in tl.static_range(8):
-                w = ((((p >> (4 * j)) & 0xF).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 16]
+                c = (p >> (4 * j)) & 0xF  # [BN, 16]
+                if HI > 0:
+                    c = c | (((h >> (HI * j)) & ((1 << HI) - 1)) << 4)
+                w = ((c.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 16]
                 x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, 16]
                 acc += tl.dot(x, tl.trans(w), input_precision=prec)
     tl.atomic_add(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -133,27 +147,29 @@ _tuned = triton.autotune(configs=_configs(), key=["BLOCK_M", "N", "K", "G", "KIN
 _splitk_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
              for bn in (32, 64, 128) for sp in (1, 2, 4, 8) for w, st in ((4, 3), (8, 4))],
-    key=["BLOCK_M", "N", "K", "G", "UNPACK"], reset_to_zero=["y_ptr"], cache_results=True)(_int4_splitk_kernel)
+    key=["BLOCK_M", "N", "K", "G", "UNPACK", "HI"], reset_to_zero=["y_ptr"], cache_results=True)(_int4_splitk_kernel)
 
 
 def splitk_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, unpack: bool | None = None) -> torch.Tensor:
+                group_size: int, unpack: bool | None = None, high: torch.Tensor | None = None,
+                high_bits: int = 0) -> torch.Tensor:
     """multirow_int4 for groups of a multiple of 128 columns (checked there): x [M, K] -> [M, N].
-    unpack: contiguous columns (True) or nibble planes (False); None: past 16 rows."""
+    unpack: contiguous columns (True) or nibble planes (False); None: past 16 rows. high,
+    high_bits: 5- or 6-bit codes (multirow_int4)."""
     m, k = x.shape
     unpack = m > 16 if unpack is None else unpack
     n = qweight.shape[0]
     y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    args = (x, qweight, scales, zeros, y, m, n, k)
+    args = (x, qweight, qweight if high is None else high, scales, zeros, y, m, n, k)
     if interpreted():  # two splits: the atomic sums are exercised
         _int4_splitk_kernel[(triton.cdiv(n, 32), 2, 1)](*args, G=group_size, UNPACK=unpack, SPLIT=2,
-                                                        BLOCK_M=block_m, BLOCK_N=32, F32=True)
+                                                        BLOCK_M=block_m, BLOCK_N=32, F32=True, HI=high_bits)
     else:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"], triton.cdiv(m, block_m))
 
-        _splitk_tuned[grid](*args, G=group_size, UNPACK=unpack, BLOCK_M=block_m)
+        _splitk_tuned[grid](*args, G=group_size, UNPACK=unpack, BLOCK_M=block_m, HI=high_bits)
     return y.to(x.dtype)
 
 
@@ -209,17 +225,24 @@ def _(x, w, scales=None):
 
 @torch.library.custom_op("llamactl::multirow_int4", mutates_args=())
 def multirow_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                  group_size: int) -> torch.Tensor:
+                  group_size: int, high: torch.Tensor | None = None, high_bits: int = 0) -> torch.Tensor:
     """x: [M, K] 16-bit (M <= MAX_ROWS), the 4-bit layout of kernels.gemv (qweight [N, K // 8] int32,
-    scales [N, K // G] fp16, zeros [N, K // G] uint8; K % G == 0, G % 32 == 0) -> [M, N]."""
+    scales [N, K // G] fp16, zeros [N, K // G] uint8; K % G == 0, G % 32 == 0) -> [M, N]. high,
+    high_bits (1 or 2): 5- or 6-bit codes, qweight their low 4 bits, high [N, K * high_bits / 32]
+    int32 the rest (kernels.high_bits); groups of a multiple of 128 on the split-K kernel, others
+    on the plane kernel (kernels.planes)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 32 or k % group_size:
         raise ValueError(f"int4 groups of {group_size} over {k} columns: need G % 32 == 0 and K % G == 0")
     if splitk_takes(group_size):
-        return splitk_int4(_check(x, k), qweight, scales, zeros, group_size)
+        return splitk_int4(_check(x, k), qweight, scales, zeros, group_size, high=high, high_bits=high_bits)
+    if high_bits:
+        from llamactl.kernels.planes import gemv_planes
+
+        return gemv_planes(_check(x, k), qweight, high, scales, zeros, 4, high_bits, group_size)
     return _launch(_check(x, k), qweight, scales, zeros, n, k, group_size, W4)
 
 
 @multirow_int4.register_fake
-def _(x, qweight, scales, zeros, group_size):
+def _(x, qweight, scales, zeros, group_size, high=None, high_bits=0):
     return x.new_empty(x.shape[0], qweight.shape[0])

@@ -175,7 +175,7 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu
 
     from llamactl.layers.cpu import CpuQuantLinear
     from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears
-    from llamactl.layers.planes import PlanesLinear
+    from llamactl.layers.planes import PlanesLinear, plane_layer
 
     def packed(mod: nn.Linear) -> nn.Module:
         lin = GPTQLinear(mod.in_features, mod.out_features, bits, group_size, bias=False).to(mod.weight.device)
@@ -185,7 +185,7 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu
         lin.bias = mod.bias
         if cpu:
             return CpuQuantLinear.from_gptq(lin) or lin
-        return PlanesLinear(lin) if triton and PlanesLinear.fits(lin) else lin
+        return plane_layer(lin) if triton and PlanesLinear.fits(lin) else lin
 
     names = [name for name, mod in model.named_modules() if type(mod) is nn.Linear and ".layers." in f".{name}"]
     swap_linears(model, names, packed)

@@ -1,0 +1,56 @@
+"""The fifth and sixth bits of 5- and 6-bit codes, for the int4 GEMV (kernels.gemv).
+
+A 5- or 6-bit weight is its low 4 bits in the int4 layout (nibble j of word w: column 8 w + j)
+plus a high plane (layers.planes): per int4 word one byte (5 bits: bit j is column j's bit 4) or
+one 16-bit half word (6 bits: bits 2 j and 2 j + 1 are column j's bits 4 and 5). The integer
+products (I16, A8) take a word's codes as two words of bytes, the even columns (0, 2, 4, 6) and the
+odd ones (1, 3, 5, 7), nibbles masked in place; `spread` moves the high bits of the even columns
+to bits 4 (and 5) of their bytes with one multiply, so a byte holds the whole code (< 64). The
+float product adds the high bits' share with the same trick as the nibbles (_high_dot).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def spread(h, HI: tl.constexpr):
+    """The high bits of columns 0, 2, 4, 6 of h (int32 holding a word's byte or half word) at bits
+    4 (and 5) of bytes 0..3. One bit a column: bit 2 m times 2^(6 m + 4) lands at 8 m + 4, and no
+    other product of the multiply reaches those bits (a + 3 b = 4 m only for a = b). Two bits:
+    columns m = 0, 2 and m = 1, 3 in two multiplies, whose other products fall between the targets."""
+    if HI == 1:
+        return ((h & 0x55) * 0x410410) & 0x10101010
+    return (((h & 0x0303) * 0x1010) & 0x00300030) | (((h & 0x3030) * 0x10100) & 0x30003000)
+
+
+@triton.jit
+def code_bytes(p, h, HI: tl.constexpr):
+    """Words p: [BN, W] int32 (8 nibbles) and their high planes h (HI = 0: none) -> (even, odd):
+    the codes of columns 0, 2, 4, 6 and 1, 3, 5, 7 of each word as 4 bytes."""
+    even = p & 0x0F0F0F0F
+    odd = (p >> 4) & 0x0F0F0F0F
+    if HI > 0:
+        even = even | spread(h, HI)
+        odd = odd | spread(h >> HI, HI)
+    return even, odd
+
+
+@triton.jit
+def _high_dot(h, x0, x1, x2, x3, x4, x5, x6, x7, HI: tl.constexpr):
+    """sum_j hi_j 16 x_j as [BN, W] floats, hi_j the high bits of column j of h: [BN, W] int32;
+    x_j: [W]. Each masked in place and OR-ed into 2^23's mantissa (as _nibble_float does)."""
+    part = _high_term(h, 0, x0, HI)
+    part += _high_term(h, 1, x1, HI)
+    part += _high_term(h, 2, x2, HI)
+    part += _high_term(h, 3, x3, HI)
+    part += _high_term(h, 4, x4, HI)
+    part += _high_term(h, 5, x5, HI)
+    part += _high_term(h, 6, x6, HI)
+    return part + _high_term(h, 7, x7, HI)
+
+
+@triton.jit
+def _high_term(h, j: tl.constexpr, xj, HI: tl.constexpr):
+    bits = (h & (((1 << HI) - 1) << (HI * j))) | 0x4B000000
+    return (bits.to(tl.float32, bitcast=True) - 8388608.0) * (xj * (16.0 / (1 << (HI * j))))[None, :]
