@@ -1,4 +1,4 @@
-from llamactl.cli import main
+from llamactl.cli.app import main
 
 if __name__ == "__main__":
     main()

@@ -33,7 +33,7 @@ def _spec() -> tuple[list[str], dict[str, list[tuple[list[str], str, bool]]], di
     """(global options, {command: [(option names, help, takes_value)]}, {command: help})."""
     import typer
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
 
     group = typer.main.get_command(app)
     glob = [o for p in group.params for o in p.opts]

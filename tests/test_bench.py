@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.stats import median, percentile, spread
 
 runner = CliRunner()
@@ -213,13 +213,13 @@ def test_compare_missing_file(tmp_path):
 def test_a_busy_cpu_is_said(monkeypatch):
     import os
 
-    from llamactl.cli import _busy_cpu
+    from llamactl.cli.measure import busy_cpu
 
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert _busy_cpu() == "load 9.0 on 2 cores"
+    assert busy_cpu() == "load 9.0 on 2 cores"
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
-    assert _busy_cpu() is None
+    assert busy_cpu() is None
 
 
 def test_rows_name_the_products_of_their_batch():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.errors import InputError
 from llamactl.quantize.budget import Option, allocate, packed_bytes
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 
 runner = CliRunner()
 
@@ -177,7 +177,7 @@ def test_quick_answers_do_not_import_torch(args, tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom llamactl.cli import app\ntry:\n    app(prog_name='llamactl', args=sys.argv[1:])\n"
+    code = ("import sys\nfrom llamactl.cli.app import app\ntry:\n    app(prog_name='llamactl', args=sys.argv[1:])\n"
             "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.stdout.strip().endswith("NO TORCH"), r.stdout[-300:] + r.stderr[-300:]

@@ -11,7 +11,7 @@ from llamactl.errors import InputError
 import torch
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.layers import cpu as lcpu
 
 runner = CliRunner()

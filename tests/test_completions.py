@@ -39,15 +39,15 @@ def test_zsh_and_fish_scripts_complete_option_values():
 
 def test_every_completed_value_is_accepted_by_the_cli():
     """A value the scripts offer must be one the command takes (no drift between the two)."""
-    from llamactl.cli import _check_dtype, _check_device, _check_quant_inputs
+    from llamactl.cli.options import check_device, check_dtype, check_quant_inputs
     from llamactl.quantize.options import BITS, GPTQ_VARIANTS
 
     from llamactl.completions import VALUES
 
     assert set(VALUES["--method"].split()) == set(BITS) and set(VALUES["--gptq-variant"].split()) == set(GPTQ_VARIANTS)
     for v in VALUES["--quant-inputs"].split():
-        assert _check_quant_inputs(v) == v
+        assert check_quant_inputs(v) == v
     for v in VALUES["--dtype"].split():
-        assert _check_dtype(v) == v
+        assert check_dtype(v) == v
     for v in VALUES["--device"].split():
-        assert _check_device(v) == v
+        assert check_device(v) == v

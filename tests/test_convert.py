@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import make_hf_model, trained_model_path
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.interop.meta import LAYER_TENSORS, unpermute_rotary
 
 runner = CliRunner()

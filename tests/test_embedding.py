@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from conftest import make_hf_model
 from llamactl.artifact import open_artifact
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.layers.embedding import QuantEmbedding
 from llamactl.layers.gptq import GPTQLinear, dequantize_gptq
 from llamactl.load import load_model, resolve_dtype

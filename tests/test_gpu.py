@@ -61,7 +61,7 @@ def test_triton_kernels_decode_like_cublas_and_sdpa(trained_model, mode, pdl):
 def test_int4_checkpoint_decodes_through_the_triton_kernel(trained_model, tmp_path):
     from typer.testing import CliRunner
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
     from llamactl.layers.int4 import TritonInt4Linear
 
     out = tmp_path / "rtn4"
@@ -131,7 +131,7 @@ def rtn4(trained_model, tmp_path):
     """docs-llama-17m quantized to int4 (RTN) through the CLI, on the CPU."""
     from typer.testing import CliRunner
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
 
     out = tmp_path / "rtn4"
     assert CliRunner().invoke(app, ["quantize", str(trained_model), "--method", "rtn", "--bits", "4", "-o", str(out),
@@ -147,7 +147,7 @@ def test_generate_with_int8_inputs_on_an_int4_model(rtn4):
 
     from typer.testing import CliRunner
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
 
     out, run = rtn4, CliRunner().invoke
     res = {}
@@ -170,7 +170,7 @@ def test_bench_scores_int8_fp16_and_int16_input_rows_through_the_decode_step(rtn
 
     from typer.testing import CliRunner
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
 
     r = CliRunner().invoke(app, ["bench", str(rtn4), "--device", "cuda", "--dtype", "bfloat16", "--quality",
                                  "--eval-tokens", "2048", "--quant-inputs", "float,int8,fp16,int16", "--prompt-len", "16",
@@ -265,7 +265,7 @@ def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
     from typer.testing import CliRunner
 
     from conftest import make_hf_model
-    from llamactl.cli import app
+    from llamactl.cli.app import app
     from llamactl.layers.int4 import TritonInt4Linear
 
     src = make_hf_model(tmp_path / "w192", hidden=192, heads=4, kv_heads=2, seed=3)

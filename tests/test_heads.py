@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import make_hf_model
 from llamactl.artifact import MANIFEST, open_artifact
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.heads import permute_units
 from llamactl.load import iter_checkpoint, load_model
 

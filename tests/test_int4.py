@@ -69,7 +69,7 @@ def test_bf16_load_of_a_4bit_checkpoint_uses_the_int4_kernel(trained_model, tmp_
     from typer.testing import CliRunner
 
     from llamactl.artifact import open_artifact
-    from llamactl.cli import app
+    from llamactl.cli.app import app
     from llamactl.load import load_model
 
     out = tmp_path / "q"
@@ -102,7 +102,7 @@ def test_bench_synthetic_int4(tmp_path):
 
     from typer.testing import CliRunner
 
-    from llamactl.cli import app
+    from llamactl.cli.app import app
 
     def run(*extra):
         r = CliRunner().invoke(app, ["bench", "--synthetic", "tiny", "--dtype", "bfloat16", "--prompt-len", "8",
@@ -125,7 +125,7 @@ def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path
     from typer.testing import CliRunner
 
     from llamactl.artifact import open_artifact
-    from llamactl.cli import app
+    from llamactl.cli.app import app
     from llamactl.load import load_model
     from llamactl.layers.int8 import Int8Kernel, available
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.layers.gptq import BITS, GPTQLinear, pack_gptq, pack_rows, unpack_rows
 from llamactl.options import RuntimeOptions
 

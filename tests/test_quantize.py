@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import make_hf_model
 from llamactl.artifact import MANIFEST, open_artifact
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.load import load_model
 from llamactl.layers.gptq import dequantize_gptq, pack_gptq, pack_rows, unpack_rows
 from llamactl.quantize.rtn import rtn_quantize

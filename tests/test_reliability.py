@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llamactl.cli import app
+from llamactl.cli.app import app
 
 runner = CliRunner()
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import make_hf_model
 from llamactl.artifact import open_artifact
-from llamactl.cli import app
+from llamactl.cli.app import app
 from llamactl.load import load_model, load_shard
 from llamactl.tp import plan_shard
 

@@ -1,0 +1,100 @@
+"""The Typer app: the one error boundary, the global options, and the commands in the order help
+lists them (each command parses its options, calls one core function and hands the result to ui)."""
+
+from __future__ import annotations
+
+import errno
+import traceback
+from typing import Annotated
+
+import typer
+from typer.core import TyperGroup
+
+from llamactl import __version__, ui
+from llamactl.cli import measure, models, run
+from llamactl.errors import LlamactlError
+
+
+GLOBAL_FLAGS = ("-q", "--quiet")
+# a full, read-only or forbidden disk: the machine's state, not a bug; one line, exit 1
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+class ErrorBoundary(TyperGroup):
+    """The one error boundary: known errors become one line and exit 1; usage errors exit 2.
+    Global flags (--quiet) work after the command name too."""
+
+    def parse_args(self, ctx, args):
+        cut = args.index("--") if "--" in args else len(args)
+        flags = [a for a in args[:cut] if a in GLOBAL_FLAGS]
+        rest = [a for a in args[:cut] if a not in GLOBAL_FLAGS] + args[cut:]
+        return super().parse_args(ctx, flags + rest)
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LlamactlError as e:
+            from llamactl.options import debug
+
+            if debug():
+                traceback.print_exc()
+            ui.error(e.message, e.hint)
+            raise typer.Exit(1)
+        except OSError as e:
+            if e.errno not in _ENVIRONMENT_ERRNOS:
+                raise  # anything else is a bug: keep its traceback
+            ui.error(f"{e.strerror}: {e.filename or 'writing the output'}",
+                     "free some space or choose another -o path" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                     else "choose a path you can write")
+            raise typer.Exit(1)
+        except KeyboardInterrupt as e:
+            terminated = isinstance(e, Terminated)
+            ui.error(f"{'terminated' if terminated else 'interrupted'}; nothing was written")
+            raise typer.Exit(143 if terminated else 130)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that staged outputs are removed as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+app = typer.Typer(
+    cls=ErrorBoundary,
+    name="llamactl",
+    help="Quantize, convert, compile, run and measure LLaMA checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain usage errors and help: one line a problem, readable when piped
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"llamactl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or timing on stderr.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+):
+    ui.set_quiet(quiet)
+
+
+for command, name in [(run.generate, None), (run.serve, None), (models.inspect, None), (models.quantize, None),
+                      (models.calibrate, None), (models.convert_heads, "convert-heads"), (models.convert, None),
+                      (models.compile_cmd, "compile"), (measure.bench, None)]:
+    app.command(name)(command)
+
+
+def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    app(prog_name="llamactl")

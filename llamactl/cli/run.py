@@ -1,0 +1,207 @@
+"""generate and serve: the commands that run a model."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from llamactl import ui
+from llamactl.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelArg, PickleOpt, PinsFileOpt,
+                                  QuantInputsOpt, TpOpt, TrustCacheOpt, runtime_options)
+from llamactl.errors import InputError
+
+
+def generate(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; read from stdin when omitted.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, help="Sample from the k likeliest tokens.")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, max=2**63 - 1, help="Random seed (0 to 2^63-1); the same seed gives the same text.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
+    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
+    trust_cache: TrustCacheOpt = False,
+    quant_inputs: QuantInputsOpt = None,
+    kernels: KernelsOpt = None,
+    pins_file: PinsFileOpt = None,
+    json_out: JsonOpt = False,
+    allow_pickle: PickleOpt = False,
+    tp: TpOpt = 1,
+):
+    """Generate text, streamed to stdout; timing goes to stderr."""
+    from llamactl import generate as gen
+    from llamactl.layers.plan import Plan
+    from llamactl.load import load
+
+    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    world = tensor_parallel(tp, model, device, allow_pickle)
+    if world and compile_:
+        raise InputError("--compile with --tp is not supported yet", "drop --compile (CUDA graphs still capture each rank's step)")
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise InputError("no prompt given", "pass --prompt TEXT or pipe the prompt on stdin")
+        try:
+            prompt = sys.stdin.read().rstrip("\n")
+        except UnicodeDecodeError as e:
+            raise InputError(f"stdin is not UTF-8 text (at byte {e.start})", "pipe UTF-8 text, or pass --prompt TEXT") from None
+        if not prompt:
+            raise InputError("no prompt given: stdin was empty", "pass --prompt TEXT or pipe the prompt on stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
+        raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
+    art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
+    ids, templated = gen.encode_prompt(tok, prompt, chat)
+    if chat and not templated:
+        ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
+    if world and temperature > 0 and seed is None:
+        from llamactl.tp import shared_seed
+
+        seed = shared_seed()  # every rank must draw the same tokens
+    sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    mode, buckets, entry = None, None, None
+    if compile_:
+        from llamactl.compile import load_compile_cache, skip_compile_workers
+
+        entry = load_compile_cache(art, m.device, m.dtype, ui.warn, trust_cache)
+        if entry:
+            skip_compile_workers()
+        mode, buckets = "compile", (entry or {}).get("buckets")
+    result = plan = None
+    for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
+                           options):
+        if isinstance(ev, Plan):
+            plan = ev
+            for w in plan.warnings:
+                ui.warn(w)
+        elif isinstance(ev, gen.Result):
+            result = ev
+        elif not json_out:
+            ui.emit_text(ev.text)
+    if not json_out:
+        ui.emit_text("\n")  # before any warning, which goes to stderr
+    _warn_about_gemv(plan, result.device, entry, quant_inputs)
+    if json_out:
+        ui.emit_json({"model": str(art.path), **vars(result),
+                      "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now"),
+                      "tensor_parallel": m.tp.describe() if world else None})
+        return
+    compiled = ""
+    if compile_:
+        compiled = f"compile {result.compile_s:.1f} s ({'loaded compiled code' if entry else 'compiled now'}) | "
+    ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
+           f"ttft {result.ttft_s * 1000:.1f} ms | {compiled}prefill {result.prefill_tok_s:.1f} tok/s | "
+           f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
+           f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
+           f"{result.extra.get('attention_backend')}[/dim]")
+
+
+def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool, synthetic: str | None = None,
+                     synthetic_quant: str | None = None):
+    """--tp N: start N processes of this command (unless torchrun did) and join their group;
+    None for --tp 1. Rank 0 prints; the others only their errors."""
+    if tp == 1:
+        return None
+    from llamactl import tp as tpm
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    if not tpm.under_launcher():
+        if synthetic:
+            from llamactl.synthetic import synthetic_args
+
+            for q in (synthetic_quant or "none").split(","):
+                for rank in range(tp):
+                    tpm.plan_synthetic(synthetic_args(synthetic), q.strip(), rank, tp)
+        else:
+            from llamactl.artifact import open_artifact, resolve_model_path
+
+            tpm.check_shard_fits(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle), tp)
+        if dev.type == "cuda" and torch_cuda_count() < tp:
+            raise InputError(f"--tp {tp} needs {tp} GPUs; {torch_cuda_count()} visible", f"use --tp {torch_cuda_count()} or fewer")
+        raise typer.Exit(tpm.launch(tp, sys.argv[1:]))
+    world = tpm.join(tp, dev)
+    if world.rank:
+        ui.follow()
+    return world
+
+
+def rank_device(device: str):
+    """This rank's device: its own GPU (tp.join chose it), or the CPU."""
+    import torch
+
+    from llamactl.load import resolve_device
+
+    dev = resolve_device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; mind --api-key then).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port; 0 picks a free one (printed).")] = 8000,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="Requests decoded together (slots of the KV cache).")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot; more are answered 429 at once.")] = 64,
+    max_seq: Annotated[Optional[int], typer.Option("--max-seq", min=2, help="Tokens a slot holds (prompt + output) (default: the model's context, at most 4096).")] = None,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step).")] = 512,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
+    model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
+    mode: Annotated[str, typer.Option(help="The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).")] = "auto",
+    synthetic: Annotated[Optional[str], typer.Option(help="Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int3, int4, int5, int6 (RTN, group 128), int8 (per channel) or none.")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    quant_inputs: QuantInputsOpt = None,
+    kernels: KernelsOpt = None,
+    pins_file: PinsFileOpt = None,
+    allow_pickle: PickleOpt = False,
+    tp: TpOpt = 1,
+):
+    """Serve the model over an OpenAI-compatible HTTP API with continuous batching, until SIGTERM."""
+    from llamactl.options import api_key as key_from_env
+    from llamactl.serve.run import ServeOptions, run
+
+    opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
+                        prefill_chunk=prefill_chunk, drain_s=drain_timeout, api_key=api_key or key_from_env(),
+                        model_name=model_name, mode=serve_mode(mode))
+    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    if model and synthetic:
+        raise typer.BadParameter("MODEL and --synthetic: give one")
+    world = tensor_parallel(tp, model, device, allow_pickle, synthetic, synthetic_quant)
+    stopped_by = run(model, device, dtype, allow_pickle, options, opts, lambda m: ui.log(m, markup=False), ui.warn,
+                     synthetic, synthetic_quant, world)
+    ui.log(f"stopped ({stopped_by or 'the server ended'})", markup=False)
+    if stopped_by == "SIGINT":
+        raise typer.Exit(130)
+
+
+def serve_mode(mode: str) -> str | None:
+    from llamactl.decode import MODES
+
+    if mode != "auto" and mode not in MODES:
+        raise typer.BadParameter(f"--mode {mode}: use auto, {', '.join(MODES)}")
+    return None if mode == "auto" else mode
+
+
+def _warn_about_gemv(plan, device: str, compiled: dict | None, quant_inputs: str | None) -> None:
+    """Say when the GEMVs that ran are not those asked for: a compile cache made for others, or int8
+    inputs/fp16 arithmetic/int16 inputs where they do not apply."""
+    if compiled and compiled.get("gemv") not in (None, plan.label):
+        ui.warn(f"the compile cache was made for gemv {compiled['gemv']}; this run used {plan.label}, "
+                "so its kernels were compiled now (`llamactl compile --quant-inputs` picks what to compile for)")
+    if quant_inputs not in (None, "float") and plan.inputs != quant_inputs:
+        ui.warn(f"--quant-inputs {quant_inputs} changed nothing: it applies to int4/int8 models on llamactl's GPU "
+                f"kernels (this run: {plan.label} on {device})")
