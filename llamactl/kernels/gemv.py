@@ -288,9 +288,11 @@ def _int4_configs():
 
 def _prune_int4(configs, named_args, **kwargs):
     """Blocks of whole groups (in fp16, H16, which loads x in one piece, the X_CONTIG candidates
-    twin plain ones and are left out)."""
+    twin plain ones and are left out). 5- and 6-bit codes (HI): the X_CONTIG candidates only, which
+    the H200's int4 pins chose for every llama2-7b shape (fewer compiles to tune a new shape)."""
     g = named_args["G"]
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0 and not (kwargs.get("H16") and c.kwargs["X_CONTIG"])]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % g == 0 and not (kwargs.get("H16") and c.kwargs["X_CONTIG"])
+            and (c.kwargs["X_CONTIG"] or not kwargs.get("HI"))]
     return kept or [
         triton.Config({"BLOCK_N": 8, "BLOCK_K": g}, num_warps=4, num_stages=1)]
 

@@ -144,10 +144,13 @@ _tuned = triton.autotune(configs=_configs(), key=["BLOCK_M", "N", "K", "G", "KIN
                          prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_multirow_kernel)
 
 
+# 5- and 6-bit codes (HI) tune 64-column blocks only: a third of the compiles
 _splitk_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
              for bn in (32, 64, 128) for sp in (1, 2, 4, 8) for w, st in ((4, 3), (8, 4))],
-    key=["BLOCK_M", "N", "K", "G", "UNPACK", "HI"], reset_to_zero=["y_ptr"], cache_results=True)(_int4_splitk_kernel)
+    key=["BLOCK_M", "N", "K", "G", "UNPACK", "HI"], reset_to_zero=["y_ptr"], cache_results=True,
+    prune_configs_by={"early_config_prune": lambda configs, named, **kw: [
+        c for c in configs if not kw.get("HI") or c.kwargs["BLOCK_N"] == 64]})(_int4_splitk_kernel)
 
 
 def splitk_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
