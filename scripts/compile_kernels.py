@@ -92,9 +92,10 @@ def cases():
                    gemv._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
                         PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
-    yield ("dequantize int4", gemv._dequant_int4_kernel,
-           {"q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32", "K": "i32"},
-           dict(G=128, BLOCK_N=32, WORDS=32))
+    for hi in (0, 1, 2):
+        yield (f"dequantize int{4 + hi}", gemv._dequant_int4_kernel,
+               {"q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32",
+                "K": "i32"}, dict(G=128, BLOCK_N=32, WORDS=32, HI=hi))
     for rope, (r, d), pdl, splits in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True],
                                                        [8, 1]):  # one split: the output stored in the kernel
         yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,

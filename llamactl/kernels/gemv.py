@@ -33,7 +33,7 @@ from llamactl.kernels.device import interpreted, pdl_launch
 from llamactl.kernels.int4_layout import _dequant_int4_kernel, _whole_groups, dequantize_int4, pack_int4  # noqa: F401
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.half_math import _int4_h16_dot, _int8_h16_dot
-from llamactl.kernels.high_bits import _high_dot
+from llamactl.kernels.high_bits import _high_dot, quad_high
 from llamactl.kernels.int8_inputs import _int4_a8_dot, _int8_a8_dot
 from llamactl.kernels.int16_inputs import _int4_i16_dot, _int8_i16_dot
 
@@ -343,7 +343,9 @@ def _gemv_int4_kernel(x_ptr, q_ptr, h_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N
     tl.static_assert(HI == 0 or not H16, "packed fp16 arithmetic takes 4-bit codes only")
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
-    if HI == 1:
+    if HI > 0 and (A8 or I16):  # the integer products take the high plane a quad at a time (quad_high)
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * (K * HI // 32)  # [BN, 1] int32 words
+    elif HI == 1:
         h_rows = h_ptr.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64)[:, None] * KW  # [BN, 1] a byte a word
     elif HI == 2:
         h_rows = h_ptr.to(tl.pointer_type(tl.int16)) + rows.to(tl.int64)[:, None] * KW  # [BN, 1] a half word a word
@@ -389,9 +391,12 @@ def _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, K
     [BN, W/4]; ss: [W] sums x^2 for NORM. Returns (acc, ss)."""
     word = k0 // 8 + words  # [W] word index along K
     w_ok = word < KW
-    h = p
+    h, h0, h1, h2, h3 = p, p, p, p, p  # HI = 0: unused
     if HI > 0:
-        h = _block(h_rows, word, row_ok, KW).to(tl.int32)  # [BN, W] each word's high bits
+        if A8 or I16:
+            h0, h1, h2, h3 = quad_high(h_rows, k0, quads, row_ok, K, HI)  # [BN, W/4] each
+        else:
+            h = _block(h_rows, word, row_ok, KW).to(tl.int32)  # [BN, W] each word's high bits
     group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
     g_ok = row_ok[:, None] & (group < K // G)[None, :]
     s = tl.load(s_ptr + g_rows + group[None, :], mask=g_ok, other=0.0).to(tl.float32)  # [BN, W/4]
@@ -418,9 +423,10 @@ def _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, K
     if NORM:
         ss += sq
     if A8:
-        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)  # [BN, W/4]
+        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h0, h1, h2, h3,
+                            HI)  # [BN, W/4]
     elif I16:
-        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)
+        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h0, h1, h2, h3, HI)
     else:
         part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)
     return acc + s * part, ss

@@ -117,7 +117,7 @@ class Int4PlanesLinear(TritonInt4Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
-        from llamactl.kernels.gemv import gemv_int4
+        from llamactl.kernels.gemv import dequantize_int4, gemv_int4
         from llamactl.kernels.multirow import MAX_ROWS, multirow_int4
 
         inputs, high = "float" if self.inputs == "fp16" else self.inputs, SPLITS[self.bits][1]
@@ -134,9 +134,9 @@ class Int4PlanesLinear(TritonInt4Linear):
                           pdl=self.pdl, pins=self.pins, high=self.hi, high_bits=high)[None]
         elif x2.shape[0] <= MAX_ROWS:  # a decode batch: the split-K kernel (groups of 128 k) or the planes
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, self.hi, high)
-        else:
-            y = F.linear(x2, dequantize_planes(self.qweight, self.hi, self.scales, self.zeros, self.bits,
-                                               self.group_size, x.dtype))
+        else:  # a prefill: dequantized in Triton for cuBLAS
+            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x2.dtype, self.hi,
+                                             high))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
