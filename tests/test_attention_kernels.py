@@ -1,0 +1,161 @@
+"""llamactl's Triton decode attention (split-KV, one position for all rows or one each, the folded
+RoPE and cache write) against softmax over the filled cache, and the plans that launch it. Without
+CUDA through Triton's interpreter (set in conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llamactl.kernels import attention  # noqa: E402
+from test_kernels import ATTN_DTYPE, DEV, rel  # noqa: E402
+
+
+@pytest.mark.parametrize("kv_heads,rep,max_seq", [(2, 4, 700), (3, 1, 100), (1, 8, 1500)])
+def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, max_seq):
+    torch.manual_seed(max_seq)
+    d = 64
+    q = torch.randn(2, kv_heads, rep, d, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(2, kv_heads, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    splits, chunk = attention.plan(max_seq)
+    for pos in sorted(p for p in {0, 1, chunk - 1, chunk, max_seq // 2, max_seq - 1} if p < max_seq):
+        out = attention.decode_attention(q, k, v, torch.tensor([pos], device=DEV))
+        scores = q.double() @ k[:, :, : pos + 1].double().transpose(-1, -2) / d**0.5
+        ref = scores.softmax(-1) @ v[:, :, : pos + 1].double()
+        assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
+
+
+@pytest.mark.parametrize("min_chunk,block_s,warps", [(32, 32, 2), (128, 64, 4), (512, 32, 4), (1024, 64, 4)])
+def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps):
+    """The plans kernel_probe.py sweeps give the same attention as the default one (1024: one
+    split over the 700-position cache, the output stored by the split kernel, no merge)."""
+    torch.manual_seed(min_chunk)
+    q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(1, 2, 700, 64, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    for pos in (0, 31, 300, 699):
+        p = torch.tensor([pos], device=DEV)
+        ref = attention._attend(q, k, v, p, None)
+        assert rel(attention._attend(q, k, v, p, None, min_chunk, block_s, warps).cpu(), ref.double().cpu()) < 5e-3
+
+
+def test_plan_covers_the_cache_with_few_power_of_two_splits():
+    for s in (1, 64, 255, 256, 700, 4096, 16640, 131072):
+        for min_chunk in (32, 64, 512):
+            splits, chunk = attention.plan(s, min_chunk)
+            assert splits & (splits - 1) == 0 and splits <= attention.MAX_SPLITS
+            assert splits * chunk >= s and chunk % min_chunk == 0
+
+
+@pytest.mark.parametrize("min_chunk", [64, 512], ids=["splits", "one-split"])
+def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps(min_chunk):
+    """The decode step's attention (RoPE and the cache write folded in), with the default plan and
+    with one split over the cache (the split kernel stores the output; no merge)."""
+    from llamactl.model import apply_rope
+
+    torch.manual_seed(5)
+    b, kv, rep, d, max_seq = 2, 2, 4, 64, 300
+    k_cache = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    q, k_new, v_new = (torch.randn(b, kv, n, d, device=DEV, dtype=ATTN_DTYPE) for n in (rep, 1, 1))
+    ang = torch.rand(d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang]).cos(), torch.cat([ang, ang]).sin()  # [D], rotate-half layout
+    for pos in (0, 63, 64, 170):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = attention.decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kc, vc, cos, sin,
+                                              torch.tensor([pos], device=DEV), min_chunk)
+        qr = apply_rope(q.double(), cos.double()[None], sin.double()[None])  # [B, KV, R, D]
+        kr = apply_rope(k_new.double(), cos.double()[None], sin.double()[None])[:, :, 0]
+        assert rel(kc[:, :, pos].cpu(), kr.cpu()) < 2e-3 and torch.equal(vc[:, :, pos], v_new[:, :, 0])
+        untouched = torch.ones(max_seq, dtype=torch.bool)
+        untouched[pos] = False
+        assert torch.equal(kc[:, :, untouched.to(DEV)], k_cache[:, :, untouched.to(DEV)])
+        keys = kc[:, :, : pos + 1].double()
+        ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vc[:, :, : pos + 1].double()
+        assert rel(out.cpu(), ref.cpu()) < 5e-3, pos
+
+
+@pytest.mark.parametrize("min_chunk", [64, 512], ids=["splits", "one-split"])
+def test_decode_attention_reads_each_row_to_its_own_position(min_chunk):
+    """pos: [B]: every row attends to its own cache prefix, and with RoPE each row is rotated at,
+    and writes its new key and value to, its own position (the rows of a served batch)."""
+    from llamactl.model import apply_rope
+
+    torch.manual_seed(6)
+    b, kv, rep, d, max_seq = 3, 2, 4, 64, 300
+    pos = torch.tensor([0, 170, 64], device=DEV)
+    q, k_new, v_new = (torch.randn(b, kv, n, d, device=DEV, dtype=ATTN_DTYPE) for n in (rep, 1, 1))
+    k = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    out = attention.decode_attention(q, k, v, pos, min_chunk)
+    ang = torch.rand(b, d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # [B, D]
+    kc, vc = k.clone(), v.clone()
+    fused = attention.decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kc, vc, cos, sin, pos, min_chunk)
+    for i, p_ in enumerate(pos.tolist()):
+        keys, vals = k[i, :, : p_ + 1].double(), v[i, :, : p_ + 1].double()
+        ref = torch.softmax(q[i].double() @ keys.transpose(-1, -2) / d**0.5, -1) @ vals
+        assert rel(out[i].cpu(), ref.cpu()) < 5e-3, i
+        c, s_ = cos[i].double()[None], sin[i].double()[None]
+        qr, kr = apply_rope(q[i : i + 1].double(), c, s_)[0], apply_rope(k_new[i : i + 1].double(), c, s_)[0, :, 0]
+        assert rel(kc[i, :, p_].cpu(), kr.cpu()) < 2e-3 and torch.equal(vc[i, :, p_], v_new[i, :, 0])
+        keys = kc[i, :, : p_ + 1].double()
+        ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vc[i, :, : p_ + 1].double()
+        assert rel(fused[i].cpu(), ref.cpu()) < 5e-3, i
+    with pytest.raises(ValueError, match="2 positions for 3 rows"):
+        attention.decode_attention(q, k, v, pos[:2])
+
+
+def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_gqa, monkeypatch):
+    """A decode step of rows at different positions (pos [B, 1]) goes through llamactl's attention
+    kernel (RoPE and the cache write folded in) and gives the logits SDPA gives over each row's
+    own prefix."""
+    from llamactl.artifact import open_artifact
+    from llamactl.layers.plan import prepare
+    from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
+
+    model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    torch.manual_seed(3)
+    lens = [3, 9, 5]
+    prompts = [torch.randint(0, 8192, (1, n), device=DEV) for n in lens]
+    tok = torch.randint(0, 8192, (3, 1), device=DEV)
+    pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
+
+    def step():
+        model.setup_caches(3, 32)
+        model.setup_caches(3, 64)  # fresh caches
+        for r, ids in enumerate(prompts):
+            model(ids, torch.arange(ids.shape[1], device=DEV), slot=r)
+        return model(tok, pos)[:, -1]  # [B, V]
+
+    with torch.inference_mode():
+        prepare(model, RuntimeOptions(kernels=False), interpreter=True)
+        ref = step()
+        prepare(model, RuntimeOptions(), interpreter=True)
+        assert model.model.layers[0].self_attn.decode_kernel == "rope"
+        launched = []
+        attend = attention._attend
+        monkeypatch.setattr(attention, "_attend", lambda q, k, v, pos, *a, **kw: launched.append(pos.numel())
+                            or attend(q, k, v, pos, *a, **kw))
+        got = step()
+    assert launched == [3] * len(model.model.layers)  # the kernel ran, with a position per row
+    assert rel(got.cpu(), ref.cpu()) < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_attention_min_chunk_sets_the_plan_and_the_label():
+    """attn_min_chunk: one split where the chunk covers the cache (the same attention, one
+    kernel), named in reports."""
+    torch.manual_seed(6)
+    q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(1, 2, 300, 64, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    pos = torch.tensor([250], device=DEV)
+    ref = attention.decode_attention(q, k, v, pos)
+    assert attention.plan(300, 512)[0] == 1
+    assert rel(attention.decode_attention(q, k, v, pos, 512).cpu(), ref.double().cpu()) < 5e-3
+    assert attention.label(512) == "triton split-kv, min chunk 512" and attention.label() == "triton split-kv"
