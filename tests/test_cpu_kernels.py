@@ -44,11 +44,13 @@ def layer(k: int, n: int, bits: int, group: int, act_order: bool = False, seed: 
     (192, 48, 4, 96, 1, False),  # groups that split a chunk of 64
     (256, 64, 8, 64, 8, False), (256, 64, 3, 128, 2, False), (256, 64, 5, 64, 1, False),
     (256, 64, 6, 128, 4, False), (128, 32, 2, 32, 1, False), (256, 64, 4, 64, 2, True), (256, 64, 8, 128, 1, True),
+    (96, 32, 5, 32, 3, False), (96, 32, 6, 32, 1, False),  # 5/6 bits: a last chunk of 32
+    (256, 64, 6, 64, 2, True), (448, 64, 7, 64, 1, False),  # act-order high planes; 7 bits as bytes
 ])
 def test_quantized_layer_matches_float64(k, n, bits, group, rows, act_order):
     lin, w = layer(k, n, bits, group, act_order)
     fast = lcpu.CpuQuantLinear.from_gptq(lin)
-    assert fast is not None and fast.store_bits == (4 if bits <= 4 else 8)
+    assert fast is not None and fast.store_bits == (4 if bits <= 4 else bits if bits <= 6 else 8)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     perm = fast.perm if fast.perm.numel() else torch.arange(k)
     xr = torch.empty_like(x, dtype=torch.float64)
@@ -62,16 +64,18 @@ def test_quantized_layer_matches_float64(k, n, bits, group, rows, act_order):
     torch.testing.assert_close(fast(xs).double(), xs.double() @ w.t(), rtol=0.05, atol=0.03 * (xs.abs().max() * w.abs().sum(1).max()).item())
 
 
-@pytest.mark.parametrize("scales_dtype", [torch.float16, torch.float32])
-def test_dequant_op_is_the_layer_weight(scales_dtype):
-    lin, w = layer(576, 40, 4, 128)  # 40 outputs: a last tile of 8 rows
+@pytest.mark.parametrize("scales_dtype,bits", [(torch.float16, 4), (torch.float32, 4), (torch.float16, 5),
+                                               (torch.float16, 6)])
+def test_dequant_op_is_the_layer_weight(scales_dtype, bits):
+    n = 40 if bits == 4 else 64  # 40: a last tile of 8 rows (GPTQ packs 5/6-bit zeros in 32s)
+    lin, w = layer(576, n, bits, 128)
     if scales_dtype == torch.float32:  # scales fp16 cannot hold exactly stay float32
         lin.scales = lin.scales.float() * (1 + 2**-14)
         w = lin.dequantized(torch.float64)
     fast = lcpu.CpuQuantLinear.from_gptq(lin)
-    assert fast.scales.dtype == scales_dtype and fast.scales.shape == (3, 5, 16)
-    d = torch.ops.llamactl_cpu.dequant(fast.weight_packed, fast.scales, fast.zeros, fast.blk2grp, 4, 40, 576)
-    assert d.dtype == torch.bfloat16 and d.shape == (40, 576)
+    assert fast.scales.dtype == scales_dtype and fast.scales.shape == (-(-n // 16), 5, 16)
+    d = torch.ops.llamactl_cpu.dequant(fast.weight_packed, fast.scales, fast.zeros, fast.blk2grp, bits, n, 576)
+    assert d.dtype == torch.bfloat16 and d.shape == (n, 576)
     torch.testing.assert_close(d.double(), w, rtol=1e-2, atol=1e-2 * w.abs().max().item())
     torch.testing.assert_close(fast.dequantized(torch.float64), w)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
@@ -79,15 +83,18 @@ def test_dequant_op_is_the_layer_weight(scales_dtype):
     torch.testing.assert_close(fast(x).double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("bits,k", [(4, 96), (4, 128), (8, 96)])
+@pytest.mark.parametrize("bits,k", [(4, 96), (4, 128), (8, 96), (5, 96), (6, 160)])
 def test_tiles_round_trip(bits, k):
     codes = torch.randint(0, 2**bits, (21, k))  # 21 rows: a padded second tile
     packed = lcpu.pack_tiles(codes, bits)
     assert packed.shape == (2, k * bits // 8 * 16) and packed.dtype == torch.uint8
     assert torch.equal(lcpu.unpack_tiles(packed, 21, k, bits).long(), codes)
-    if bits == 4:  # unit 0 of the first chunk: row r's bytes 4r .. 4r + 3 hold inputs 0-3 | 32-35 << 4
-        assert int(packed[0, 4 * 3 + 1]) == int(codes[3, 1]) | int(codes[3, 33]) << 4
-    else:  # unit 1: inputs 4-7
+    if bits in (4, 5, 6):  # unit 0 of the first chunk: row r's bytes 4r .. 4r + 3 hold inputs 0-3 | 32-35 << 4
+        assert int(packed[0, 4 * 3 + 1]) == int(codes[3, 1]) & 15 | (int(codes[3, 33]) & 15) << 4
+    if bits in (5, 6):  # after the nibbles, unit 0's planes: bit 4 r + j of the low nibble's first is input j's bit 4
+        plane = int.from_bytes(bytes(packed[0, k * 8 : k * 8 + 8].tolist()), "little")
+        assert (plane >> (4 * 3 + 1)) & 1 == (int(codes[3, 1]) >> 4) & 1
+    if bits == 8:  # unit 1: inputs 4-7
         assert int(packed[1, 64 + 4 * 2 + 3]) == int(codes[18, 7])
     v = torch.randn(21, 3)
     assert lcpu.tile_rows(v).shape == (2, 3, 16) and torch.equal(lcpu.untile_rows(lcpu.tile_rows(v), 21), v)

@@ -15,6 +15,11 @@
 //   4 bits (codes 0..15): per chunk of 64 inputs 8 units, unit t holding inputs 4t + j in its low
 //     nibbles and 32 + 4t + j in its high ones (a last chunk of 32: 4 units, 16 in place of 32);
 //     a tile is 8 K bytes
+//   5 and 6 bits: the low 4 bits as for 4, then (from byte 8 K of the tile) per unit u (counted
+//     over the tile), nibble h (0 low, 1 high) and extra bit e (bits - 4 of them), a 64-bit mask
+//     whose bit 4 r + j is bit 4 + e of that code; a tile is 8 K + 2 K (bits - 4) bytes. One masked
+//     byte add puts a plane's bit into 64 codes, so 5 and 6 bits cost their bytes and two to four
+//     instructions a unit more than 4
 // Scales s: [tiles, groups, 16] float32, or fp16 where the checkpoint's scales are fp16 exactly;
 // zero points z: uint8 [tiles, groups, 16]; blk2grp [K / 32]: the group of each block of 32 inputs
 // (every block lies in one group; groups of any size and order).
@@ -35,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -99,6 +105,14 @@ void quantize_rows(QuantRows& q, const T* x, int64_t m, int64_t k, const int64_t
   }
 }
 
+// The high bit plane e of nibble h (0 low, 1 high) of unit u in a 5- or 6-bit tile of K inputs.
+template <int BITS>
+inline uint64_t plane_mask(const uint8_t* tile, int64_t k, int64_t u, int h, int e) {
+  uint64_t m;
+  std::memcpy(&m, tile + 8 * k + ((u * 2 + h) * (BITS - 4) + e) * 8, 8);
+  return m;
+}
+
 // The code of (row r, input i) in a tile of K inputs (the layout above).
 template <int BITS>
 inline int32_t code_at(const uint8_t* tile, int64_t r, int64_t i, int64_t k) {
@@ -106,9 +120,13 @@ inline int32_t code_at(const uint8_t* tile, int64_t r, int64_t i, int64_t k) {
     return tile[(i / 4) * UNIT + 4 * r + i % 4];
   } else {
     const int64_t c = i / 64, base = c * 64, half = std::min<int64_t>(64, k - base) / 2, p = i - base;
-    const int64_t q = p < half ? p : p - half;
-    const uint8_t byte = tile[c * 8 * UNIT + (q / 4) * UNIT + 4 * r + q % 4];
-    return p < half ? (byte & 0x0F) : (byte >> 4);
+    const int h = p < half ? 0 : 1;
+    const int64_t q = h ? p - half : p, u = c * 8 + q / 4, bit = 4 * r + q % 4;
+    const uint8_t byte = tile[u * UNIT + bit];
+    int32_t code = h ? (byte >> 4) : (byte & 0x0F);
+    if constexpr (BITS > 4)
+      for (int e = 0; e < BITS - 4; ++e) code |= static_cast<int32_t>((plane_mask<BITS>(tile, k, u, h, e) >> bit) & 1) << (4 + e);
+    return code;
   }
 }
 
@@ -146,6 +164,17 @@ inline __m512i bcast4(const int8_t* x) {  // x's 4 bytes in every lane
   return _mm512_set1_epi32(v);
 }
 
+// 64 codes of nibble h of unit u (bytes 0..15) with a 5- or 6-bit tile's high bits added
+template <int BITS>
+inline __m512i with_high(__m512i c, const uint8_t* tile, int64_t k, int64_t u, int h) {
+  if constexpr (BITS > 4) {
+    c = _mm512_mask_add_epi8(c, _cvtu64_mask64(plane_mask<BITS>(tile, k, u, h, 0)), c, _mm512_set1_epi8(16));
+    if constexpr (BITS > 5)
+      c = _mm512_mask_add_epi8(c, _cvtu64_mask64(plane_mask<BITS>(tile, k, u, h, 1)), c, _mm512_set1_epi8(32));
+  }
+  return c;
+}
+
 // A tile's 16 outputs for one row of x: one vpdpbusd per unit, independent accumulators.
 template <int BITS, typename S>
 void tile_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s, const uint8_t* z,
@@ -172,31 +201,42 @@ void tile_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* 
       add(b % 2 ? acc1 : acc0, _mm512_add_epi32(i0, i1), b, 1.f);
     }
   } else {
-    // the high nibbles are used in place (16 x the code)
+    // 4 bits: the high nibbles are used in place (16 x the code); 5 and 6 bits shift them down
+    // first, as their high bits go above them
     const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+    const float hi_unit = BITS == 4 ? 16.f : 1.f;
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
       const uint8_t* wc = w + b * 4 * UNIT;  // a chunk of 64 inputs: 8 units
       const int8_t* x0 = xq + b * BLOCK;
+      const int64_t u0 = b / 2 * 8;  // the chunk's first unit
       _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + 4 * UNIT), _MM_HINT_T0);
       __m512i lo[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, hi[2] = {lo[0], lo[0]};
       for (int t = 0; t < 8; ++t) {
         const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
-        lo[t % 2] = _mm512_dpbusd_epi32(lo[t % 2], _mm512_and_si512(v, lo4), bcast4(x0 + 4 * t));
-        hi[t % 2] = _mm512_dpbusd_epi32(hi[t % 2], _mm512_and_si512(v, hi4), bcast4(x0 + BLOCK + 4 * t));
+        __m512i cl = _mm512_and_si512(v, lo4), ch = _mm512_and_si512(v, hi4);
+        if constexpr (BITS > 4) {
+          cl = with_high<BITS>(cl, w, k, u0 + t, 0);
+          ch = with_high<BITS>(_mm512_srli_epi16(ch, 4), w, k, u0 + t, 1);
+        }
+        lo[t % 2] = _mm512_dpbusd_epi32(lo[t % 2], cl, bcast4(x0 + 4 * t));
+        hi[t % 2] = _mm512_dpbusd_epi32(hi[t % 2], ch, bcast4(x0 + BLOCK + 4 * t));
       }
       add(acc0, _mm512_add_epi32(lo[0], lo[1]), b, 1.f);
-      add(acc1, _mm512_add_epi32(hi[0], hi[1]), b + 1, 16.f);
+      add(acc1, _mm512_add_epi32(hi[0], hi[1]), b + 1, hi_unit);
     }
     if (b < nb) {  // a last chunk of 32 inputs: 4 units, inputs 4t + j low, 16 + 4t + j high
       const uint8_t* wc = w + b * 4 * UNIT;
       const int8_t* x0 = xq + b * BLOCK;
+      const int64_t u0 = b / 2 * 8;
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
         const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
-        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, lo4), bcast4(x0 + 4 * t));
-        hi = _mm512_dpbusd_epi32(hi, _mm512_srli_epi16(_mm512_and_si512(v, hi4), 4), bcast4(x0 + 16 + 4 * t));
+        const __m512i cl = with_high<BITS>(_mm512_and_si512(v, lo4), w, k, u0 + t, 0);
+        const __m512i ch = with_high<BITS>(_mm512_srli_epi16(_mm512_and_si512(v, hi4), 4), w, k, u0 + t, 1);
+        lo = _mm512_dpbusd_epi32(lo, cl, bcast4(x0 + 4 * t));
+        hi = _mm512_dpbusd_epi32(hi, ch, bcast4(x0 + 16 + 4 * t));
       }
       add(acc0, _mm512_add_epi32(lo, hi), b, 1.f);
     }
@@ -215,6 +255,17 @@ void tile_dot_any(const uint8_t* w, const int8_t* xq, const float* dx, const flo
 #endif
 }
 
+// f(std::integral_constant<int, bits>) for the stored widths (4, 5, 6, 8)
+template <typename F>
+void dispatch_bits(int64_t bits, F&& f) {
+  switch (bits) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    default: f(std::integral_constant<int, 8>{});
+  }
+}
+
 template <typename T>
 void store_row(T* out, const float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(v[i]);
@@ -222,7 +273,7 @@ void store_row(T* out, const float* v, int64_t n) {
 
 void check_layout(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros, const at::Tensor& blk2grp,
                   int64_t bits, int64_t n, int64_t k, const char* op) {
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, op, ": bits must be 4, 5, 6 or 8");
   TORCH_CHECK(k % BLOCK == 0 && blk2grp.numel() == k / BLOCK, op, ": K must be whole blocks of 32");
   const int64_t tiles = (n + TILE - 1) / TILE;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == tiles &&
@@ -270,12 +321,10 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
         const float* xsum = qr.xsum.data() + r * nb;
         if (half) {
           const c10::Half* st = static_cast<const c10::Half*>(sp) + t * groups * TILE;
-          if (bits == 4) tile_dot_any<4>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
-          else tile_dot_any<8>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
+          dispatch_bits(bits, [&](auto tag) { tile_dot_any<decltype(tag)::value>(wt, xq, dx, xsum, st, zt, grp, k, tmp); });
         } else {
           const float* st = static_cast<const float*>(sp) + t * groups * TILE;
-          if (bits == 4) tile_dot_any<4>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
-          else tile_dot_any<8>(wt, xq, dx, xsum, st, zt, grp, k, tmp);
+          dispatch_bits(bits, [&](auto tag) { tile_dot_any<decltype(tag)::value>(wt, xq, dx, xsum, st, zt, grp, k, tmp); });
         }
         if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, tmp, rows);
         else store_row(y.data_ptr<float>() + r * n + o, tmp, rows);
@@ -345,13 +394,24 @@ void dequant_tile(const uint8_t* wt, const S* st, const uint8_t* zt, const int32
     for (int64_t base = 0; base < k; base += 64) {  // a chunk: its units, low nibbles then high
       const int64_t half = std::min<int64_t>(64, k - base) / 2;
       const uint8_t* wc = wt + base / 64 * 8 * UNIT;
-      for (int64_t t = 0; t < half / 4; ++t)
+      for (int64_t t = 0; t < half / 4; ++t) {
+        uint64_t planes[2][2] = {{0, 0}, {0, 0}};  // [nibble][extra bit]: 5 and 6 bits' high bits
+        if constexpr (BITS > 4)
+          for (int h = 0; h < 2; ++h)
+            for (int e = 0; e < BITS - 4; ++e) planes[h][e] = plane_mask<BITS>(wt, k, base / 64 * 8 + t, h, e);
         for (int64_t r = 0; r < TILE; ++r)
           for (int64_t j = 0; j < 4; ++j) {
             const uint8_t byte = wc[t * UNIT + 4 * r + j];
-            c[r * k + base + 4 * t + j] = byte & 0x0F;
-            c[r * k + base + half + 4 * t + j] = byte >> 4;
+            const int bit = static_cast<int>(4 * r + j);
+            uint8_t lo = byte & 0x0F, hi = byte >> 4;
+            for (int e = 0; e < BITS - 4; ++e) {
+              lo |= static_cast<uint8_t>(((planes[0][e] >> bit) & 1) << (4 + e));
+              hi |= static_cast<uint8_t>(((planes[1][e] >> bit) & 1) << (4 + e));
+            }
+            c[r * k + base + 4 * t + j] = lo;
+            c[r * k + base + half + 4 * t + j] = hi;
           }
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r)
@@ -382,12 +442,10 @@ at::Tensor dequant(const at::Tensor& w, const at::Tensor& scales, const at::Tens
       c10::BFloat16* o = op + t * TILE * k;
       if (half) {
         const c10::Half* st = scales.data_ptr<c10::Half>() + t * groups * TILE;
-        if (bits == 4) dequant_tile<4>(wt, st, zt, grp, k, rows, o);
-        else dequant_tile<8>(wt, st, zt, grp, k, rows, o);
+        dispatch_bits(bits, [&](auto tag) { dequant_tile<decltype(tag)::value>(wt, st, zt, grp, k, rows, o); });
       } else {
         const float* st = scales.data_ptr<float>() + t * groups * TILE;
-        if (bits == 4) dequant_tile<4>(wt, st, zt, grp, k, rows, o);
-        else dequant_tile<8>(wt, st, zt, grp, k, rows, o);
+        dispatch_bits(bits, [&](auto tag) { dequant_tile<decltype(tag)::value>(wt, st, zt, grp, k, rows, o); });
       }
     }
   });

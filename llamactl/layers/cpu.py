@@ -3,8 +3,8 @@
 
 CpuQuantLinear takes any GPTQ-format layer of 2 to 8 bits (any group size whose groups hold whole
 blocks of 32 inputs, a short last group too; act-order through a permutation of x): codes of up to
-4 bits are stored as nibbles, 5 to 8 bits as bytes, in tiles of 16 output rows interleaved by 4
-inputs, and multiplied as they are with x rounded to int8 per block of 32 (the kernel's comment
+4 bits are stored as nibbles, 5 and 6 bits as nibbles and one or two high bit planes, 7 and 8 bits
+as bytes, in tiles of 16 output rows interleaved by 4 inputs, and multiplied as they are with x rounded to int8 per block of 32 (the kernel's comment
 says how). Decode rows (up to kernels.cpu.MAX_ROWS) run the kernel; more rows (prefill) dequantize
 the layer for torch's matmul (oneDNN; in bf16, or exactly in float32 for float32 activations).
 
@@ -68,23 +68,47 @@ def bf16_fast() -> bool:
 
 
 def pack_tiles(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: [N, K] (0..15 for bits 4, 0..255 for 8), K a multiple of 32 -> uint8 [ceil(N / 16),
+    """codes: [N, K] (below 2^bits; bits 4, 5, 6 or 8), K a multiple of 32 -> uint8 [ceil(N / 16),
     K * bits / 8 * 16]: tiles of 16 rows (the last padded with zero rows), interleaved by 4 inputs
-    (the kernel's layout, cpu_gemv.cpp)."""
+    (the kernel's layout, cpu_gemv.cpp); 5 and 6 bits: the low 4 bits as for 4, then the high bit
+    planes (_high_planes)."""
     n, k = codes.shape
     c = F.pad(codes.to(torch.uint8), (0, 0, 0, -n % TILE)).view(-1, TILE, k)  # [T, 16, K]
     t = c.shape[0]
     if bits == 8:  # unit u: [16 rows, inputs 4u .. 4u + 3]
         return c.view(t, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(t, -1).contiguous()
+    packed = torch.cat([(v[..., 0] | (v[..., 1] << 4)).reshape(t, -1) for v in _nibble_units(c & 0x0F)], dim=1)
+    if bits > 4:
+        packed = torch.cat([packed, _high_planes(c, bits)], dim=1)
+    return packed.contiguous()
+
+
+def _nibble_units(c: torch.Tensor) -> list[torch.Tensor]:
+    """c: [T, 16, K] codes -> per chunk of 64 inputs (a last one of 32) [T, units, 16, 4, 2]: each
+    unit's 64 bytes (row r, input j at byte 4 r + j), the code of its low nibble and its high one
+    (a full chunk: unit u holds inputs 4u + j and 32 + 4u + j; the last of 32: 4u + j, 16 + 4u + j)."""
+    t, _, k = c.shape
     full = k // 64 * 64
-    parts = []
-    if full:  # per chunk of 64, unit t: inputs 4t + j low, 32 + 4t + j high
-        v = c[:, :, :full].reshape(t, TILE, -1, 2, 8, 4)
-        parts.append((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(t, -1))
-    if k - full:  # a last chunk of 32: inputs 4t + j low, 16 + 4t + j high
-        v = c[:, :, full:].reshape(t, TILE, 2, 4, 4)
-        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).permute(0, 2, 1, 3).reshape(t, -1))
-    return torch.cat(parts, dim=1).contiguous()
+    out = []
+    if full:
+        v = c[:, :, :full].reshape(t, TILE, -1, 2, 8, 4)  # [T, 16, chunks, half, unit, j]
+        out.append(v.permute(0, 2, 4, 1, 5, 3).reshape(t, -1, TILE, 4, 2))
+    if k - full:
+        v = c[:, :, full:].reshape(t, TILE, 2, 4, 4)  # [T, 16, half, unit, j]
+        out.append(v.permute(0, 3, 1, 4, 2).reshape(t, -1, TILE, 4, 2))
+    return out
+
+
+def _high_planes(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """c: [T, 16, K] 5- or 6-bit codes -> uint8 [T, K * (bits - 4) * 2]: per unit of the nibble
+    layout, per nibble (low, high) and per extra bit e, 64 bits (8 bytes, little-endian) whose bit
+    4 r + j is bit 4 + e of that nibble's code at byte 4 r + j; the kernel adds them as byte masks."""
+    t = c.shape[0]
+    units = torch.cat(_nibble_units(c), dim=1)  # [T, U, 16, 4, 2]
+    planes = torch.stack([(units >> (4 + e)) & 1 for e in range(bits - 4)], dim=-1)  # [T, U, 16, 4, 2, E]
+    planes = planes.permute(0, 1, 4, 5, 2, 3).reshape(t, -1, 8, 8)  # [T, U * 2 * E * 8 bytes, 8 bits]
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    return (planes.to(torch.int32) * weights).sum(-1).to(torch.uint8).reshape(t, -1)
 
 
 def unpack_tiles(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
@@ -93,15 +117,34 @@ def unpack_tiles(packed: torch.Tensor, n: int, k: int, bits: int) -> torch.Tenso
     if bits == 8:
         c = packed.view(t, k // 4, TILE, 4).permute(0, 2, 1, 3).reshape(t * TILE, k)
         return c[:n]
+    nib = packed[:, : k * 8]
     full = k // 64 * 64
-    parts = []
+    units = []
     if full:
-        v = packed[:, : full * 8].reshape(t, -1, 8, TILE, 4).permute(0, 3, 1, 2, 4)  # [T, 16, chunks, 8, 4]
-        parts.append(torch.stack([v & 0x0F, v >> 4], dim=3).reshape(t, TILE, full))
+        v = nib[:, : full * 8].reshape(t, -1, TILE, 4)  # [T, U, 16, 4]
+        units.append(v)
     if k - full:
-        v = packed[:, full * 8 :].reshape(t, 4, TILE, 4).permute(0, 2, 1, 3)  # [T, 16, 4, 4]
-        parts.append(torch.stack([v & 0x0F, v >> 4], dim=2).reshape(t, TILE, 32))
-    return torch.cat(parts, dim=2).reshape(t * TILE, k)[:n]
+        units.append(nib[:, full * 8 :].reshape(t, 4, TILE, 4))
+    u = torch.cat(units, dim=1)  # [T, U, 16, 4] bytes
+    codes = torch.stack([u & 0x0F, u >> 4], dim=-1)  # [T, U, 16, 4, 2]
+    if bits > 4:
+        e_n = bits - 4
+        raw = packed[:, k * 8 :].reshape(t, u.shape[1], 2, e_n, 8)  # [T, U, nibble, e, 8 bytes]
+        bitv = (raw.to(torch.int32)[..., None] >> torch.arange(8, dtype=torch.int32)) & 1  # [T, U, 2, E, 8, 8]
+        bitv = bitv.reshape(t, u.shape[1], 2, e_n, TILE, 4).permute(0, 1, 4, 5, 2, 3)  # [T, U, 16, 4, 2, E]
+        codes = codes | sum(bitv[..., e].to(torch.uint8) << (4 + e) for e in range(e_n))
+    # back to [T, 16, K]: undo _nibble_units
+    out = torch.empty(t, TILE, k, dtype=torch.uint8)
+    done = 0
+    if full:
+        chunks = full // 64
+        v = codes[:, : chunks * 8].reshape(t, chunks, 8, TILE, 4, 2).permute(0, 3, 1, 5, 2, 4)  # [T,16,ch,half,unit,j]
+        out[:, :, :full] = v.reshape(t, TILE, full)
+        done = chunks * 8
+    if k - full:
+        v = codes[:, done:].reshape(t, 4, TILE, 4, 2).permute(0, 2, 4, 1, 3)  # [T, 16, half, unit, j]
+        out[:, :, full:] = v.reshape(t, TILE, 32)
+    return out.reshape(t * TILE, k)[:n]
 
 
 def tile_rows(v: torch.Tensor) -> torch.Tensor:
@@ -144,7 +187,7 @@ class CpuQuantLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.bits = bits
-        self.store_bits = 4 if bits <= 4 else 8
+        self.store_bits = 4 if bits <= 4 else bits if bits <= 6 else 8  # 5, 6: nibbles and high bit planes
         s = scales.t().float()  # [out, groups]
         if torch.equal(s.half().float(), s):
             s = s.half()
