@@ -135,7 +135,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l calib -x -a 'd
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l n-samples -r -d 'Calibration samples (default: the specs, 64).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l seq-len -r -d 'Tokens per calibration sample (default: the specs, 512).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l target-bpw -r -d 'A whole-file budget in bits per parameter: each tensor (layers, lm_head, embeddings) gets 3, 4, 5 or 6 bits in groups of 32-128, 8 bits per row, or stays 16-bit, chosen from its measured sensitivity.'
-complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l widths -r -d 'The bit widths --target-bpw may choose (a comma list). 3, 5 and 6 give the best quality a byte but their kernels are slower than 4 and 8 bits today: --widths 4,8 for a file at the int4/int8 kernels speed.'
+complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l widths -r -d 'The bit widths --target-bpw may choose (a comma list). 5 and 6 bits decode at about their bytes speed (the int4 kernels with a high bit plane); 3 bits on a slower kernel: --widths 4,5,6,8 leaves it out.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l calib-stats -r -d 'Calibration statistics from `llamactl calibrate` (sensitivities for --target-bpw; rtn --clip-search weights its error by them).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l eval -r -d 'Plain-text file for the quality report (default: packaged docs-eval.txt).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l eval-tokens -r -d 'Tokens scored in the quality report; 0 skips it.'

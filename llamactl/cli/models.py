@@ -83,7 +83,7 @@ def quantize(
     n_samples: Annotated[Optional[int], typer.Option("--n-samples", min=1, help="Calibration samples (default: the spec's, 64).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=8, help="Tokens per calibration sample (default: the spec's, 512).")] = None,
     target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="A whole-file budget in bits per parameter: each tensor (layers, lm_head, embeddings) gets 3, 4, 5 or 6 bits in groups of 32-128, 8 bits per row, or stays 16-bit, chosen from its measured sensitivity.", show_default=False)] = None,
-    widths: Annotated[str, typer.Option("--widths", help="The bit widths --target-bpw may choose (a comma list). 3, 5 and 6 give the best quality a byte but their kernels are slower than 4 and 8 bits today: --widths 4,8 for a file at the int4/int8 kernels' speed.")] = "3,4,5,6,8",
+    widths: Annotated[str, typer.Option("--widths", help="The bit widths --target-bpw may choose (a comma list). 5 and 6 bits decode at about their bytes' speed (the int4 kernels with a high bit plane); 3 bits on a slower kernel: --widths 4,5,6,8 leaves it out.")] = "3,4,5,6,8",
     calib_stats: Annotated[Optional[str], typer.Option("--calib-stats", help="Calibration statistics from `llamactl calibrate` (sensitivities for --target-bpw; rtn --clip-search weights its error by them).", show_default=False)] = None,
     eval_file: EvalOpt = None,
     eval_tokens: EvalTokensOpt = 32768,
