@@ -86,12 +86,13 @@ def cases():
                    dict(GEMV, w_ptr="*i8"),
                    dict(HAS_SCALE=True, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=8, BLOCK_K=512,
                         PREFETCH=False, REDUCE_EACH=False, PDL=pdl, **{arith: True}))
-    for (norm, glu, res), hi, arith in itertools.product(flags, [1, 2], ["", "A8", "I16"]):
-        if not (norm and glu):  # 5- and 6-bit codes (a high plane beside the nibbles)
-            yield (f"gemv int{4 + hi} {arith.lower() or 'float'} norm={norm} glu={glu} residual={res}",
-                   gemv._gemv_int4_kernel, INT4,
-                   dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
-                        PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
+    # 5- and 6-bit codes (a high plane beside the nibbles), at the norm's and SwiGLU's sites
+    for (norm, glu, res), hi, arith in itertools.product([(True, False, False), (False, True, True)], [1, 2],
+                                                         ["", "A8", "I16"]):
+        yield (f"gemv int{4 + hi} {arith.lower() or 'float'} norm={norm} glu={glu} residual={res}",
+               gemv._gemv_int4_kernel, INT4,
+               dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
+                    PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
     for hi in (0, 1, 2):
         yield (f"dequantize int{4 + hi}", gemv._dequant_int4_kernel,
                {"q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32",

@@ -343,7 +343,7 @@ def _gemv_int4_kernel(x_ptr, q_ptr, h_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N
     tl.static_assert(HI == 0 or not H16, "packed fp16 arithmetic takes 4-bit codes only")
     rows, row_ok, out = _program_rows(N, BLOCK_N, GLU_OUT)  # [BN]
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * KW  # [BN, 1]
-    if HI > 0 and (A8 or I16):  # the integer products take the high plane a quad at a time (quad_high)
+    if HI == 1 and (A8 or I16):  # the integer products take a 5-bit high plane a quad at a time (quad_high)
         h_rows = h_ptr + rows.to(tl.int64)[:, None] * (K * HI // 32)  # [BN, 1] int32 words
     elif HI == 1:
         h_rows = h_ptr.to(tl.pointer_type(tl.uint8)) + rows.to(tl.int64)[:, None] * KW  # [BN, 1] a byte a word
@@ -393,8 +393,8 @@ def _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, K
     w_ok = word < KW
     h, h0, h1, h2, h3 = p, p, p, p, p  # HI = 0: unused
     if HI > 0:
-        if A8 or I16:
-            h0, h1, h2, h3 = quad_high(h_rows, k0, quads, row_ok, K, HI)  # [BN, W/4] each
+        if HI == 1 and (A8 or I16):
+            h0, h1, h2, h3 = quad_high(h_rows, k0, quads, row_ok, K)  # [BN, W/4] each
         else:
             h = _block(h_rows, word, row_ok, KW).to(tl.int32)  # [BN, W] each word's high bits
     group = k0 // G + quads // (G // 32)  # [W/4] each quad's group (4 consecutive words share one)
@@ -423,10 +423,11 @@ def _int4_step(p, k0, acc, ss, x_ptr, h_rows, s_ptr, z_ptr, g_rows, row_ok, K, K
     if NORM:
         ss += sq
     if A8:
-        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h0, h1, h2, h3,
+        part = _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, h0, h1, h2, h3,
                             HI)  # [BN, W/4]
     elif I16:
-        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h0, h1, h2, h3, HI)
+        part = _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, h0, h1, h2, h3,
+                             HI)
     else:
         part = _int4_float_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM, BLOCK_N, WORDS, h, HI)
     return acc + s * part, ss

@@ -97,13 +97,13 @@ def _int8_i16_dot(w, x, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: t
 
 @triton.jit
 def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  WORDS: tl.constexpr, h0=None, h1=None, h2=None, h3=None, HI: tl.constexpr = 0):
+                  WORDS: tl.constexpr, h=None, h0=None, h1=None, h2=None, h3=None, HI: tl.constexpr = 0):
     """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats, with x in 16-bit fixed
     point per quad (module docstring). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4]
     the quads' zero points. A word's even nibbles as bytes (0, 2, 4, 6) take x's pairs (0, 2) and
     (4, 6) in two DP2A, its odd ones (shifted by 4) the pairs (1, 3) and (5, 7); a quad is one chain.
-    HI > 0: 5- or 6-bit codes, h0..h3: [BN, W/4] the high bits of each quad's words (kernels.high_bits.quad_high),
-    added to the bytes."""
+    HI > 0: 5- or 6-bit codes, their high bits added to the bytes (kernels.high_bits): 5 bits from h0..h3,
+    [BN, W/4] each quad's words' (quad_high), 6 bits from h, [BN, W] each word's."""
     down, up = _int16_scale(_quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS))  # [W/4] each
     up_w = _repeat(up, 4, WORDS // 4)  # [W] each word's quad's
     v0, v1, v2, v3 = _round16(x0, up_w, USE_ASM), _round16(x1, up_w, USE_ASM), _round16(x2, up_w, USE_ASM), \
@@ -113,9 +113,11 @@ def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, B
     vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
     even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
     odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    if HI == 2:
+        even, odd = with_high(even, odd, h, HI)
     e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)  # [BN, W/4] each
     o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
-    if HI > 0:  # whole 5- or 6-bit codes in the bytes
+    if HI == 1:  # whole 5-bit codes in the bytes
         e0, o0 = with_high(e0, o0, h0, HI)
         e1, o1 = with_high(e1, o1, h1, HI)
         e2, o2 = with_high(e2, o2, h2, HI)

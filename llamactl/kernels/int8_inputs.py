@@ -10,14 +10,14 @@ from llamactl.kernels.high_bits import with_high
 
 @triton.jit
 def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 WORDS: tl.constexpr, h0=None, h1=None, h2=None, h3=None, HI: tl.constexpr = 0):
+                 WORDS: tl.constexpr, h=None, h0=None, h1=None, h2=None, h3=None, HI: tl.constexpr = 0):
     """sum over each quad's 32 columns of (code - z) x, as [BN, W/4] floats, with x rounded to int8
     per quad: v = round(x * 127 / max |x|) (4 consecutive words share one scale, as they share a
     group). Words p: [BN, W], x_j: [W] the slices x[8 w + j], z: [BN, W/4] the quads' zero points.
     The even nibbles of a word are its bytes masked with 0x0F0F0F0F, the odd ones those of the word
     shifted by 4; one DP4A each multiplies them with the matching 4 int8 inputs and adds. HI > 0:
-    5- or 6-bit codes, h0..h3: [BN, W/4] the high bits of each quad's words (kernels.high_bits.quad_high),
-    added to the bytes."""
+    5- or 6-bit codes, their high bits added to the bytes (kernels.high_bits): 5 bits from h0..h3,
+    [BN, W/4] each quad's words' (quad_high), 6 bits from h, [BN, W] each word's."""
     qmax = _quad_max(x0, x1, x2, x3, x4, x5, x6, x7, WORDS)  # [W/4]
     inv = _int8_inv(qmax)  # [W/4]
     inv_w = _repeat(inv, 4, WORDS // 4)  # [W] each word's quad's
@@ -30,10 +30,12 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
     even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
     odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    if HI == 2:
+        even, odd = with_high(even, odd, h, HI)
     # a quad's 4 words (one thread's 16-byte load): 8 DP4A chained, [BN, W/4] each
     e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)
     o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
-    if HI > 0:  # whole 5- or 6-bit codes in the bytes
+    if HI == 1:  # whole 5-bit codes in the bytes
         e0, o0 = with_high(e0, o0, h0, HI)
         e1, o1 = with_high(e1, o1, h1, HI)
         e2, o2 = with_high(e2, o2, h2, HI)
