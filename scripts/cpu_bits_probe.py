@@ -1,7 +1,9 @@
 """The CPU low-bit product (kernels/cpu_gemv.cpp's qgemv) per stored width at a model's decode
-shapes: us a call and GB/s of weight bytes read, one row, the layers of one decoder layer (q/k/v and
-gate/up fused as the model runs them), so that 5 and 6 bits can be set against what their bytes
-predict from 4 and 8. Rounds interleave the widths (the machine may be shared: take the ratios).
+shapes: us a decoder layer and GB/s of weight bytes read, one row, every decoder layer's own
+weights (q/k/v and gate/up fused as the model runs them; all of them, so that the weights stream
+from memory as in a decode step, not from the caches), so that 5 and 6 bits can be set against
+what their bytes predict from 4 and 8. Rounds interleave the widths (the machine may be shared:
+take the ratios).
 Usage: python scripts/cpu_bits_probe.py OUT.json [--shape llama-135m] [--bits 4,5,6,8] [--rounds 5]
 """
 
@@ -52,23 +54,29 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-135m")
     ap.add_argument("--bits", default="4,5,6,8")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=20, help="whole passes over the layers a round")
     args = ap.parse_args()
     problem = lcpu.kernels_load()
     if problem:
         raise SystemExit(f"the CPU kernels did not load: {problem}")
     bits = [int(b) for b in args.bits.split(",")]
     shapes = layer_shapes(args.shape)
-    layers = {b: [cpu_layer(n, k, b) for _, n, k in shapes] for b in bits}
-    xs = [torch.randn(1, k).bfloat16() for _, _, k in shapes]
+    depth = SHAPES[args.shape]["num_hidden_layers"]
+    layers = {b: [cpu_layer(n, k, b) for _ in range(depth) for _, n, k in shapes] for b in bits}
+    xs = [torch.randn(1, k).bfloat16() for _, _, k in shapes] * depth
+
+    def step(mods):
+        for m, x in zip(mods, xs):
+            m(x)
+
     times = {b: [] for b in bits}
     for _ in range(args.rounds):
         for b in bits:
-            times[b].append(sum(timed(lambda m=m, x=x: m(x), args.calls) for m, x in zip(layers[b], xs)))
+            times[b].append(timed(lambda b=b: step(layers[b]), args.calls) / depth)
     rows = []
     for b in bits:
         nbytes = sum(m.weight_packed.numel() + m.scales.numel() * m.scales.element_size() + m.zeros.numel()
-                     for m in layers[b])
+                     for m in layers[b]) / depth
         t = statistics.median(times[b])
         rows.append({"bits": b, "us_per_layer": t * 1e6, "spread_us": [min(times[b]) * 1e6, max(times[b]) * 1e6],
                      "weight_bytes": nbytes, "gb_s": nbytes / t / 1e9})
@@ -78,7 +86,8 @@ def main() -> None:
         print(f"{r['bits']} bits: {r['us_per_layer']:.1f} us a layer ({r['gb_s']:.1f} GB/s), "
               f"{r['of_its_bytes_vs_4']:.2f} of what its bytes predict from 4 bits")
     env = {"shape": args.shape, "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "layers": [s[0] for s in shapes], "rounds": args.rounds, "calls": args.calls}
+           "products": [s[0] for s in shapes], "decoder_layers": depth, "rounds": args.rounds,
+           "passes": args.calls}
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 
