@@ -367,7 +367,8 @@ def is_quantized(model) -> bool:
 def stage_name(mode: str, plan, device_type: str = "cuda") -> str:
     """A row's stage for people, from its mode and what ran (the row's plan has the fields)."""
     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
-             "compile": "llamactl + compile + CUDA graphs" if device_type == "cuda" else "llamactl + compile"}[mode]
+             "compile": "llamactl + compile + CUDA graphs" if device_type == "cuda" else "llamactl + compile",
+             "aot": "llamactl + AOTInductor"}[mode]
     stage += " + Triton kernels" if plan.kernels else ""
     stage += " + PDL" if plan.pdl else ""
     return stage + (f" + {QUANT_INPUT_LABELS[plan.inputs]}" if plan.inputs != "float" else "")

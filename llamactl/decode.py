@@ -9,6 +9,8 @@ write one sequence into one row of the cache (`slot`) while the other rows keep 
   graphs   the eager step captured once in a torch.cuda.CUDAGraph and replayed (GPU)
   compile  torch.compile (inductor, default mode) of the step, then captured in a CUDA
            graph the same way (GPU); on the CPU, compiled without graphs
+  aot      the greedy step of one shape compiled ahead of time by AOTInductor (CPU): one C++
+           call a step, no Python or Dynamo (llamactl.aot); prefill stays eager
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Callable
 
 import torch
 
+from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
 
-MODES = ("eager", "graphs", "compile")
+MODES = ("eager", "graphs", "compile", "aot")
 
 
 def sync(device: torch.device) -> None:
@@ -94,6 +97,9 @@ class Decoder:
 
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
+        if mode == "aot" and (model.device.type != "cpu" or sample is not None or rows is not None):
+            raise InputError("mode aot compiles a greedy CPU decode step of one batch ahead of time",
+                             "use --mode compile (on a GPU, with sampling, or for a server)")
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))
@@ -120,6 +126,10 @@ class Decoder:
             self._step = torch.compile(self._eager_step, fullgraph=True, dynamic=None if rows is not None else False,
                                        options=_inductor_options(compile_mode, self.plan.kernels, rows is not None,
                                                                  self._cpp_wrapper(rows)))
+        if mode == "aot":
+            from llamactl.aot import AotStep
+
+            self._step = AotStep(model)
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)

@@ -170,7 +170,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
                               "check the folder's weights, or re-create it")
     t_first = t_prefilled = time.perf_counter()
     compile_s = 0.0
-    if mode == "compile" and max_new_tokens > 1:
+    if mode in ("compile", "aot") and max_new_tokens > 1:
         # compile (or load) the step now, so that decode tok/s counts decoding only; the warm-up
         # writes position n's K/V as the first real step does, and the random state is put back
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)

@@ -36,7 +36,7 @@ def bench(
     repeat: Annotated[int, typer.Option(min=1, help="Timed runs; the median is reported.")] = 5,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile (auto: graphs on CUDA, eager on CPU).")] = "auto",
+    mode: Annotated[str, typer.Option(help="llamactl decode modes, comma list: eager, graphs, compile, aot (the greedy CPU step compiled ahead of time by AOTInductor: no Python a step) (auto: graphs on CUDA, eager on CPU).")] = "auto",
     kernels: Annotated[str, typer.Option(help="llamactl's Triton GEMV and decode-attention kernels (CUDA): on, off, or on,off to time both.")] = "on",
     pdl: Annotated[Optional[str], typer.Option("--pdl", help="Programmatic dependent launch of the kernels (Hopper GPUs): on, off, or off,on to time both in one run (default: LLAMACTL_PDL).")] = None,
     quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), fp16 (packed fp16 arithmetic), int16 (16-bit fixed point, DP2A), or a comma list such as float,int16 to time each in one run (default: LLAMACTL_QUANT_INPUTS, else int16).")] = None,
@@ -112,9 +112,9 @@ def bench(
         modes = ["graphs"] if dev.type == "cuda" else ["eager"]
     if stages:
         modes = ["eager", "graphs", "compile"]
-    bad = [m for m in modes if m not in ("eager", "graphs", "compile")]
+    bad = [m for m in modes if m not in ("eager", "graphs", "compile", "aot")]
     if bad:
-        raise typer.BadParameter(f"--mode {','.join(bad)}: use eager, graphs or compile")
+        raise typer.BadParameter(f"--mode {','.join(bad)}: use eager, graphs, compile or aot")
     on_off = {"on": True, "off": False}
     kernel_list = comma_choices("--kernels", kernels, on_off, "on, off or on,off")
     pdl_list = comma_choices("--pdl", pdl, on_off, "on, off or off,on")

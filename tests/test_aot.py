@@ -1,0 +1,48 @@
+"""The greedy CPU decode step compiled ahead of time (llamactl.aot, Decoder mode "aot")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamactl.errors import InputError
+
+
+def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
+    """Two rows of a GQA model whose decoder layers run llamactl's CPU int4 layers (when they load
+    here) and its head torch's: the prefill (PyTorch) writes the cache the compiled steps read, and
+    the steps give the eager steps' tokens (float32)."""
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.layers.cpu import quant_fast
+    from llamactl.load import load_model
+    from llamactl.quantize.rtn import quantize_linears_planes
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    quantize_linears_planes(model, 4, 32, False, cpu=quant_fast())
+    prompt = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [3, 9, 27, 81, 243, 729, 2187]])
+
+    def run(mode: str) -> list[list[int]]:
+        dec = Decoder(model, 2, 24, mode)
+        tok = dec.prefill(prompt)
+        out = [tok.tolist()]
+        for i in range(5):
+            tok = dec.step(tok, prompt.shape[1] + i)
+            out.append(tok.tolist())
+        return out
+
+    with torch.inference_mode():
+        assert run("aot") == run("eager")
+
+
+def test_aot_is_for_greedy_cpu_steps_of_one_batch(tiny_gqa):
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+    from llamactl.sampling import RowSampling
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    with pytest.raises(InputError, match="greedy CPU decode step"):
+        Decoder(model, 1, 24, "aot", sample=lambda logits: logits.argmax(-1))
+    with pytest.raises(InputError, match="greedy CPU decode step"):
+        Decoder(model, 2, 24, "aot", rows=RowSampling.make([{}, {}], "cpu"))
