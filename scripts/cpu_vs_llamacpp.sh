@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # CPU decode and prefill, llamactl against llama.cpp's llama-bench on the same model and bits,
 # interleaved rounds (docs/bench/cpu.md). Usage:
-#   bash scripts/cpu_vs_llamacpp.sh LLAMA_CPP_BIN_DIR MODEL_FOLDER OUT [ROUNDS]
+#   bash scripts/cpu_vs_llamacpp.sh LLAMA_CPP_BIN_DIR MODEL_FOLDER OUT [ROUNDS] [MODE]
 # MODEL_FOLDER: a 16-bit HF folder (scripts/synthetic_folder.py llama-135m makes one). llama.cpp's
 # files: llamactl convert (BF16), then llama-quantize Q8_0 / Q4_0 with its default mix (the
 # embedding table and lm_head at Q8_0 where Q6_K does not fit the width). llamactl's: RTN in groups
 # of 32, symmetric (as Q8_0/Q4_0), the table and the head at 8 bits (--embed-bits 8, --head-bits 8;
 # one table for a tied model). Each round: llama-bench (-p 128 -n 64 -t THREADS -r 3) for the
-# three files, then llamactl bench --mode compile for the three folders, one after the other.
+# three files, then llamactl bench --mode MODE (compile, the default, or aot) for the three folders.
 set -euo pipefail
-bin=$1; src=$2; out=$3; rounds=${4:-3}
+bin=$1; src=$2; out=$3; rounds=${4:-3}; mode=${5:-compile}
 threads=$(nproc)
 mkdir -p "$out"
 [ -f "$out/bf16.gguf" ] || llamactl convert "$src" -o "$out/bf16.gguf" -q > /dev/null
@@ -22,7 +22,7 @@ for b in 8 4; do
   [ -d "$out/int$b" ] || llamactl quantize "$src" -o "$out/int$b" --method rtn --bits $b --group-size 32 --sym \
     --embed-bits 8 "${head[@]}" --eval-tokens 0 -q > /dev/null
 done
-common="--device cpu --mode compile --prompt-len 128 --gen-len 64 --warmup 1 --repeat 3 --format json"
+common="--device cpu --mode $mode --prompt-len 128 --gen-len 64 --warmup 1 --repeat 3 --format json"
 for r in $(seq 1 "$rounds"); do
   for t in bf16 Q8_0 Q4_0; do
     "$bin/llama-bench" -m "$out/$t.gguf" -p 128 -n 64 -t "$threads" -r 3 -o json > "$out/llamacpp-$t-$r.json" 2> /dev/null
