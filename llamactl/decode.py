@@ -98,8 +98,9 @@ class Decoder:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if mode == "aot" and (model.device.type != "cpu" or sample is not None or rows is not None):
-            raise InputError("mode aot compiles a greedy CPU decode step of one batch ahead of time",
-                             "use --mode compile (on a GPU, with sampling, or for a server)")
+            raise InputError("the ahead-of-time step (--aot, --mode aot) is for greedy decoding on the CPU",
+                             "pass --temperature 0, or use the compiled step (--compile, --mode compile) on a GPU, "
+                             "with sampling or in a server")
         self.model, self.batch, self.mode = model, batch, mode
         self.device = model.device
         self.sample = sample or (lambda logits: logits.argmax(dim=-1))

@@ -42,7 +42,25 @@ def test_aot_is_for_greedy_cpu_steps_of_one_batch(tiny_gqa):
     from llamactl.sampling import RowSampling
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
-    with pytest.raises(InputError, match="greedy CPU decode step"):
+    with pytest.raises(InputError, match="greedy decoding on the CPU"):
         Decoder(model, 1, 24, "aot", sample=lambda logits: logits.argmax(-1))
-    with pytest.raises(InputError, match="greedy CPU decode step"):
+    with pytest.raises(InputError, match="greedy decoding on the CPU"):
         Decoder(model, 2, 24, "aot", rows=RowSampling.make([{}, {}], "cpu"))
+
+
+def test_generate_aot_writes_the_eager_text(tiny_gqa):
+    """`generate --aot` (greedy, CPU) writes the text of plain `generate`; with sampling it is one
+    line and exit 1."""
+    from typer.testing import CliRunner
+
+    from llamactl.cli.app import app
+
+    runner = CliRunner()
+    args = ["generate", str(tiny_gqa), "-p", "The kernel", "-n", "8", "--temperature", "0", "--device", "cpu",
+            "--dtype", "float32"]
+    plain = runner.invoke(app, args)
+    aot = runner.invoke(app, [*args, "--aot"])
+    assert plain.exit_code == 0 and aot.exit_code == 0, aot.output
+    assert aot.stdout == plain.stdout and "aot build" in aot.stderr
+    sampled = runner.invoke(app, [*args[:-4], "--temperature", "0.8", "--device", "cpu", "--aot"])
+    assert sampled.exit_code == 1 and "greedy decoding on the CPU" in sampled.output and "Traceback" not in sampled.output

@@ -26,6 +26,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
+    aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built in this process (tens of seconds for a small model, minutes for a large one).")] = False,
     trust_cache: TrustCacheOpt = False,
     quant_inputs: QuantInputsOpt = None,
     kernels: KernelsOpt = None,
@@ -41,6 +42,10 @@ def generate(
 
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     world = tensor_parallel(tp, model, device, allow_pickle)
+    if aot and compile_:
+        raise typer.BadParameter("--aot and --compile: give one")
+    if world and aot:
+        raise InputError("--aot with --tp is not supported", "drop --aot")
     if world and compile_:
         raise InputError("--compile with --tp is not supported yet", "drop --compile (CUDA graphs still capture each rank's step)")
     if prompt is None:
@@ -65,7 +70,7 @@ def generate(
 
         seed = shared_seed()  # every rank must draw the same tokens
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    mode, buckets, entry = None, None, None
+    mode, buckets, entry = ("aot" if aot else None), None, None
     if compile_:
         from llamactl.compile import load_compile_cache, skip_compile_workers
 
@@ -92,7 +97,7 @@ def generate(
                       "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now"),
                       "tensor_parallel": m.tp.describe() if world else None})
         return
-    compiled = ""
+    compiled = f"aot build {result.compile_s:.1f} s | " if aot else ""
     if compile_:
         compiled = f"compile {result.compile_s:.1f} s ({'loaded compiled code' if entry else 'compiled now'}) | "
     ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
