@@ -105,11 +105,18 @@ void quantize_rows(QuantRows& q, const T* x, int64_t m, int64_t k, const int64_t
   }
 }
 
-// The high bit plane e of nibble h (0 low, 1 high) of unit u in a 5- or 6-bit tile of K inputs.
+// Where the high bit planes of nibble h (0 low, 1 high) of unit u start in a 5- or 6-bit tile of
+// K inputs (BITS - 4 of them, 8 bytes each).
+template <int BITS>
+inline const uint8_t* planes_at(const uint8_t* tile, int64_t k, int64_t u, int h) {
+  return tile + 8 * k + (u * 2 + h) * (BITS - 4) * 8;
+}
+
+// Plane e of nibble h of unit u, as a 64-bit integer.
 template <int BITS>
 inline uint64_t plane_mask(const uint8_t* tile, int64_t k, int64_t u, int h, int e) {
   uint64_t m;
-  std::memcpy(&m, tile + 8 * k + ((u * 2 + h) * (BITS - 4) + e) * 8, 8);
+  std::memcpy(&m, planes_at<BITS>(tile, k, u, h) + e * 8, 8);
   return m;
 }
 
@@ -169,7 +176,7 @@ template <int BITS>
 inline __m512i with_high(__m512i c, const uint8_t* tile, int64_t k, int64_t u, int h) {
   if constexpr (BITS > 4) {  // the masks loaded straight into mask registers (kmovq k, m64: through a
     // general register they cost 1.35x (5 bits) and 1.7x (6 bits) a product; gcc declares the pointer non-const)
-    __mmask64* m = reinterpret_cast<__mmask64*>(const_cast<uint8_t*>(tile + 8 * k + (u * 2 + h) * (BITS - 4) * 8));
+    __mmask64* m = reinterpret_cast<__mmask64*>(const_cast<uint8_t*>(planes_at<BITS>(tile, k, u, h)));
     c = _mm512_mask_add_epi8(c, _load_mask64(m), c, _mm512_set1_epi8(16));
     if constexpr (BITS > 5) c = _mm512_mask_add_epi8(c, _load_mask64(m + 1), c, _mm512_set1_epi8(32));
   }

@@ -7,8 +7,8 @@ products (I16, A8) take a word's codes as two words of bytes, the even columns (
 odd ones (1, 3, 5, 7), nibbles masked in place; `spread` moves the high bits of the even columns
 to bits 4 (and 5) of their bytes with one multiply, so a byte holds the whole code (< 64); for 5 bits
 those products load the high plane a quad (4 words) at a time as int32 (quad_high), for 6 bits a
-half word a word. The float product
-adds the high bits' share with the same trick as the nibbles (_high_dot).
+half word a word. The float product adds the high bits' share with the same trick as the nibbles
+(_high_dot); the dequantizing and split-K kernels take column j's high bits as `column_high`.
 """
 
 import triton
@@ -42,6 +42,13 @@ def quad_high(h_rows, k0, quads, row_ok, K):
     idx = k0 // 32 + quads  # [W/4]
     hw = tl.load(h_rows + idx[None, :], mask=row_ok[:, None] & (idx < K // 32)[None, :], other=0)
     return hw, hw >> 8, hw >> 16, hw >> 24
+
+
+@triton.jit
+def column_high(h, j, HI: tl.constexpr):
+    """Column j's high bits (j: a number, or a tensor of them) of a word's entry h (int32), in
+    place above its nibble (<< 4): the code is nibble | column_high."""
+    return ((h >> (j * HI)) & ((1 << HI) - 1)) << 4
 
 
 @triton.jit

@@ -18,8 +18,7 @@ weights in H16); int4 weights, a word's even and odd nibbles as bytes (LOP3; SHF
 import triton
 import triton.language as tl
 
-from llamactl.kernels.high_bits import with_high
-from llamactl.kernels.int8_inputs import _int_op, _quad_max, _quad_sum, _quad_words, _repeat, _round
+from llamactl.kernels.int8_inputs import _code_quads, _int_op, _quad_max, _quad_sum, _quad_words, _repeat, _round
 
 
 @triton.jit
@@ -111,17 +110,7 @@ def _int4_i16_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, B
     v4, v5, v6, v7 = _round16(x4, up_w, USE_ASM), _round16(x5, up_w, USE_ASM), _round16(x6, up_w, USE_ASM), \
         _round16(x7, up_w, USE_ASM)
     vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
-    even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
-    odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
-    if HI == 2:
-        even, odd = with_high(even, odd, h, HI)
-    e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)  # [BN, W/4] each
-    o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
-    if HI == 1:  # whole 5-bit codes in the bytes
-        e0, o0 = with_high(e0, o0, h0, HI)
-        e1, o1 = with_high(e1, o1, h1, HI)
-        e2, o2 = with_high(e2, o2, h2, HI)
-        e3, o3 = with_high(e3, o3, h3, HI)
+    e0, e1, e2, e3, o0, o1, o2, o3 = _code_quads(p, h, h0, h1, h2, h3, HI, BLOCK_N, WORDS)  # [BN, W/4] each
     a0, a1, a2, a3 = _word_pairs(v0, v2, BLOCK_N, WORDS)  # [BN, W/4] each: x's pairs by word of the quad
     b0, b1, b2, b3 = _word_pairs(v4, v6, BLOCK_N, WORDS)
     c0, c1, c2, c3 = _word_pairs(v1, v3, BLOCK_N, WORDS)

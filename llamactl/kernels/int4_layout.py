@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llamactl.kernels.high_bits import column_high
+
 
 @triton.jit
 def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -27,7 +29,7 @@ def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexp
         h_ty: tl.constexpr = tl.uint8 if HI == 1 else tl.int16
         h = tl.load(h_ptr.to(tl.pointer_type(h_ty)) + rows64[:, None] * kw + words[None, :], mask=ok,
                     other=0).to(tl.int32)  # [BN, W]
-        codes = codes | (((h[:, :, None] >> (j * HI)[None, None, :]) & ((1 << HI) - 1)) << 4)
+        codes = codes | column_high(h[:, :, None], j[None, None, :], HI)
     g_off = rows64[:, None] * (K // G) + (words * 8 // G)[None, :]  # [BN, W]
     s = tl.load(s_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g_off, mask=ok, other=0).to(tl.float32)

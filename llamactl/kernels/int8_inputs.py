@@ -28,18 +28,8 @@ def _int4_a8_dot(p, x0, x1, x2, x3, x4, x5, x6, x7, z, USE_ASM: tl.constexpr, BL
     x_even = (v0 & 0xFF) | ((v2 & 0xFF) << 8) | ((v4 & 0xFF) << 16) | ((v6 & 0xFF) << 24)  # [W] 4 int8 a word
     x_odd = (v1 & 0xFF) | ((v3 & 0xFF) << 8) | ((v5 & 0xFF) << 16) | ((v7 & 0xFF) << 24)
     vsum = _quad_sum(v0, v1, v2, v3, v4, v5, v6, v7, WORDS)  # [W/4]
-    even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
-    odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
-    if HI == 2:
-        even, odd = with_high(even, odd, h, HI)
     # a quad's 4 words (one thread's 16-byte load): 8 DP4A chained, [BN, W/4] each
-    e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)
-    o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
-    if HI == 1:  # whole 5-bit codes in the bytes
-        e0, o0 = with_high(e0, o0, h0, HI)
-        e1, o1 = with_high(e1, o1, h1, HI)
-        e2, o2 = with_high(e2, o2, h2, HI)
-        e3, o3 = with_high(e3, o3, h3, HI)
+    e0, e1, e2, e3, o0, o1, o2, o3 = _code_quads(p, h, h0, h1, h2, h3, HI, BLOCK_N, WORDS)
     xe0, xe1, xe2, xe3 = _quad_words(tl.broadcast_to(x_even[None, :], [BLOCK_N, WORDS]), BLOCK_N, WORDS)
     xo0, xo1, xo2, xo3 = _quad_words(tl.broadcast_to(x_odd[None, :], [BLOCK_N, WORDS]), BLOCK_N, WORDS)
     dot = _dp4a(e0, xe0, tl.zeros([BLOCK_N, WORDS // 4], tl.int32), USE_ASM)
@@ -79,6 +69,26 @@ def _int8_inv(qmax):
     largest magnitude is qmax to int8; correctly rounded (div.rn), so the GPU rounds x as the
     references do (Triton's `/` is an approximate division on the GPU)."""
     return tl.where(qmax > 0, tl.math.div_rn(tl.full(qmax.shape, 127.0, tl.float32), tl.maximum(qmax, 1e-30)), 0.0)
+
+
+@triton.jit
+def _code_quads(p, h, h0, h1, h2, h3, HI: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """Words p: [BN, W] -> the code bytes of each quad's 4 words, even columns (0, 2, 4, 6) then odd
+    ones (1, 3, 5, 7), [BN, W/4] each (e0..e3, o0..o3): nibbles masked in place, and for 5- or 6-bit
+    codes their high bits added (kernels.high_bits: 6 bits from h [BN, W], a half word a word; 5
+    bits from h0..h3 [BN, W/4], quad_high's)."""
+    even = p & 0x0F0F0F0F  # [BN, W] nibbles 0, 2, 4, 6 as bytes
+    odd = (p >> 4) & 0x0F0F0F0F  # nibbles 1, 3, 5, 7
+    if HI == 2:
+        even, odd = with_high(even, odd, h, HI)
+    e0, e1, e2, e3 = _quad_words(even, BLOCK_N, WORDS)
+    o0, o1, o2, o3 = _quad_words(odd, BLOCK_N, WORDS)
+    if HI == 1:
+        e0, o0 = with_high(e0, o0, h0, HI)
+        e1, o1 = with_high(e1, o1, h1, HI)
+        e2, o2 = with_high(e2, o2, h2, HI)
+        e3, o3 = with_high(e3, o3, h3, HI)
+    return e0, e1, e2, e3, o0, o1, o2, o3
 
 
 @triton.jit

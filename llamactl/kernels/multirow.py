@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import interpreted
+from llamactl.kernels.high_bits import column_high
 
 # what the weight is (the kernel's KIND, written as literals there: Triton reads no plain globals):
 W16, W8, W4 = 0, 1, 2  # 16-bit, int8 with per-row scales, int4 (kernels.gemv layout)
@@ -124,7 +125,7 @@ def _int4_splitk_kernel(x_ptr, w_ptr, h_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl
         if UNPACK:  # contiguous columns, one dot of 128
             c = (p[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, 16, 8]
             if HI > 0:
-                c = c | (((h[:, :, None] >> (tl.arange(0, 8) * HI)[None, None, :]) & ((1 << HI) - 1)) << 4)
+                c = c | column_high(h[:, :, None], tl.arange(0, 8)[None, None, :], HI)
             w = ((tl.reshape(c, (BLOCK_N, 128)).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 128]
             x = tl.load(x_rows + (b * 128 + tl.arange(0, 128))[None, :], mask=m_ok[:, None], other=0.0).to(dt)
             acc += tl.dot(x, tl.trans(w), input_precision=prec)  # [BM, BN]
@@ -132,7 +133,7 @@ def _int4_splitk_kernel(x_ptr, w_ptr, h_ptr, s_ptr, z_ptr, y_ptr, M, N, K, G: tl
             for j in tl.static_range(8):
                 c = (p >> (4 * j)) & 0xF  # [BN, 16]
                 if HI > 0:
-                    c = c | (((h >> (HI * j)) & ((1 << HI) - 1)) << 4)
+                    c = c | column_high(h, j, HI)
                 w = ((c.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)  # [BN, 16]
                 x = tl.load(x_rows + (words * 8 + j)[None, :], mask=m_ok[:, None], other=0.0).to(dt)  # [BM, 16]
                 acc += tl.dot(x, tl.trans(w), input_precision=prec)
