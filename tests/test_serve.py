@@ -44,11 +44,12 @@ def reference(embedded, prompt: str, n: int) -> str:
 
 # -- the engine, no HTTP ---------------------------------------------------------------------------
 
-def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512):
+def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None):
     """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason)."""
     from llamactl.serve.engine import Engine
 
-    eng = Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk).start()
+    eng = Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk,
+                 overlap=overlap).start()
     out = [([], None) for _ in requests]
 
     def cb(i):
@@ -86,6 +87,24 @@ def test_engine_rows_give_the_tokens_they_give_alone(embedded):
         assert tok.decode(together[i][0], skip_special_tokens=True) == reference(embedded, PROMPTS[i], reqs[i][1].max_tokens)
     sampled = _run_engine(model, eos, [(reqs[1][0], Params(max_tokens=7, temperature=0.9, seed=12345))])[0]
     assert sampled != together[1]  # another seed, other tokens
+
+
+def test_an_engine_a_step_ahead_gives_the_same_tokens(embedded):
+    """The GPU's loop (each step launched before the last one's tokens are read), forced on the
+    CPU: the same tokens and finish reasons as one step at a time, with a row that meets EOS while
+    its next step is in flight (that token dropped) and its slot taken by a waiting request."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    reqs = [(tok(p).input_ids, Params(max_tokens=9, temperature=0.0 if i % 2 == 0 else 0.8, seed=i))
+            for i, p in enumerate(PROMPTS[:5])]
+    plain = _run_engine(model, set(), reqs[:1], max_batch=2, overlap=False)[0][0]
+    eos = {plain[3]}  # the first row stops at its 4th token (or before, if it came earlier)
+    one = _run_engine(model, eos, reqs, max_batch=2, prefill_chunk=4, overlap=False)
+    ahead = _run_engine(model, eos, reqs, max_batch=2, prefill_chunk=4, overlap=True)
+    assert ahead == one
+    assert one[0] == (plain[: plain.index(plain[3])], "stop")
+    assert all(reason == "length" and len(t) == 9 for t, reason in one[1:] if plain[3] not in t)
 
 
 def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):

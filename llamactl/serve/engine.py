@@ -7,11 +7,18 @@ then decodes at its own position with its own sampling settings (llamactl.sampli
 so a request's tokens do not depend on the other rows. A request leaves at EOS, at its token
 limit, or when cancelled (a stop string its caller found, a client gone), freeing its slot.
 
+On a GPU the loop runs one step ahead of its host work (`overlap`): it launches step N+1, whose
+input tokens are step N's outputs already on the device, before it reads step N's tokens and hands
+them out, so the scheduling, the callbacks and the HTTP side's work run while the device computes.
+What the host cannot know at launch is a row's EOS (or a cancel): such a row is computed one step
+more, and that token is dropped. Positions and token counts are known ahead, so no row ever runs
+past its token limit.
+
 No tokenizer here: callers tokenize and detokenize on their own threads. Events go back through
 each request's `on_event`, called on the engine's thread. The next steps fit in this loop: a
 paged KV cache replaces the fixed cache row a slot owns (`Request.slot` becomes a block table,
-`_admit` checks free blocks instead of free slots), and speculative decoding replaces
-`_decode_step` with one that proposes and verifies several tokens a row (`_emit` takes each).
+`_admit` checks free blocks instead of free slots), and speculative decoding replaces `_launch`
+with one that proposes and verifies several tokens a row (`_collect` emits each).
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ class EngineTimes:
     prefill_forwards: int = 0
     prefill_tokens: int = 0
     prefill_max_s: float = 0.0  # the slowest forward: a first shape's plan costs land here
-    decode_s: float = 0.0
+    decode_s: float = 0.0  # from each step's launch (or the last read, if later) to its tokens' read
     decode_steps: int = 0
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
@@ -74,6 +81,63 @@ class EngineTimes:
         self.prefill_forwards += 1
         self.prefill_tokens += tokens
         self.prefill_max_s = max(self.prefill_max_s, seconds)
+
+
+class Launched:
+    """A decode step in flight: its rows (in their slots), its tokens on their way to the host."""
+
+    def __init__(self, rows: list["Request"], host: torch.Tensor, ready: "torch.cuda.Event | None", launched: float):
+        self.rows, self._host, self._ready, self.launched = rows, host, ready, launched
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()  # (without the GIL)
+        return self._host.tolist()
+
+
+class Staging:
+    """Host buffers for the decode step's positions and tokens. On a GPU they are pinned and copied
+    without a stream sync, in a ring of RING: a buffer is written again only after the copy that
+    last used it has run (its event), so the host may run a step ahead of the device."""
+
+    RING = 2
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device, self.gpu = device, device.type == "cuda"
+        self._pos = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.gpu) for _ in range(self.RING)]
+        self._tok = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.gpu) for _ in range(self.RING)]
+        self._done: list = [[None, None] for _ in range(self.RING)]  # per buffer: its copies' events
+        self._pos_i = self._tok_i = 0
+
+    def positions(self, pos: list[int]) -> torch.Tensor:
+        """pos -> [len(pos)] on the device."""
+        i, self._pos_i = self._pos_i, (self._pos_i + 1) % self.RING
+        host = self._pos[i][: len(pos)]
+        self._wait(i, 0)
+        host.copy_(torch.tensor(pos, dtype=torch.long))
+        dev = host.to(self.device, non_blocking=True)
+        self._record(i, 0)
+        return dev
+
+    def read_later(self, out: torch.Tensor, rows: list["Request"], launched: float) -> Launched:
+        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
+        i, self._tok_i = self._tok_i, (self._tok_i + 1) % self.RING
+        host = self._tok[i][: out.numel()]
+        self._wait(i, 1)
+        host.copy_(out, non_blocking=self.gpu)
+        return Launched(rows, host, self._record(i, 1), launched)
+
+    def _wait(self, i: int, which: int) -> None:
+        if self._done[i][which] is not None:
+            self._done[i][which].synchronize()
+
+    def _record(self, i: int, which: int):
+        if not self.gpu:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        self._done[i][which] = ev
+        return ev
 
 
 class QueueFull(Exception):
@@ -98,7 +162,8 @@ class Request:
         self.slot: int | None = None
         self.prefilled = 0  # prompt tokens already in the cache
         self.pos = 0  # the position of the token fed to the next decode step
-        self.generated = 0
+        self.generated = 0  # tokens handed out
+        self.launched = 0  # tokens computed or in flight (prefill's first one included)
         self.cancelled = False
         self.finished = False
 
@@ -117,8 +182,10 @@ class Engine:
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
-                 prefill_chunk: int = 512, world=None):
-        """world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
+                 prefill_chunk: int = 512, world=None, overlap: bool | None = None):
+        """overlap: launch each decode step before handing out the last one's tokens (None: on a
+        GPU; on the CPU the step runs on this thread, so nothing would overlap).
+        world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
         action to the other ranks, whose engines only follow() them (every rank computes the same
         tokens: the head is replicated)."""
         self.device = model.device
@@ -141,6 +208,10 @@ class Engine:
         # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._staging = Staging(max_batch, self.device)
+        self._inflight: Launched | None = None  # the step whose tokens are not read yet
+        self._last_read = 0.0
         self._slots: list[Request | None] = [None] * max_batch
         self._queue: deque[Request] = deque()
         self._cv = threading.Condition()
@@ -230,6 +301,7 @@ class Engine:
                 left = list(self._queue) + [r for r in self._slots if r is not None]
                 self._queue.clear()
                 self._slots = [None] * self.max_batch
+                self._inflight = None
             for r in left:
                 self._finish(r, "error", self.failure)
 
@@ -244,9 +316,9 @@ class Engine:
     def _iteration(self) -> bool:
         """Admit, drop the cancelled, one prefill budget, one decode step; False when stopped."""
         with self._cv:
-            while not self._stopping and not self._queue and not any(self._slots):
+            while not self._stopping and not self._queue and not any(self._slots) and self._inflight is None:
                 self._cv.wait()
-            if self._stopping and not self._queue and not any(self._slots):
+            if self._stopping and not self._queue and not any(self._slots) and self._inflight is None:
                 return False
             joined = self._admit()
         for r in joined:
@@ -254,7 +326,12 @@ class Engine:
         for r in [r for r in self._slots if r is not None and r.cancelled]:
             self._release(r, "cancelled")
         self._prefill()
-        self._decode_step()
+        step = self._launch()
+        if self.overlap:
+            self._collect(self._inflight)
+            self._inflight = step
+        else:
+            self._collect(step)
         return True
 
     def _admit(self) -> list[Request]:
@@ -305,7 +382,7 @@ class Engine:
         elif kind == "step":  # one decode step of the first b rows
             b, pos, kv_len, greedy = a
             self.rows.greedy = greedy
-            out = self.decoder.step(self._tok[:b], torch.tensor(pos, device=self.device), kv_len)  # [b]
+            out = self.decoder.step(self._tok[:b], self._staging.positions(pos), kv_len)  # [b]
             self._tok[:b].copy_(out)
             return out
         else:
@@ -338,7 +415,7 @@ class Engine:
                 if budget is not None:
                     budget -= n
                 if r.decoding:
-                    r.pos = len(r.prompt)
+                    r.pos, r.launched = len(r.prompt), 1
                     first = int(tok[0])  # the host read
                     self.times.prefilled(time.perf_counter() - t0, n)
                     self._emit(r, first, time.perf_counter())
@@ -368,29 +445,43 @@ class Engine:
         self.times.prefilled(now - t0, sum(len(r.prompt) for r in group))
         for r, t in zip(group, first):
             r.prefilled = r.pos = len(r.prompt)
+            r.launched = 1
             self._emit(r, t, now)
         return None if budget is None else max(0, budget - sum(len(r.prompt) for r in group))
 
-    def _decode_step(self) -> None:
-        live = [r for r in self._slots if r is not None and r.decoding]
+    def _launch(self) -> Launched | None:
+        """Start one decode step of the rows that still have tokens to compute; nothing read back."""
+        live = [r for r in self._slots if r is not None and r.decoding and r.launched < r.params.max_tokens]
         if not live:
-            return
-        # A row not decoding steps too (one shape for all steps) at a position whose K/V nothing reads
-        # before it is written again: 0 in a free slot, the next prompt position in a prefilling one.
+            return None
+        # A row not stepping steps too (one shape for all steps) at a position whose K/V nothing reads
+        # before it is written again: 0 in a free slot, the next prompt position in a prefilling one,
+        # the next one in a row whose last tokens are in flight.
         b = next(b for b in self.buckets if b > max(r.slot for r in live))
-        pos = [0 if r is None else (r.pos if r.decoding else r.prefilled) for r in self._slots[:b]]
+        pos = [0 if r is None else min(r.pos if r.decoding else r.prefilled, self.max_seq - 1) for r in self._slots[:b]]
         greedy = all(r.params.temperature == 0 for r in self._slots[:b] if r is not None)
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)  # eager SDPA: the cache rows in use
         t0 = time.perf_counter()
         out = self._do(("step", b, pos, kv_len, greedy))  # [b]
-        tokens = out.tolist()  # the one host read a step
-        now = time.perf_counter()
-        self.times.decode_s += now - t0
-        self.times.decode_steps += 1
-        self.times.decode_rows += len(live)
         for r in live:
             r.pos += 1
-            self._emit(r, tokens[r.slot], now)
+            r.launched += 1
+        return self._staging.read_later(out, live, t0)
+
+    def _collect(self, step: Launched | None) -> None:
+        """Read a launched step's tokens (the one host read a step) and hand them out; a row that
+        finished meanwhile (EOS in the step before, cancelled) drops its token."""
+        if step is None:
+            return
+        tokens = step.tokens()
+        now = time.perf_counter()
+        self.times.decode_s += now - max(step.launched, self._last_read)
+        self._last_read = now
+        self.times.decode_steps += 1
+        for r in step.rows:
+            if not r.finished:
+                self.times.decode_rows += 1
+                self._emit(r, tokens[r.slot], now)
         self.times.emit_s += time.perf_counter() - now
 
     def _emit(self, r: Request, token: int, now: float) -> None:
