@@ -1,7 +1,8 @@
 """Where a batched decode step's device time goes (issue 20): the llama2-7b-shape step (random
 bf16 weights) in a CUDA graph at each batch, every row at its own position (as the server steps),
 profiled with torch.profiler over REPLAYS replays; kernels grouped by name, device us a step, and
-the step's wall time from CUDA events beside their sum (the gap: device idle or overlap).
+the step's wall time from CUDA events beside their sum (the gap: device idle or overlap); in
+graphs mode also the step with one position for every row (bench's), timed alike.
 
 Usage: python scripts/step_profile.py OUT.json [--batch 1,8,32] [--ctx 256] [--mode graphs|compile]
 """
@@ -36,6 +37,17 @@ def profile_batch(model, batch: int, ctx: int, mode: str) -> dict:
     end.record()
     torch.cuda.synchronize()
     step_us = start.elapsed_time(end) * 1e3 / REPLAYS
+    shared_us = None
+    if mode == "graphs":  # the same step with one position for every row (bench's), timed alike
+        for _ in range(3):
+            dec.step(tok, ctx)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(REPLAYS):
+            dec.step(tok, ctx)
+        end.record()
+        torch.cuda.synchronize()
+        shared_us = round(start.elapsed_time(end) * 1e3 / REPLAYS, 1)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
             dec.step(tok, pos)
@@ -49,7 +61,7 @@ def profile_batch(model, batch: int, ctx: int, mode: str) -> dict:
     table = sorted(({"kernel": n, "us": round(t, 1), "calls": round(c, 1)} for n, (t, c) in kernels.items()),
                    key=lambda r: -r["us"])
     model.setup_caches(1, 1)  # free this batch's cache before the next
-    return {"batch": batch, "ctx": ctx, "mode": mode, "step_us": round(step_us, 1),
+    return {"batch": batch, "ctx": ctx, "mode": mode, "step_us": round(step_us, 1), "shared_position_step_us": shared_us,
             "kernels_us": round(sum(r["us"] for r in table), 1), "kernels": table}
 
 
@@ -65,7 +77,8 @@ def main() -> None:
     for b in (int(x) for x in a.batch.split(",")):
         r = profile_batch(model, b, a.ctx, a.mode)
         runs.append(r)
-        print(f"batch {b} ({a.mode}): step {r['step_us']} us, kernels {r['kernels_us']} us")
+        print(f"batch {b} ({a.mode}): step {r['step_us']} us (one position for all rows: "
+              f"{r['shared_position_step_us']}), kernels {r['kernels_us']} us")
         for k in r["kernels"][:14]:
             print(f"  {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['kernel']}")
     with open(a.out, "w") as f:
