@@ -159,3 +159,13 @@ def test_attention_min_chunk_sets_the_plan_and_the_label():
     assert attention.plan(300, 512)[0] == 1
     assert rel(attention.decode_attention(q, k, v, pos, 512).cpu(), ref.double().cpu()) < 5e-3
     assert attention.label(512) == "triton split-kv, min chunk 512" and attention.label() == "triton split-kv"
+
+
+def test_many_rows_take_fewer_splits():
+    """Enough rows x KV heads fill the GPU without splitting the cache: the plan halves its splits
+    while heads x splits stays at `fill` programs or more (none on the CPU: fill 0)."""
+    assert attention.plan(640, 64) == (16, 64)
+    assert attention.plan(640, 64, heads=32, fill=528) == (16, 64)  # batch 1, 32 heads: kept
+    assert attention.plan(640, 64, heads=256, fill=528) == (4, 192)  # 8 rows
+    assert attention.plan(640, 64, heads=1024, fill=528) == (1, 640)  # 32 rows: one program a head
+    assert attention._fill(torch.device("cpu")) == 0

@@ -12,6 +12,7 @@ kernel merges the chunks' partial softmaxes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -93,9 +94,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
                  mask=(r < R)[:, None])
         return
     out = (bh * SPLITS + split) * BLOCK_R
-    tl.store(acc_ptr + (out + r[:, None]) * D + d[None, :], acc)
-    tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + r, m)
-    tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + BLOCK_R + r, l)
+    tl.store(acc_ptr + (out + r[:, None]) * D + d[None, :], acc, mask=(r < R)[:, None])  # the tile's real rows
+    tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + r, m, mask=r < R)
+    tl.store(ml_ptr + (bh * SPLITS + split) * 2 * BLOCK_R + BLOCK_R + r, l, mask=r < R)
 
 
 @triton.jit
@@ -124,11 +125,17 @@ def label(min_chunk: int = MIN_CHUNK) -> str:
     return "triton split-kv" + (f", min chunk {min_chunk}" if min_chunk != MIN_CHUNK else "")
 
 
-def plan(max_seq: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+def plan(max_seq: int, min_chunk: int = MIN_CHUNK, heads: int = 1, fill: int = 0) -> tuple[int, int]:
     """(splits, chunk) for a cache of max_seq positions: chunks of at least min_chunk positions
-    (a multiple of it), at most MAX_SPLITS of them, a power of two."""
+    (a multiple of it), at most MAX_SPLITS of them, a power of two; and no more of them than
+    keep heads x splits >= fill programs (heads: rows x KV heads; fill: programs that fill the
+    GPU, 0: no limit). Many rows need no splits to fill the GPU, and each split costs its
+    partial results' writes, the merge's reads and a short program: at 32 rows of llama2-7b
+    the split kernel read its cache at 1.9 TB/s with 8 splits (docs/bench/README.md)."""
     splits = max(1, min(MAX_SPLITS, triton.cdiv(max_seq, min_chunk)))
     splits = triton.next_power_of_2(splits)
+    while fill and splits > 1 and heads * (splits // 2) >= fill:
+        splits //= 2
     chunk = triton.cdiv(triton.cdiv(max_seq, splits), min_chunk) * min_chunk
     return splits, chunk
 
@@ -144,9 +151,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
-    splits, chunk = plan(s, min_chunk)
-    block_r = max(16, triton.next_power_of_2(r))
     bh = b * hkv
+    splits, chunk = plan(s, min_chunk, bh, _fill(q.device))
+    block_r = max(16, triton.next_power_of_2(r))
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
@@ -192,6 +199,21 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
 @decode_attention_rope.register_fake
 def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
     return torch.empty_like(q)
+
+
+FILL_PER_SM = 4  # split-kernel programs a streaming multiprocessor should have to choose from
+
+
+def _fill(device: torch.device) -> int:
+    """Programs that fill the GPU (FILL_PER_SM a streaming multiprocessor); 0 (no limit) elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return FILL_PER_SM * _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check_head_dim(d: int) -> None:

@@ -25,6 +25,7 @@ a kernels.pinned table)."""
         self.glu_out = False  # gate_up_proj: return silu(gate) * up of its own output instead
         self.pdl = False
         self.pins = ""
+        self.glue_kernels = False  # more rows: SwiGLU as one Triton kernel (the norm module has its own switch)
 
     def can_fuse(self) -> bool:
         return getattr(self, "bias", None) is None
@@ -35,10 +36,10 @@ a kernels.pinned table)."""
     def _unfused_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
-        return swiglu(x) if self.glu else x
+        return swiglu(x, self.glue_kernels) if self.glu else x
 
     def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
-        return swiglu(y) if self.glu_out else y
+        return swiglu(y, self.glue_kernels) if self.glu_out else y
 
     def _input_width(self) -> int:
         return self.in_features * (2 if self.glu else 1)

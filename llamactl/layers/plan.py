@@ -21,6 +21,7 @@ from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
 from llamactl.layers.gptq import GPTQLinear
 from llamactl.layers.int4 import Int4Linear, TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
+from llamactl.model import RMSNorm
 from llamactl.options import RuntimeOptions
 
 
@@ -140,7 +141,9 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     pins = pinned.resolve(device, options.pins, options.pins_file) if on else pinned.NONE
     for mod in model.modules():
         if isinstance(mod, FusedIO):
-            mod.pdl, mod.pins = pdl, pins.id
+            mod.pdl, mod.pins, mod.glue_kernels = pdl, pins.id, on
+        elif isinstance(mod, RMSNorm):
+            mod.kernel = on
     if on:
         fuse(model, options.swiglu)
     hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
