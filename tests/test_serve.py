@@ -493,6 +493,40 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, monkeypatch):
     assert calls == [4] and out[True] == out[False]
 
 
+def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, monkeypatch):
+    """Three prompts arriving while one row decodes (more starting than decoding) go through one
+    forward on the GPU's path (forced on the CPU), not prefill_chunk tokens a step, and each one
+    gets the greedy tokens it gets alone."""
+    from llamactl.decode import Decoder
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = []
+    together = Decoder.prefill_slots
+    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
+                        or together(self, ids, slots, valid))
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=4)
+    eng.batch_prefill = True
+    got = [[] for _ in range(4)]
+
+    def on(i):
+        return lambda ev: ev.kind == "token" and got[i].append(ev.token)
+
+    eng.start()
+    first = eng.submit(tok(PROMPTS[0]).input_ids, Params(max_tokens=30, temperature=0), on(0))
+    while len(got[0]) < 2:
+        time.sleep(0.005)
+    with eng._cv:  # the loop admits all three at its next step boundary
+        burst = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0), on(i + 1))
+                 for i, p in enumerate(PROMPTS[1:4])]
+    while not all(r.finished for r in [first, *burst]):
+        time.sleep(0.01)
+    eng.stop()
+    assert calls == [3]
+    for i in range(1, 4):
+        assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i], 8)
+
+
 def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--serve", "embedded", "--device", "cpu",

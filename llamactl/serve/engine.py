@@ -149,7 +149,11 @@ class Rejected(Exception):
 
 
 _ids = itertools.count(1)
-BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no row decodes
+BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no row decodes, or in a burst
+# Prompt tokens prefilled a step while others decode, by default: on an H200 a 2,048-token chunk
+# costs the running streams about 60 ms once, and gave 32 streams 2,660 output tok/s against 2,213
+# with 512 (docs/bench/README.md); a CPU takes seconds for that many
+PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
 
 
 class Request:
@@ -182,7 +186,7 @@ class Engine:
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
-                 prefill_chunk: int = 512, world=None, overlap: bool | None = None):
+                 prefill_chunk: int | None = None, world=None, overlap: bool | None = None):
         """overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
@@ -190,7 +194,8 @@ class Engine:
         tokens: the head is replicated)."""
         self.device = model.device
         self.eos_ids = set(eos_ids)
-        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill_chunk = prefill_chunk or (PREFILL_CHUNK_GPU if self.device.type == "cuda" else PREFILL_CHUNK_CPU)
         ctx = model.args.max_position_embeddings
         mode = mode or ("graphs" if self.device.type == "cuda" else "eager")
         self.rows = RowSampling.make([{}] * max_batch, self.device)
@@ -400,7 +405,12 @@ class Engine:
         """Prefill prompt chunks, first come first, within the budget; with no row decoding there
         is no one to delay, and every waiting prompt is prefilled. Where batch_prefill, the short
         prompts that just joined go first, together in one forward."""
-        budget = self.prefill_chunk if any(r is not None and r.decoding for r in self._slots) else None
+        decoding = sum(r is not None and r.decoding for r in self._slots)
+        starting = sum(r is not None and r.prefilled == 0 for r in self._slots)
+        # Every waiting prompt at once where none decode, or where more are starting than decode (a
+        # burst: one forward for all is fairer than a chunk a step, which delays each one behind
+        # the others' chunks and the steps between); else at most prefill_chunk tokens a step.
+        budget = None if starting > decoding and self.batch_prefill else self.prefill_chunk if decoding else None
         if self.batch_prefill:
             budget = self._prefill_together(budget)
         for r in sorted((r for r in self._slots if r is not None and not r.decoding), key=lambda r: r.id):

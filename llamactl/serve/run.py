@@ -16,7 +16,7 @@ class ServeOptions:
     max_batch: int = 8
     max_queue: int = 64
     max_seq: int | None = None  # None: the model's context, at most DEFAULT_MAX_SEQ
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # None: the engine's default for the device
     drain_s: float = 30.0
     api_key: str | None = None
     model_name: str | None = None  # None: the model folder's name
