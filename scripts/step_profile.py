@@ -4,7 +4,7 @@ profiled with torch.profiler over REPLAYS replays; kernels grouped by name, devi
 the step's wall time from CUDA events beside their sum (the gap: device idle or overlap); in
 graphs mode also the step with one position for every row (bench's), timed alike.
 
-Usage: python scripts/step_profile.py OUT.json [--batch 1,8,32] [--ctx 256] [--mode graphs|compile]
+Usage: python scripts/step_profile.py OUT.json [--batch 1,8,32] [--ctx 256] [--mode graphs|compile] [--max-seq 320,640]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from llamactl.options import RuntimeOptions
 REPLAYS = 20
 
 
-def profile_batch(model, batch: int, ctx: int, mode: str) -> dict:
-    dec = Decoder(model, batch, ctx + 64, mode, options=RuntimeOptions())
+def profile_batch(model, batch: int, ctx: int, mode: str, max_seq: int | None = None) -> dict:
+    dec = Decoder(model, batch, max_seq or ctx + 64, mode, options=RuntimeOptions())
     tok = torch.randint(0, model.args.vocab_size, (batch,), device="cuda")
     pos = torch.full((batch,), ctx, dtype=torch.long, device="cuda")
     for _ in range(3):  # capture, warm
@@ -61,7 +61,7 @@ def profile_batch(model, batch: int, ctx: int, mode: str) -> dict:
     table = sorted(({"kernel": n, "us": round(t, 1), "calls": round(c, 1)} for n, (t, c) in kernels.items()),
                    key=lambda r: -r["us"])
     model.setup_caches(1, 1)  # free this batch's cache before the next
-    return {"batch": batch, "ctx": ctx, "mode": mode, "step_us": round(step_us, 1), "shared_position_step_us": shared_us,
+    return {"batch": batch, "ctx": ctx, "max_seq": dec.max_seq, "mode": mode, "step_us": round(step_us, 1), "shared_position_step_us": shared_us,
             "kernels_us": round(sum(r["us"] for r in table), 1), "kernels": table}
 
 
@@ -71,13 +71,14 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--mode", default="graphs")
+    ap.add_argument("--max-seq", default="", help="cache lengths to profile each batch at (default ctx + 64)")
     a = ap.parse_args()
     model = load_targets([], "llama2-7b", torch.device("cuda"), "bfloat16")[0].model
     runs = []
-    for b in (int(x) for x in a.batch.split(",")):
-        r = profile_batch(model, b, a.ctx, a.mode)
+    for b, max_seq in ((int(x), int(m) if m else None) for x in a.batch.split(",") for m in a.max_seq.split(",")):
+        r = profile_batch(model, b, a.ctx, a.mode, max_seq)
         runs.append(r)
-        print(f"batch {b} ({a.mode}): step {r['step_us']} us (one position for all rows: "
+        print(f"batch {b} ({a.mode}, cache {r['max_seq']}): step {r['step_us']} us (one position for all rows: "
               f"{r['shared_position_step_us']}), kernels {r['kernels_us']} us")
         for k in r["kernels"][:14]:
             print(f"  {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['kernel']}")
