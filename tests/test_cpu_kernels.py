@@ -59,9 +59,33 @@ def test_quantized_layer_matches_float64(k, n, bits, group, rows, act_order):
     y = fast(x)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-    # prefill rows: the layer dequantized to bf16 for torch's matmul
+    # prefill rows (float32: the layer dequantized exactly for torch's matmul)
     xs = torch.randn(kcpu.MAX_ROWS + 3, k, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(fast(xs).double(), xs.double() @ w.t(), rtol=0.05, atol=0.03 * (xs.abs().max() * w.abs().sum(1).max()).item())
+
+
+@pytest.mark.parametrize("k,n,bits,group,act_order", [
+    (576, 80, 4, 128, False), (96, 40, 4, 32, False), (256, 64, 8, 64, False), (256, 64, 4, 64, True),
+    (160, 32, 5, 32, False),  # 5 bits: a row at a time
+])
+def test_a_bf16_prefill_gives_each_row_its_decode_result(k, n, bits, group, act_order):
+    """Many bf16 rows (a prefill) through the kernel where prefill_product takes it (4 rows a weight
+    load at 4 and 8 bits): each row's output is bit for bit the one it gets alone (a decode step), and the
+    product is the float64 one of x rounded as the kernel rounds it."""
+    lin, w = layer(k, n, bits, group, act_order)
+    fast = lcpu.CpuQuantLinear.from_gptq(lin)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(3)).bfloat16()  # 3 x 4 rows + 1
+    y = fast(x)
+    perm = fast.perm if fast.perm.numel() else torch.arange(k)
+    xr = torch.empty(x.shape, dtype=torch.float64)
+    xr[:, perm] = round_like_kernel(x.float()[:, perm])
+    ref = xr @ w.t()
+    if lcpu.prefill_product(fast.store_bits) == "llamactl":
+        assert torch.equal(y, torch.cat([fast(x[i : i + 1]) for i in range(13)]))
+        torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())  # y in bf16
+        assert fast.product(13) == "low-bit llamactl cpu" + (" (4 rows a load)" if bits in (4, 8) else "")
+    else:
+        assert fast.product(13) == "low-bit dequantize + oneDNN"
 
 
 @pytest.mark.parametrize("scales_dtype,bits", [(torch.float16, 4), (torch.float32, 4), (torch.float16, 5),

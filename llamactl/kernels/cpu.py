@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
-MAX_ROWS = 8  # rows one call multiplies (cpu_gemv.cpp MAX_ROWS); more go to torch's matmul
+MAX_ROWS = 8  # rows one bgemv call multiplies (cpu_gemv.cpp MAX_ROWS); more go to torch's matmul
 VNNI, BF16 = 1, 2  # features() bits: the vector paths the build has
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 16, 256  # what decode_attention takes (cpu_attention.cpp MAX_R, MAX_D)
 
@@ -94,6 +94,11 @@ def load() -> str | None:
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         return f"llamactl's CPU kernels could not be built or loaded: {e}"
     return None
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (oneDNN's bf16 matmul then runs on them)."""
+    return "amx_bf16" in _cpu_flags().split()
 
 
 def features() -> int:

@@ -1,5 +1,6 @@
-// llamactl's CPU matrix-vector products for the decode step (a few rows at a time), built on the
-// user's machine by llamactl.kernels.cpu (g++ -O3 -march=native) and called as torch operators.
+// llamactl's CPU low-bit products (a decode step's rows, or a prefill's: 4 rows of x share each
+// weight load there, tile_dot_rows) and 16-bit matrix-vector products, built on the user's machine
+// by llamactl.kernels.cpu (g++ -O3 -march=native) and called as torch operators.
 //
 // qgemv: low-bit weights read once per call, never dequantized to a copy. In the manner of
 // llama.cpp's Q4_0/Q8_0 dot products, each row of x is rounded to int8 per block of 32 inputs
@@ -52,7 +53,7 @@ namespace {
 constexpr int64_t BLOCK = 32;
 constexpr int64_t TILE = 16;
 constexpr int64_t UNIT = 64;  // bytes of one unit of 4 inputs for a tile's 16 rows
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 8;  // bgemv's rows (qgemv takes any number)
 constexpr int64_t PREFETCH = 2048;  // bytes ahead of the weight stream to prefetch
 
 // x rounded per block: codes xq [M, K], scales dx and code sums xsum [M, K / 32].
@@ -63,46 +64,54 @@ struct QuantRows {
 };
 
 template <typename T>
+void quantize_row(QuantRows& q, float* row, const T* x, int64_t r, int64_t k, const int64_t* perm) {
+  // row r of x (through perm) rounded into q; row: a float buffer of k
+  const int64_t nb = k / BLOCK;
+  const T* xr = x + r * k;
+  if (perm) for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[perm[i]]);
+  else for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[i]);
+  int8_t* xq = q.xq.data() + r * k;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* v = row + b * BLOCK;
+    int32_t sum = 0;
+    float d;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
+    d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1))) / 127.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv));  // round half to even, as nearbyint
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    float amax = 0.f;
+    for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+    d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    for (int64_t i = 0; i < BLOCK; ++i) {
+      const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      xq[b * BLOCK + i] = static_cast<int8_t>(c);
+      sum += c;
+    }
+#endif
+    q.dx[r * nb + b] = d;
+    q.xsum[r * nb + b] = static_cast<float>(sum);
+  }
+}
+
+template <typename T>
 void quantize_rows(QuantRows& q, const T* x, int64_t m, int64_t k, const int64_t* perm) {
   const int64_t nb = k / BLOCK;
   q.xq.resize(m * k);
   q.dx.resize(m * nb);
   q.xsum.resize(m * nb);
   q.row.resize(k);
-  float* row = q.row.data();
-  for (int64_t r = 0; r < m; ++r) {
-    const T* xr = x + r * k;
-    if (perm) for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[perm[i]]);
-    else for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(xr[i]);
-    int8_t* xq = q.xq.data() + r * k;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = row + b * BLOCK;
-      int32_t sum = 0;
-      float d;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      const __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
-      d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1))) / 127.f;
-      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv));  // round half to even, as nearbyint
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
-      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#else
-      float amax = 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      d = amax / 127.f;
-      const float inv = d > 0.f ? 1.f / d : 0.f;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-        xq[b * BLOCK + i] = static_cast<int8_t>(c);
-        sum += c;
-      }
-#endif
-      q.dx[r * nb + b] = d;
-      q.xsum[r * nb + b] = static_cast<float>(sum);
-    }
-  }
+  if (m == 1) return quantize_row(q, q.row.data(), x, 0, k, perm);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {  // a prefill's rows on every thread
+    std::vector<float> row(k);
+    for (int64_t r = begin; r < end; ++r) quantize_row(q, row.data(), x, r, k, perm);
+  });
 }
 
 // Where the high bit planes of nibble h (0 low, 1 high) of unit u start in a 5- or 6-bit tile of
@@ -251,7 +260,93 @@ void tile_dot(const uint8_t* w, const int8_t* xq, const float* dx, const float* 
   }
   _mm512_storeu_ps(out, _mm512_add_ps(acc0, acc1));
 }
+
+// R rows of x against one tile (4 or 8 bits): each unit's 64 bytes are loaded and split into
+// nibbles once for all R rows, and only the vpdpbusd is per row (a prefill's product: R times
+// tile_dot's multiplies for one load and mask). Each row's sums are tile_dot's, in its order (the
+// integer dots are exact, the float steps the same), so a row gets the same result in any batch.
+// xq, dx, xsum: row r at r * k, r * (k / 32); out: [R, 16].
+template <int BITS, int R, typename S>
+void tile_dot_rows(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s,
+                   const uint8_t* z, const int32_t* grp, int64_t k, float* out) {
+  static_assert(BITS == 4 || BITS == 8, "tile_dot_rows: 4 or 8 bits");
+  const int64_t nb = k / BLOCK;
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  // block b's integer dots (times `unit`) into each row's acc, as tile_dot's `add`; the group's
+  // zero points and scales loaded once for the R rows
+  const auto add = [&](__m512* acc, const __m512i* dot, int64_t b, float unit) {
+    const int64_t g = grp[b] * TILE;
+    const __m512 zs = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + g))));
+    const __m512 sc = load_scales(s + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 f = _mm512_fnmadd_ps(zs, _mm512_set1_ps(unit * xsum[r * nb + b]), _mm512_cvtepi32_ps(dot[r]));
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(dx[r * nb + b] / unit), sc), acc[r]);
+    }
+  };
+  if constexpr (BITS == 8) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * 8 * UNIT;
+      __m512i i[R];
+      for (int r = 0; r < R; ++r) i[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_loadu_si512(wb + t * UNIT);
+        for (int r = 0; r < R; ++r) i[r] = _mm512_dpbusd_epi32(i[r], v, bcast4(xq + r * k + b * BLOCK + 4 * t));
+      }
+      add(b % 2 ? acc1 : acc0, i, b, 1.f);
+    }
+  } else {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {  // a chunk of 64 inputs: 8 units, the high nibbles in place (16 x)
+      const uint8_t* wc = w + b * 4 * UNIT;
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + 4 * UNIT), _MM_HINT_T0);
+      __m512i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 8; ++t) {
+        const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
+        const __m512i cl = _mm512_and_si512(v, lo4), ch = _mm512_and_si512(v, hi4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x0 = xq + r * k + b * BLOCK;
+          lo[r] = _mm512_dpbusd_epi32(lo[r], cl, bcast4(x0 + 4 * t));
+          hi[r] = _mm512_dpbusd_epi32(hi[r], ch, bcast4(x0 + BLOCK + 4 * t));
+        }
+      }
+      add(acc0, lo, b, 1.f);
+      add(acc1, hi, b + 1, 16.f);
+    }
+    if (b < nb) {  // a last chunk of 32 inputs: 4 units, inputs 4t + j low, 16 + 4t + j high
+      const uint8_t* wc = w + b * 4 * UNIT;
+      __m512i lo[R], hi[R];
+      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(wc + t * UNIT);
+        const __m512i cl = _mm512_and_si512(v, lo4), ch = _mm512_srli_epi16(_mm512_and_si512(v, hi4), 4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x0 = xq + r * k + b * BLOCK;
+          lo[r] = _mm512_dpbusd_epi32(lo[r], cl, bcast4(x0 + 4 * t));
+          hi[r] = _mm512_dpbusd_epi32(hi[r], ch, bcast4(x0 + 16 + 4 * t));
+        }
+      }
+      for (int r = 0; r < R; ++r) lo[r] = _mm512_add_epi32(lo[r], hi[r]);
+      add(acc0, lo, b, 1.f);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE, _mm512_add_ps(acc0[r], acc1[r]));
+}
 #endif
+
+// ROWS rows of x at a time where the vector path has tile_dot_rows (4 and 8 bits), else none
+template <int BITS>
+constexpr int64_t rows_at_once() {
+#ifdef LLAMACTL_VNNI
+  return BITS == 4 || BITS == 8 ? 4 : 1;
+#else
+  return 1;
+#endif
+}
+
 
 template <int BITS, typename S>
 void tile_dot_any(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s,
@@ -302,7 +397,6 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qgemv: x must be float32 or bf16");
   const int64_t m = x.size(0), k = x.size(1), groups = scales.size(1), nb = k / BLOCK;
   check_layout(w, scales, zeros, blk2grp, bits, n, k, "qgemv");
-  TORCH_CHECK(m <= MAX_ROWS, "qgemv: at most 8 rows");
   const int64_t* p = perm.numel() ? perm.data_ptr<int64_t>() : nullptr;
   TORCH_CHECK(!p || (perm.numel() == k && perm.scalar_type() == at::kLong), "qgemv: perm must be int64 [K]");
   const int32_t* grp = blk2grp.data_ptr<int32_t>();
@@ -318,25 +412,37 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
   const int64_t tile_bytes = w.size(1), tiles = w.size(0);
   const QuantRows& qr = q;
   at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
-    float tmp[TILE];
+    float tmp[4 * TILE];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = wp + t * tile_bytes;
       const uint8_t* zt = zp + t * groups * TILE;
       const int64_t o = t * TILE, rows = std::min(TILE, n - o);
-      for (int64_t r = 0; r < m; ++r) {
-        const int8_t* xq = qr.xq.data() + r * k;
-        const float* dx = qr.dx.data() + r * nb;
-        const float* xsum = qr.xsum.data() + r * nb;
-        if (half) {
-          const c10::Half* st = static_cast<const c10::Half*>(sp) + t * groups * TILE;
-          dispatch_bits(bits, [&](auto tag) { tile_dot_any<decltype(tag)::value>(wt, xq, dx, xsum, st, zt, grp, k, tmp); });
-        } else {
-          const float* st = static_cast<const float*>(sp) + t * groups * TILE;
-          dispatch_bits(bits, [&](auto tag) { tile_dot_any<decltype(tag)::value>(wt, xq, dx, xsum, st, zt, grp, k, tmp); });
-        }
-        if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, tmp, rows);
-        else store_row(y.data_ptr<float>() + r * n + o, tmp, rows);
-      }
+      const auto tile_rows = [&](auto st) {
+        dispatch_bits(bits, [&](auto tag) {
+          constexpr int BITS = decltype(tag)::value;
+          int64_t r = 0;
+#ifdef LLAMACTL_VNNI
+          if constexpr (rows_at_once<BITS>() == 4) {
+            for (; r + 4 <= m; r += 4) {
+              tile_dot_rows<BITS, 4>(wt, qr.xq.data() + r * k, qr.dx.data() + r * nb, qr.xsum.data() + r * nb, st,
+                                     zt, grp, k, tmp);
+              for (int64_t i = 0; i < 4; ++i) {
+                if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + (r + i) * n + o, tmp + i * TILE, rows);
+                else store_row(y.data_ptr<float>() + (r + i) * n + o, tmp + i * TILE, rows);
+              }
+            }
+          }
+#endif
+          for (; r < m; ++r) {
+            tile_dot_any<BITS>(wt, qr.xq.data() + r * k, qr.dx.data() + r * nb, qr.xsum.data() + r * nb, st, zt,
+                               grp, k, tmp);
+            if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, tmp, rows);
+            else store_row(y.data_ptr<float>() + r * n + o, tmp, rows);
+          }
+        });
+      };
+      if (half) tile_rows(static_cast<const c10::Half*>(sp) + t * groups * TILE);
+      else tile_rows(static_cast<const float*>(sp) + t * groups * TILE);
     }
   });
   return y;
