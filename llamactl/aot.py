@@ -7,13 +7,23 @@ once with torch.export and compiled by AOTInductor into a shared library that th
 directly. The model's parameters and buffers, its KV cache among them, become the library's
 constants by reference (user-managed, never copied), so a prefill run by PyTorch and the compiled
 steps read and write one cache: the step is bound to the tensors the model holds when it is built
-(a later setup_caches on the model, as another Decoder makes, leaves this one's step stale). Built
-at the first step, in a temporary folder kept while the step lives; nothing is cached between
-processes yet (tens of seconds for a small model).
+(a later setup_caches on the model, as another Decoder makes, leaves this one's step stale).
+
+Built at the first step (tens of seconds for a small model, minutes for 30 layers) and kept in
+the user's cache (~/.cache/llamactl/aot, XDG_CACHE_HOME) under a hash of the exported program, its
+tensors' shapes and dtypes, torch's version and the CPU's flags, so another process with a model of
+the same structure exports again (seconds) and loads the library instead of compiling it. The
+library is native code: it loads only with this user's signature (signing.signing_key) over its
+checksum, as `llamactl compile` caches do.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,12 +42,14 @@ class _Greedy(nn.Module):
 
 
 class AotStep:
-    """Decoder's step for mode "aot": __call__(tok [B, 1], pos [1], kv_len) -> next token [B]."""
+    """Decoder's step for mode "aot": __call__(tok [B, 1], pos [1], kv_len) -> next token [B].
+    cached: whether the library came from the cache (None before the first step)."""
 
-    def __init__(self, model):
+    def __init__(self, model, cache: Path | None = None):
         self.step = _Greedy(model).eval()
         self.runner = None
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self.cache = cache or cache_dir()
+        self.cached: bool | None = None
 
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         if self.runner is None:
@@ -46,12 +58,64 @@ class AotStep:
 
     def _build(self, tok: torch.Tensor, pos: torch.Tensor):
         program = torch.export.export(self.step, (tok, pos), strict=False)
-        self._dir = tempfile.TemporaryDirectory(prefix="llamactl-aot-")
-        path = torch._inductor.aoti_compile_and_package(
-            program, package_path=str(Path(self._dir.name) / "step.pt2"),
-            inductor_configs={"aot_inductor.package_constants_in_so": False})  # the model's own tensors, below
-        runner = torch._inductor.aoti_load_package(path)
         state = {**dict(self.step.named_parameters()), **dict(self.step.named_buffers())}
+        path = self.cache / f"step-{_key(program, state)}.pt2"
+        self.cached = _verified(path)
+        if not self.cached:
+            _compile_into(program, path)
+        runner = torch._inductor.aoti_load_package(str(path))
         runner.load_constants({name: state[name] for name in runner.get_constant_fqns()}, check_full_update=True,
-                              user_managed=True)
+                              user_managed=True)  # the model's own tensors
         return runner
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamactl" / "aot"
+
+
+def _key(program, state: dict[str, torch.Tensor]) -> str:
+    """What the library depends on: the program's code and signature, its tensors' layouts (not
+    their values: they are loaded by reference), torch, the CPU."""
+    from llamactl.kernels.cpu import _cpu_flags
+
+    h = hashlib.sha256()
+    for part in (program.graph_module.code, str(program.graph_signature), torch.__version__, _cpu_flags()):
+        h.update(part.encode())
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.stride()}".encode())
+    return h.hexdigest()[:24]
+
+
+def _signature(path: Path) -> str:
+    from llamactl.artifact import sha256_file
+    from llamactl.signing import signing_key
+
+    return hmac.new(signing_key(), sha256_file(path).encode(), hashlib.sha256).hexdigest()
+
+
+def _verified(path: Path) -> bool:
+    """Whether the cached library at path is there with this user's signature over its checksum."""
+    sig = path.with_suffix(".json")
+    if not (path.is_file() and sig.is_file()):
+        return False
+    try:
+        return hmac.compare_digest(str(json.loads(sig.read_text()).get("signature", "")), _signature(path))
+    except (OSError, ValueError):
+        return False
+
+
+def _compile_into(program, path: Path) -> None:
+    """Compile the program's library to path (built in a temporary folder beside it, then moved
+    in place, its signature last), so a reader sees a whole library or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
+    try:
+        built = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp / path.name),
+            inductor_configs={"aot_inductor.package_constants_in_so": False})
+        os.replace(built, path)
+        (tmp / "sig.json").write_text(json.dumps({"signature": _signature(path)}))
+        os.replace(tmp / "sig.json", path.with_suffix(".json"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,7 @@ import torch
 from llamactl.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
+from llamactl.signing import signing_key
 
 CACHE_DIR = "compile-cache"
 MODES = ("default", "reduce-overhead", "max-autotune")
@@ -40,25 +41,6 @@ def cache_key(device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, 
 
 def _key_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def signing_key() -> bytes:
-    """This user's key for compile caches, kept outside every model folder (created on first use,
-    readable by the user alone): a cache signed with it was built by this user on this machine."""
-    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "llamactl"
-    path = base / "compile-cache.key"
-    if not path.is_file():
-        base.mkdir(parents=True, exist_ok=True)
-        tmp = base / f".compile-cache.key.{os.getpid()}"
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(os.urandom(32))
-        try:
-            os.link(tmp, path)  # the first process to make one wins; others read it
-        except FileExistsError:
-            pass
-        tmp.unlink(missing_ok=True)
-    return path.read_bytes()
 
 
 def _signature(entry: dict) -> str:

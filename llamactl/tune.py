@@ -18,10 +18,10 @@ from llamactl.kernels.arith import from_switches
 
 def picks() -> list[dict]:
     """The pins of every shape the GEMV autotuners chose a config for in this process."""
-    from llamactl.kernels import gemv
+    from llamactl.kernels import gemv, gemv_int4
 
     rows = []
-    for kernel, tuned in (("gemv", gemv._gemv_tuned), ("int4", gemv._gemv_int4_tuned)):
+    for kernel, tuned in (("gemv", gemv._gemv_tuned), ("int4", gemv_int4._gemv_int4_tuned)):
         names = list(tuned.keys)  # the autotune key's argument names, then the dtypes of the tensors
         for key, config in sorted(tuned.cache.items(), key=repr):
             values = dict(zip(names, key))

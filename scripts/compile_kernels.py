@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from llamactl.kernels import attention, gemv, multirow  # noqa: E402
+from llamactl.kernels import attention, gemv, gemv_int4, int4_layout, multirow  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
@@ -54,7 +54,7 @@ def cases():
             flags, [(False, False), (True, False), (False, True)], [False, True]):
         if not (norm and glu):
             yield (f"gemv int4 norm={norm} glu={glu} residual={res} prefetch={prefetch} x_contig={x_contig} pdl={pdl}",
-                   gemv._gemv_int4_kernel, INT4,
+                   gemv_int4._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
                         PREFETCH=prefetch, PDL=pdl, X_CONTIG=x_contig))
     for (norm, glu, res), prefetch, reduce_each, pdl in itertools.product(flags, [False, True], [False, True],
@@ -68,18 +68,18 @@ def cases():
         yield (f"gemv {w_type[1:]} norm=True glu_out=True", gemv._gemv_kernel, dict(GEMV, w_ptr=w_type),
                dict(HAS_SCALE=w_type == "*i8", NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=8,
                     BLOCK_K=512, PREFETCH=False, GLU_OUT=True))
-    yield ("gemv int4 norm=True glu_out=True", gemv._gemv_int4_kernel, INT4,
+    yield ("gemv int4 norm=True glu_out=True", gemv_int4._gemv_int4_kernel, INT4,
            dict(G=128, NORM=True, GLU=False, RESIDUAL=False, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024, PREFETCH=False,
                 GLU_OUT=True))
     for (norm, glu, res), x_contig, pdl in itertools.product(flags, [False, True], [False, True]):
         if not (norm and glu):  # int8 inputs (A8): DP4A
             yield (f"gemv int4 a8 norm={norm} glu={glu} residual={res} x_contig={x_contig} pdl={pdl}",
-                   gemv._gemv_int4_kernel, INT4,
+                   gemv_int4._gemv_int4_kernel, INT4,
                    dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=32, BLOCK_K=1024,
                         PREFETCH=False, PDL=pdl, X_CONTIG=x_contig, A8=True))
     for (norm, glu, res), pdl, arith in itertools.product(flags, [False, True], ["H16", "I16"]):
         if not (norm and glu):  # packed fp16 arithmetic (H16), int16 inputs (I16): int4 and int8 weights
-            yield (f"gemv int4 {arith.lower()} norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_int4_kernel,
+            yield (f"gemv int4 {arith.lower()} norm={norm} glu={glu} residual={res} pdl={pdl}", gemv_int4._gemv_int4_kernel,
                    INT4, dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
                               PREFETCH=False, PDL=pdl, **{arith: True}))
             yield (f"gemv i8 {arith.lower()} norm={norm} glu={glu} residual={res} pdl={pdl}", gemv._gemv_kernel,
@@ -90,11 +90,11 @@ def cases():
     for (norm, glu, res), hi, arith in itertools.product([(True, False, False), (False, True, True)], [1, 2],
                                                          ["", "A8", "I16"]):
         yield (f"gemv int{4 + hi} {arith.lower() or 'float'} norm={norm} glu={glu} residual={res}",
-               gemv._gemv_int4_kernel, INT4,
+               gemv_int4._gemv_int4_kernel, INT4,
                dict(G=128, NORM=norm, GLU=glu, RESIDUAL=res, USE_ASM=True, BLOCK_N=16, BLOCK_K=1024,
                     PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
     for hi in (0, 1, 2):
-        yield (f"dequantize int{4 + hi}", gemv._dequant_int4_kernel,
+        yield (f"dequantize int{4 + hi}", int4_layout._dequant_int4_kernel,
                {"q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "N": "i32",
                 "K": "i32"}, dict(G=128, BLOCK_N=32, WORDS=32, HI=hi))
     for rope, (r, d), pdl, splits in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True],
@@ -123,8 +123,8 @@ def main() -> None:
     for name, fn, sig, const in cases():
         kernel = compile_one(fn, sig, const)
         ptx = kernel.asm["ptx"]
-        if const.get("USE_ASM") and (fn is gemv._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
-            int4 = fn is gemv._gemv_int4_kernel
+        if const.get("USE_ASM") and (fn is gemv_int4._gemv_int4_kernel or sig.get("w_ptr") == "*i8"):
+            int4 = fn is gemv_int4._gemv_int4_kernel
             asm = (("dp4a.u32.s32" if int4 else "dp4a.s32.s32") if const.get("A8") else "fma.rn.f16x2"
                    if const.get("H16") else ("dp2a.hi.s32.u32" if int4 else "dp2a.hi.s32.s32") if const.get("I16")
                    else "lop3.b32" if int4 else "prmt.b32")

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from llamactl.kernels.device import pdl_supported
-from llamactl.kernels import attention, gemv
+from llamactl.kernels import attention, gemv, gemv_int4
+from llamactl.kernels.arith import switches
 from llamactl.layers import int4 as tg
 
 dev, bf16 = torch.device("cuda"), torch.bfloat16
@@ -112,19 +113,19 @@ def probe_linear(name, n, k, out):
     codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
     zeros = torch.randint(0, 16, (k // g, n), device=dev)
     scales = torch.rand(k // g, n, device=dev) * 0.01 + 0.001
-    qw, s16, z8 = gemv.pack_int4(codes), scales.t().contiguous().half(), zeros.t().contiguous().to(torch.uint8)
-    ref = gemv.dequantize_int4(qw, s16, z8, g, torch.float32).double() @ x.double()
-    row["int4_rel_err"] = rel(gemv.gemv_int4(x, qw, s16, z8, g), ref)
+    qw, s16, z8 = gemv_int4.pack_int4(codes), scales.t().contiguous().half(), zeros.t().contiguous().to(torch.uint8)
+    ref = gemv_int4.dequantize_int4(qw, s16, z8, g, torch.float32).double() @ x.double()
+    row["int4_rel_err"] = rel(gemv_int4.gemv_int4(x, qw, s16, z8, g), ref)
     q_t, sz, _ = tg.tinygemm_params(codes, zeros, scales, torch.arange(k, device=dev) // g, g)
     tiny = tg.pack(q_t, dev)
     sz = sz.to(bf16)
     row["tinygemm_rel_err"] = rel(torch.ops.aten._weight_int4pack_mm(x[None], tiny, g, sz)[0], ref)
     qws = [qw.clone() for _ in range(copies4)]
     tinys = [tiny.clone() for _ in range(copies4)]
-    t4 = graph_time([lambda q=q: gemv.gemv_int4(x, q, s16, z8, g) for q in qws])
+    t4 = graph_time([lambda q=q: gemv_int4.gemv_int4(x, q, s16, z8, g) for q in qws])
     xf, kw = folds(name, x, n)
-    t4f = graph_time([lambda q=q: gemv.gemv_int4(xf, q, s16, z8, g, **kw) for q in qws])
-    t4a = graph_time([lambda q=q: gemv.gemv_int4(xa, q, s16, z8, g, **kwa) for q in qws])
+    t4f = graph_time([lambda q=q: gemv_int4.gemv_int4(xf, q, s16, z8, g, **kw) for q in qws])
+    t4a = graph_time([lambda q=q: gemv_int4.gemv_int4(xa, q, s16, z8, g, **kwa) for q in qws])
     tt = graph_time([lambda q=q: torch.ops.aten._weight_int4pack_mm(x[None], q, g, sz) for q in tinys])
     del qws, tinys
     gb4 = n * k / 2 / 1e9
@@ -228,10 +229,10 @@ def step_weights(kind: str, n: int, k: int):
         s8 = (torch.rand(n, device=dev) * 0.01).to(bf16)
         return n * k + 2 * n, lambda x, kw, inputs=inputs: gemv.gemv(x, w8, s8, **kw, inputs=inputs)
     g = 128
-    q = gemv.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
+    q = gemv_int4.pack_int4(torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32))
     s16 = (torch.rand(n, k // g, device=dev) * 0.01 + 0.001).half()
     z8 = torch.randint(0, 16, (n, k // g), device=dev).to(torch.uint8)
-    return n * k // 2 + 3 * n * (k // g), lambda x, kw, inputs=inputs: gemv.gemv_int4(x, q, s16, z8, g, **kw,
+    return n * k // 2 + 3 * n * (k // g), lambda x, kw, inputs=inputs: gemv_int4.gemv_int4(x, q, s16, z8, g, **kw,
                                                                                      inputs=inputs)
 
 
@@ -278,13 +279,13 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
     LLAMACTL_PINS_FILE rows. timer: graph_time, or a stand-in off the GPU."""
     timer = timer or graph_time
     inputs, int4 = kind_inputs(kind), kind.startswith("int4")
-    arith = gemv._arithmetic(inputs)
+    arith = switches(inputs)
     cpu = {"x_ptr": torch.empty(1), "N": 0, "K": 0, "NORM": False, "GLU": False, "RESIDUAL": False}  # no pins
     if int4:
-        candidates = gemv._prune_int4(gemv._int4_configs(), {**cpu, "G": 128}, **arith)
+        candidates = gemv_int4._prune_int4(gemv_int4._int4_configs(), {**cpu, "G": 128}, **arith)
     else:
         candidates = gemv._prune_gemv(gemv._bf16_configs(), {**cpu, "HAS_SCALE": True}, **arith)
-    fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED
+    fixed = gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv_int4.INT4_FIXED
     try:
         for name in STEP:
             n, k = shapes[name]
@@ -293,12 +294,12 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
             x, kw = folds(name, torch.randn(k, device=dev, dtype=bf16), n, swiglu_after_gate_up=True)
             rows = []
             gemv.FIXED_BLOCKS = True
-            gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed[1:]
+            gemv.GEMV_FIXED, gemv_int4.INT4_FIXED = fixed[1:]
             ref = first(x, kw, inputs="float")  # float inputs and arithmetic, the fixed blocks
             for c in candidates:
                 config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
                 if int4:
-                    gemv.INT4_FIXED = config
+                    gemv_int4.INT4_FIXED = config
                 else:
                     gemv.GEMV_FIXED = config
                 # float inputs: int8 rounding of x adds ~0.5%, fp16 arithmetic ~0.05%, a wrong layout far more
@@ -318,7 +319,7 @@ def sweep(kind: str, out: list, pins: list, shapes: dict = SHAPES, timer=None) -
                 flush=True)
             del copies
     finally:
-        gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv.INT4_FIXED = fixed
+        gemv.FIXED_BLOCKS, gemv.GEMV_FIXED, gemv_int4.INT4_FIXED = fixed
 
 
 def main():

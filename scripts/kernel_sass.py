@@ -19,7 +19,7 @@ from collections import Counter
 
 import triton
 
-from llamactl.kernels import gemv
+from llamactl.kernels import gemv, gemv_int4
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compile_kernels import GEMV, INT4, compile_one  # noqa: E402  (the runtime's specialization, constexpr defaults)
@@ -33,7 +33,7 @@ def loop_body(bn: int, bk: int, warps: int, prefetch: bool = False, a8: bool = F
         kernel = compile_one(gemv._gemv_kernel, dict(GEMV, w_ptr="*i8"), const | {"HAS_SCALE": True, "REDUCE_EACH": reduce_each, "H16": h16},
                              warps)
     else:
-        kernel = compile_one(gemv._gemv_int4_kernel, INT4, const | {"G": 128, "X_CONTIG": x_contig, "H16": h16}, warps)
+        kernel = compile_one(gemv_int4._gemv_int4_kernel, INT4, const | {"G": 128, "X_CONTIG": x_contig, "H16": h16}, warps)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -52,7 +52,7 @@ def main():
     configs = [(*args[i : i + 3], False, False, xc) for i in range(0, len(args), 3)] or [
         (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.kwargs["PREFETCH"], c.kwargs.get("REDUCE_EACH", False),
          c.kwargs.get("X_CONTIG", False))
-        for c in (gemv._bf16_configs() if int8 else gemv._int4_configs())]
+        for c in (gemv._bf16_configs() if int8 else gemv_int4._int4_configs())]
     for bn, bk, warps, prefetch, reduce_each, x_contig in configs:
         body = loop_body(bn, bk, warps, prefetch, a8, int8, reduce_each, x_contig, h16, i16)
         per_thread = bn * bk / (32 * warps)

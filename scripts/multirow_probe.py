@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from llamactl.kernels import multirow
-from llamactl.kernels.gemv import gemv, gemv_int4, pack_int4
+from llamactl.kernels.gemv import gemv
+from llamactl.kernels.gemv_int4 import gemv_int4, pack_int4
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 ROWS = [2, 4, 8, 16, 32, 64]
@@ -50,7 +51,7 @@ def main(out):
         q = pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32))
         s4 = torch.rand(n, k // 128, device="cuda", dtype=torch.float16) * 0.01
         z4 = torch.full((n, k // 128), 8, device="cuda", dtype=torch.uint8)
-        from llamactl.kernels.gemv import dequantize_int4
+        from llamactl.kernels.int4_layout import dequantize_int4
 
         x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
         for got, ref in ((multirow.multirow_mm(x, w), x.double() @ w.double().t()),

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # llamactl's Triton kernels run on the CPU th
 
 from llamactl.load import DEFAULT_MODEL
 
-# the compile caches' signing key (llamactl.compile.signing_key) of this test session, not the user's
+# the compile caches' signing key (llamactl.signing.signing_key) of this test session, not the user's
 if "LLAMACTL_TEST_CONFIG" not in os.environ:
     import atexit
     import tempfile

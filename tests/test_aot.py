@@ -64,3 +64,35 @@ def test_generate_aot_writes_the_eager_text(tiny_gqa):
     assert aot.stdout == plain.stdout and "aot build" in aot.stderr
     sampled = runner.invoke(app, [*args[:-4], "--temperature", "0.8", "--device", "cpu", "--aot"])
     assert sampled.exit_code == 1 and "greedy decoding on the CPU" in sampled.output and "Traceback" not in sampled.output
+
+
+def test_the_built_step_is_cached_and_signed(tiny_gqa, tmp_path, monkeypatch):
+    """A second step of the same structure (another process would be the same) loads the library
+    from the user's cache and gives the same tokens; a library whose signature does not match is
+    not loaded."""
+    from llamactl import aot
+    from llamactl.artifact import open_artifact
+    from llamactl.decode import Decoder
+    from llamactl.load import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+
+    def run():
+        dec = Decoder(model, 1, 16, "aot")
+        tok = dec.prefill(prompt)
+        out = [int(tok)]
+        for i in range(3):
+            tok = dec.step(tok, prompt.shape[1] + i)
+            out.append(int(tok))
+        return out, dec._step.cached
+
+    with torch.inference_mode():
+        first, cached_first = run()
+        second, cached_second = run()
+    assert (cached_first, cached_second) == (False, True) and first == second
+    (lib,) = (tmp_path / "llamactl" / "aot").glob("step-*.pt2")
+    assert aot._verified(lib)
+    lib.with_suffix(".json").write_text('{"signature": "0000"}')
+    assert not aot._verified(lib)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from llamactl.kernels import gemv  # noqa: E402
+from llamactl.kernels import gemv, gemv_int4  # noqa: E402
 from test_kernels import DEV, _int4_case, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
 
 
@@ -22,18 +22,18 @@ def test_gemv_int4_in_packed_fp16_is_close_to_float_even_with_a_massive_input(k,
     n, g = 24, 128
     q, s, z, w = _int4_case(n, k, g, seed=k)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    assert rel(gemv.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
+    assert rel(gemv_int4.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
     x[5] = 3000.0
-    assert rel(gemv.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="fp16")
+    assert rel(gemv_int4.gemv_int4(x, q, s, z, g, inputs="fp16").cpu(), (w @ x.double()).cpu()) < 1e-3
+    y = gemv_int4.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs="fp16")
     ref = w @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
     assert rel(y.cpu(), ref.cpu()) < 1e-3
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs="fp16")
+    y = gemv_int4.gemv_int4(h, q, s, z, g, glu=True, inputs="fp16")
     assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-3
-    assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="fp16").any()  # a block of zeros: 0, not NaN
+    assert not gemv_int4.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="fp16").any()  # a block of zeros: 0, not NaN
     with pytest.raises(ValueError, match="not one of"):
-        gemv.gemv_int4(x, q, s, z, g, inputs="fp8")
+        gemv_int4.gemv_int4(x, q, s, z, g, inputs="fp8")
 
 
 def test_gemv_int8_in_packed_fp16_is_close_to_float_even_with_a_massive_input(gemv_prefetch):

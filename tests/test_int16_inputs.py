@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from llamactl.kernels import gemv  # noqa: E402
+from llamactl.kernels import gemv, gemv_int4  # noqa: E402
 from test_kernels import DEV, _fixed, _int4_case, _int8_per_32, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
 
 
@@ -46,12 +46,12 @@ def test_gemv_int4_i16_multiplies_its_inputs_exactly(n, k, g, int4_prefetch):
     q, s, z, w = _int4_case(n, k, g, seed=n + 3)
     x = torch.randn(k, device=DEV, dtype=torch.float32)
     x[32:64] = 0  # a quad of zeros
-    assert rel(gemv.gemv_int4(x, q, s, z, g, inputs="int16").cpu(), (w @ x.double()).cpu()) < 1e-4
+    assert rel(gemv_int4.gemv_int4(x, q, s, z, g, inputs="int16").cpu(), (w @ x.double()).cpu()) < 1e-4
     x[70] = 3000.0
-    y = gemv.gemv_int4(x, q, s, z, g, inputs="int16")
+    y = gemv_int4.gemv_int4(x, q, s, z, g, inputs="int16")
     assert rel(y.cpu(), (w @ _int16_per_32(x)).cpu()) < 1e-6
     assert rel(y.cpu(), (w @ x.double()).cpu()) < 3e-4
-    assert not gemv.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="int16").any()
+    assert not gemv_int4.gemv_int4(torch.zeros(k, device=DEV), q, s, z, g, inputs="int16").any()
 
 
 @pytest.mark.parametrize("inputs,rounded,tol", [("int8", _int8_per_32, 1e-5), ("int16", _int16_per_32, 1e-6)])
@@ -60,11 +60,11 @@ def test_gemv_int4_integer_inputs_fold_rmsnorm_and_swiglu_before_rounding(inputs
     n, k, g = 16, 384, 128
     q, s, z, w = _int4_case(n, k, g, seed=5)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs=inputs)
+    y = gemv_int4.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False, inputs=inputs)
     rs = torch.rsqrt(x.double().pow(2).mean() + 1e-5)
     assert rel(y.cpu(), (w @ rounded(x * nw) * rs + r.double()).cpu()) < tol
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True, inputs=inputs)
+    y = gemv_int4.gemv_int4(h, q, s, z, g, glu=True, inputs=inputs)
     act = (F.silu(h[:k].double()) * h[k:].double()).float()
     assert rel(y.cpu(), (w @ rounded(act)).cpu()) < tol
 
@@ -114,12 +114,12 @@ def test_int8_i16_candidates_compute_the_product(config, monkeypatch):
     assert rel(y.cpu(), ((w8.double() @ _int16_per_32(x)) * s8.double()).cpu()) < 1e-6
 
 
-@pytest.mark.parametrize("config", gemv._int4_configs()[::3], ids=str)
+@pytest.mark.parametrize("config", gemv_int4._int4_configs()[::3], ids=str)
 def test_int4_i16_candidates_compute_the_product(config, monkeypatch):
     n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
     q, s, z, w = _int4_case(n, k, g, seed=7)
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
-    monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
+    monkeypatch.setattr(gemv_int4, "INT4_FIXED", _fixed(config))
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16).float()
-    y = gemv.gemv_int4(x, q, s, z, g, inputs="int16")
+    y = gemv_int4.gemv_int4(x, q, s, z, g, inputs="int16")
     assert rel(y.cpu(), (w @ _int16_per_32(x)).cpu()) < 1e-6

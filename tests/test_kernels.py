@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from llamactl.errors import InputError  # noqa: E402
-from llamactl.kernels import gemv  # noqa: E402
+from llamactl.kernels import gemv, gemv_int4  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OFF = "cublas" if DEV == "cuda" else "torch"  # what prepare reports with the kernels off
@@ -100,7 +100,7 @@ def _int4_case(n, k, g, seed=0):
     scales = (torch.rand(n, k // g, device=DEV) * 0.02 + 1e-3).half()
     zeros = torch.randint(0, 16, (n, k // g), device=DEV).to(torch.uint8)
     w = (codes.double() - zeros.double().repeat_interleave(g, 1)) * scales.double().repeat_interleave(g, 1)
-    return gemv.pack_int4(codes), scales, zeros, w
+    return gemv_int4.pack_int4(codes), scales, zeros, w
 
 
 def _swiglu_rounded(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,19 +154,19 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(y16.cpu(), ((w8.double() @ x32.double()) * s8.double()).cpu()) < 2e-3
 
 
-@pytest.mark.parametrize("config", _covering(gemv._int4_configs()), ids=str)
+@pytest.mark.parametrize("config", _covering(gemv_int4._int4_configs()), ids=str)
 def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
     q, s, z, w = _int4_case(n, k, g, seed=7)
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
-    monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
+    monkeypatch.setattr(gemv_int4, "INT4_FIXED", _fixed(config))
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
-    assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
+    assert rel(gemv_int4.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
     xr = x.to(ROUND_DTYPE)
-    assert rel(gemv.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
-    y16 = gemv.gemv_int4(x.float(), q, s, z, g, inputs="fp16")  # packed fp16: the same config
+    assert rel(gemv_int4.gemv_int4(xr, q, s, z, g, glu_out=True).cpu(), _swiglu_rounded(w @ xr.double(), ROUND_DTYPE).cpu()) < 1e-2
+    y16 = gemv_int4.gemv_int4(x.float(), q, s, z, g, inputs="fp16")  # packed fp16: the same config
     assert rel(y16.cpu(), (w @ x.double()).cpu()) < 2e-3
-    assert rel(gemv.gemv_int4(x.float(), q, s, z, g, inputs="int8").cpu(), (w @ x.double()).cpu()) < 2e-2  # int8 inputs
+    assert rel(gemv_int4.gemv_int4(x.float(), q, s, z, g, inputs="int8").cpu(), (w @ x.double()).cpu()) < 2e-2  # int8 inputs
 
 
 def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
@@ -187,7 +187,7 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
         return bench
 
     clocks = [itertools.count(1000, -1), itertools.count(1000, -1)]
-    for tuned, clock in zip((gemv._gemv_tuned, gemv._gemv_int4_tuned), clocks):
+    for tuned, clock in zip((gemv._gemv_tuned, gemv_int4._gemv_int4_tuned), clocks):
         monkeypatch.setattr(tuned, "_do_bench", stand_in(clock))
         monkeypatch.setattr(tuned, "cache", {})
     x = torch.randn(256, dtype=torch.float16)
@@ -200,12 +200,12 @@ def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatc
     q, s4, z4, w4 = _int4_case(64, 512, 128, seed=9)
     y4 = torch.empty(64, dtype=x.dtype)
     x4 = torch.randn(512, dtype=torch.float16)
-    gemv._gemv_int4_tuned[lambda m: (triton.cdiv(64, m["BLOCK_N"]),)](
+    gemv_int4._gemv_int4_tuned[lambda m: (triton.cdiv(64, m["BLOCK_N"]),)](
         x4, q, q, s4, z4, x4, x4, y4, 64, 512, 1e-6, 128, False, False, False, False, GLU_OUT=False)
-    assert gemv._gemv_int4_tuned.best_config.kwargs == gemv._int4_configs()[-1].kwargs
+    assert gemv_int4._gemv_int4_tuned.best_config.kwargs == gemv_int4._int4_configs()[-1].kwargs
     assert rel(y4, w4 @ x4.double()) < 1e-2
     # each candidate was benchmarked once (int4: all of them divide into groups of 128)
-    assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv._int4_configs())]
+    assert [1000 - next(c) for c in clocks] == [len(gemv._bf16_configs()), len(gemv_int4._int4_configs())]
     # int8 inputs: the pruned candidates only (the same stand-in benchmark counts on)
     before = next(clocks[0])
     w8 = torch.randint(-127, 128, (64, 256), dtype=torch.int8)
@@ -237,14 +237,14 @@ def test_int4_kernels_refuse_partial_groups():
     q = torch.zeros(8, 20, dtype=torch.int32, device=DEV)  # 160 columns: no whole groups of 128
     s, z = torch.ones(8, 2, dtype=torch.float16, device=DEV), torch.zeros(8, 2, dtype=torch.uint8, device=DEV)
     with pytest.raises(ValueError, match="whole groups"):
-        gemv.gemv_int4(torch.zeros(160, device=DEV), q, s, z, 128)
+        gemv_int4.gemv_int4(torch.zeros(160, device=DEV), q, s, z, 128)
     with pytest.raises(ValueError, match="whole groups"):
-        gemv.dequantize_int4(q, s, z, 128, torch.float32)
+        gemv_int4.dequantize_int4(q, s, z, 128, torch.float32)
 
 
 def test_pack_int4_puts_column_8i_plus_j_in_nibble_j():
     codes = torch.arange(16).repeat(2, 1)  # [2, 16]: 0..15 per row
-    words = gemv.pack_int4(codes)
+    words = gemv_int4.pack_int4(codes)
     assert words.dtype == torch.int32 and words.shape == (2, 2)
     assert words[0, 0].item() == 0x76543210
     assert (words[0, 1].item() & 0xFFFFFFFF) == 0xFEDCBA98  # top nibble set: stored as a negative int32
@@ -255,28 +255,28 @@ def int4_prefetch(request, monkeypatch):
     """Each way the int4 kernel loads its weights (LOADS), and x in one piece (X_CONTIG), at the
     fixed blocks on the GPU too (see gemv_prefetch)."""
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
-    monkeypatch.setitem(gemv.INT4_FIXED, "PREFETCH", request.param[0])
-    monkeypatch.setitem(gemv.INT4_FIXED, "PDL", request.param[1])
-    monkeypatch.setitem(gemv.INT4_FIXED, "X_CONTIG", request.param[2])
+    monkeypatch.setitem(gemv_int4.INT4_FIXED, "PREFETCH", request.param[0])
+    monkeypatch.setitem(gemv_int4.INT4_FIXED, "PDL", request.param[1])
+    monkeypatch.setitem(gemv_int4.INT4_FIXED, "X_CONTIG", request.param[2])
 
 
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (16, 384, 128), (8, 640, 128)])
 def test_gemv_int4_and_dequantize_match_the_formula(n, k, g, int4_prefetch):
     q, s, z, w = _int4_case(n, k, g, seed=n)
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16)
-    assert torch.equal(gemv.dequantize_int4(q, s, z, g, torch.float32).double(), w.float().double())
-    assert rel(gemv.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
+    assert torch.equal(gemv_int4.dequantize_int4(q, s, z, g, torch.float32).double(), w.float().double())
+    assert rel(gemv_int4.gemv_int4(x, q, s, z, g).cpu(), (w @ x.double()).cpu()) < 1e-2
 
 
 def test_gemv_int4_folds_rmsnorm_swiglu_and_the_residual(int4_prefetch):
     n, k, g = 16, 384, 128
     q, s, z, w = _int4_case(n, k, g, seed=3)
     x, nw, r = torch.randn(k, device=DEV), torch.rand(k, device=DEV) + 0.5, torch.randn(n, device=DEV)
-    y = gemv.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False)
+    y = gemv_int4.gemv_int4(x, q, s, z, g, nw, 1e-5, r, False)
     ref = w @ (x.double() * torch.rsqrt(x.double().pow(2).mean() + 1e-5) * nw.double()) + r.double()
     assert rel(y.cpu(), ref.cpu()) < 1e-5
     h = torch.randn(2 * k, device=DEV)
-    y = gemv.gemv_int4(h, q, s, z, g, glu=True)
+    y = gemv_int4.gemv_int4(h, q, s, z, g, glu=True)
     assert rel(y.cpu(), (w @ (F.silu(h[:k].double()) * h[k:].double())).cpu()) < 1e-5
 
 
@@ -285,7 +285,7 @@ def test_gemv_int4_applies_swiglu_to_a_fused_gate_up(int4_prefetch):
     q, s, z, w = _int4_case(n, k, g, seed=6)  # rows [:n/2] read as gate, [n/2:] as up
     x = torch.randn(k, device=DEV)
     h = w @ x.double()
-    y = gemv.gemv_int4(x, q, s, z, g, glu_out=True)
+    y = gemv_int4.gemv_int4(x, q, s, z, g, glu_out=True)
     assert y.shape == (n // 2,) and rel(y.cpu(), (F.silu(h[: n // 2]) * h[n // 2 :]).cpu()) < 1e-5
 
 
@@ -462,7 +462,7 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
     from llamactl.kernels import check
 
     assert check.self_check(torch.device(DEV)) is None
-    monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
+    monkeypatch.setattr(gemv_int4, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     assert "gemv int4" in check.self_check(torch.device(DEV))
 

@@ -20,11 +20,11 @@ def on_h200(monkeypatch):
 def test_the_packaged_h200_file_reads_and_every_row_is_a_candidate():
     """Every packaged pin names a config the autotuner still offers (a stale pin would be ignored)."""
     triton = pytest.importorskip("triton")  # noqa: F841
-    from llamactl.kernels import gemv
+    from llamactl.kernels import gemv, gemv_int4
 
     rows = pinned.read(pinned.file_for("NVIDIA H200"))
     assert len(rows) >= 40 and {r["kernel"] for r in rows} == {"gemv", "int4"}
-    configs = {"gemv": gemv._bf16_configs(), "int4": gemv._int4_configs()}
+    configs = {"gemv": gemv._bf16_configs(), "int4": gemv_int4._int4_configs()}
     for r in rows:
         key = tuple(r["key"][f] for f in pinned.KEY_FIELDS[r["kernel"]])
         table = {(r["kernel"], key): r["config"]}
@@ -82,7 +82,7 @@ def test_tune_turns_the_autotuners_picks_into_pins(monkeypatch):
     becomes pins rows keyed as kernels.pinned reads them."""
     pytest.importorskip("triton")
     from llamactl import tune
-    from llamactl.kernels import gemv
+    from llamactl.kernels import gemv, gemv_int4
 
     config = gemv._bf16_configs()[0]
     names = gemv._gemv_tuned.keys
@@ -90,7 +90,7 @@ def test_tune_turns_the_autotuners_picks_into_pins(monkeypatch):
               "USE_ASM": True, "GLU_OUT": False, "PDL": True, "A8": False, "H16": False, "I16": True}
     key = tuple(values[n] for n in names) + ("torch.bfloat16", "torch.bfloat16")
     monkeypatch.setattr(gemv._gemv_tuned, "cache", {key: config})
-    monkeypatch.setattr(gemv._gemv_int4_tuned, "cache", {})
+    monkeypatch.setattr(gemv_int4._gemv_int4_tuned, "cache", {})
     (row,) = tune.picks()
     assert row["kernel"] == "gemv" and row["key"]["inputs"] == "int16" and row["key"]["dtype"] == "bfloat16"
     assert row["key"]["RESIDUAL"] and row["config"]["BLOCK_N"] == config.kwargs["BLOCK_N"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from llamactl.errors import InputError  # noqa: E402
-from llamactl.kernels import gemv  # noqa: E402
+from llamactl.kernels import gemv, gemv_int4  # noqa: E402
 from test_kernels import DEV, _fixed, _int4_case, _int8_per_32, gemv_prefetch, int4_prefetch, rel  # noqa: E402, F401
 
 
@@ -24,7 +24,7 @@ def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
     x = torch.randn(k, device=DEV, dtype=torch.float32)
     x[32:64] = 0  # a quad of zeros: scale 0
     x[70] = 40.0  # an outlier: its quad rounds coarsely
-    y = gemv.gemv_int4(x, q, s, z, g, inputs="int8")
+    y = gemv_int4.gemv_int4(x, q, s, z, g, inputs="int8")
     assert rel(y.cpu(), (w @ _int8_per_32(x)).cpu()) < 1e-5
     assert rel(y.cpu(), (w @ x.double()).cpu()) < 2e-2
 
@@ -66,7 +66,7 @@ def test_int8_and_fp16_inputs_have_a_check_of_their_own(monkeypatch):
     assert kernels.self_check(torch.device(DEV), "int8") is None
     assert kernels.self_check(torch.device(DEV), "fp16") is None
     assert kernels.self_check(torch.device(DEV), "int16") is None
-    monkeypatch.setattr(gemv, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
+    monkeypatch.setattr(gemv_int4, "pack_int4", lambda codes: torch.zeros(codes.shape[0], codes.shape[1] // 8,
                                                                        dtype=torch.int32, device=codes.device))
     problem = kernels.self_check(torch.device(DEV), "int8")
     assert "gemv int4 int8" in problem and "gemv int8 int8" not in problem
@@ -102,7 +102,7 @@ def test_a_bad_quant_input_type_is_refused(monkeypatch):
         RuntimeOptions(quant_inputs="int4")
 
 
-@pytest.mark.parametrize("config", gemv._int4_configs()[::6], ids=str)
+@pytest.mark.parametrize("config", gemv_int4._int4_configs()[::6], ids=str)
 def test_int4_int8_input_candidates_round_bf16_valued_x_as_the_reference(config, monkeypatch):
     """Runs 37-39 (H200) found the kernel 1.2e-3 off a reference that rounded the float32 product
     with torch's 127.0 / t; the reference rounds the exact product as the kernel's FMA does, and
@@ -110,7 +110,7 @@ def test_int4_int8_input_candidates_round_bf16_valued_x_as_the_reference(config,
     n, k, g = 72, 1152, 128
     q, s, z, w = _int4_case(n, k, g, seed=7)
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
-    monkeypatch.setattr(gemv, "INT4_FIXED", _fixed(config))
+    monkeypatch.setattr(gemv_int4, "INT4_FIXED", _fixed(config))
     x = torch.randn(k, device=DEV, dtype=torch.bfloat16).float()
-    y8 = gemv.gemv_int4(x, q, s, z, g, inputs="int8")
+    y8 = gemv_int4.gemv_int4(x, q, s, z, g, inputs="int8")
     assert rel(y8.cpu(), (w @ _int8_per_32(x).to(DEV)).cpu()) < 1e-5

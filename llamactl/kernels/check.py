@@ -30,7 +30,7 @@ def self_check(device: torch.device, inputs: str = "float") -> str | None:
     """Run each kernel once against a float64 reference: None when all agree (relative error under
     2e-2, bf16 output), else what failed. inputs other than "float" (kernels.arith): the int4
     and int8 GEMVs with those inputs instead. One fixed block size each: no autotuning."""
-    from llamactl.kernels import attention, gemv
+    from llamactl.kernels import attention, gemv, gemv_int4
 
     def rel(y, ref):
         return float((y.double() - ref).norm() / ref.norm())
@@ -49,17 +49,17 @@ def self_check(device: torch.device, inputs: str = "float") -> str | None:
         z4 = torch.randint(0, 16, (48, 2), device=device, generator=gen).to(torch.uint8)
         w4 = (codes.double() - z4.double().repeat_interleave(128, 1)) * s4.double().repeat_interleave(128, 1)
         ref8 = (w8.double() @ x.double()) * s8.double()
-        q4 = gemv.pack_int4(codes)
+        q4 = gemv_int4.pack_int4(codes)
         if inputs != "float":
             checks[f"gemv int8 {inputs}"] = rel(gemv.run_gemv(x, w8, s8, inputs=inputs, **fixed), ref8)
-            checks[f"gemv int4 {inputs}"] = rel(gemv.run_gemv_int4(x, q4, s4, z4, 128, inputs=inputs, **fixed),
+            checks[f"gemv int4 {inputs}"] = rel(gemv_int4.run_gemv_int4(x, q4, s4, z4, 128, inputs=inputs, **fixed),
                                                 w4 @ x.double())
             return _failed(checks)
         checks["gemv"] = rel(gemv.run_gemv(x, w, **fixed), w.double() @ x.double())
         h = w.double() @ x.double()  # w as a fused [gate; up]: SwiGLU in the epilogue
         checks["gemv swiglu"] = rel(gemv.run_gemv(x, w, glu_out=True, **fixed), F.silu(h[:24]) * h[24:])
         checks["gemv int8"] = rel(gemv.run_gemv(x, w8, s8, **fixed), ref8)
-        checks["gemv int4"] = rel(gemv.run_gemv_int4(x, q4, s4, z4, 128, **fixed), w4 @ x.double())
+        checks["gemv int4"] = rel(gemv_int4.run_gemv_int4(x, q4, s4, z4, 128, **fixed), w4 @ x.double())
         adt = torch.float16 if interpreted() else bf16  # the CPU interpreter mishandles bf16 tl.dot
         q = torch.randn(1, 2, 4, 64, device=device, generator=gen).to(adt)
         k, v = (torch.randn(1, 2, 300, 64, device=device, generator=gen).to(adt) for _ in range(2))

@@ -47,7 +47,7 @@ def _whole_groups(k: int, group_size: int) -> None:
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype, high: torch.Tensor | None = None, high_bits: int = 0) -> torch.Tensor:
     """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it); high,
-    high_bits: the high plane of 5- or 6-bit codes (kernels.gemv.gemv_int4)."""
+    high_bits: the high plane of 5- or 6-bit codes (kernels.gemv_int4.gemv_int4)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)

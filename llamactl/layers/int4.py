@@ -211,7 +211,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         """codes: [out, groups * group_size] in group order (whole_groups), zeros/scales: [groups, out],
         perm: [in] or None, in_features: the real width (less than codes' when the last group is short)."""
         super().__init__()
-        from llamactl.kernels.gemv import pack_int4
+        from llamactl.kernels.int4_layout import pack_int4
 
         self._set(pack_int4(codes.to(device)), scales.t().to(device=device, dtype=torch.float16),
                   zeros.t().to(device=device, dtype=torch.uint8), None if perm is None else perm.to(device), group_size,
@@ -251,7 +251,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
-        from llamactl.kernels.gemv import dequantize_int4, gemv_int4
+        from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
         from llamactl.kernels.multirow import int4_rows, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():

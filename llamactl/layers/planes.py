@@ -117,7 +117,7 @@ class Int4PlanesLinear(TritonInt4Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
-        from llamactl.kernels.gemv import dequantize_int4, gemv_int4
+        from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
         from llamactl.kernels.multirow import MAX_ROWS, multirow_int4
 
         inputs, high = "float" if self.inputs == "fp16" else self.inputs, SPLITS[self.bits][1]
