@@ -150,7 +150,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from serve' -l port -r -d 'TCP p
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l max-batch -r -d 'Requests decoded together (slots of the KV cache).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l max-queue -r -d 'Requests waiting for a slot; more are answered 429 at once.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l max-seq -r -d 'Tokens a slot holds (prompt + output) (default: the models context, at most 4096).'
-complete -c llamactl -n '__fish_seen_subcommand_from serve' -l prefill-chunk -r -d 'Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step).'
+complete -c llamactl -n '__fish_seen_subcommand_from serve' -l prefill-chunk -r -d 'Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l api-key -r -d 'Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l served-model-name -r -d 'The name clients pass as `model` (default: the folders name).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l drain-timeout -r -d 'Seconds SIGTERM waits for the streams in flight to end.'
