@@ -15,12 +15,12 @@ from test_kernels import DEV, rel  # noqa: E402
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4-g64", "int4-g128"])
 def test_multirow_products_match_float64(kind, m, k):
     """A decode batch's product (kernels.multirow), every weight read once for the rows: 16-bit,
-    int8 per channel, int4 in kernels.gemv's layout with groups of 64 and 128; rows past 16 take a
+    int8 per channel, int4 in kernels.gemv_int4's layout with groups of 64 and 128; rows past 16 take a
     larger tile (17: 32 rows, masked); 576 columns (a 135M model's width) end in a partial block.
     Groups of 128 take the split-K kernel (two splits under the interpreter), up to 16 rows by
     nibble planes and past 16 with the nibbles unpacked."""
     from llamactl.kernels import multirow
-    from llamactl.kernels.gemv import dequantize_int4, pack_int4
+    from llamactl.kernels.int4_layout import dequantize_int4, pack_int4
 
     torch.manual_seed(m)
     n = 80
