@@ -161,6 +161,11 @@ class Decoder:
         return self.rows.sample(logits, drawn_at)
 
     @property
+    def aot_cached(self) -> bool | None:
+        """Mode aot: whether the step's library was loaded from the cache (None before the first step)."""
+        return self._step.cached if self.mode == "aot" else None
+
+    @property
     def kernels(self) -> dict[str, str]:
         """What runs, for people: {"gemv": plan.label, "decode_attention": ...}."""
         return {"gemv": self.plan.label, "decode_attention": self.plan.attention_label}

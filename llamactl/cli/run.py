@@ -26,7 +26,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
-    aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built in this process (tens of seconds for a small model, minutes for a large one).")] = False,
+    aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
     trust_cache: TrustCacheOpt = False,
     quant_inputs: QuantInputsOpt = None,
     kernels: KernelsOpt = None,
@@ -97,7 +97,7 @@ def generate(
                       "compile_cache": None if not compile_ else ("loaded" if entry else "compiled now"),
                       "tensor_parallel": m.tp.describe() if world else None})
         return
-    compiled = f"aot build {result.compile_s:.1f} s | " if aot else ""
+    compiled = f"aot {result.compile_s:.1f} s ({result.extra.get('aot_cache', 'built')}) | " if aot else ""
     if compile_:
         compiled = f"compile {result.compile_s:.1f} s ({'loaded compiled code' if entry else 'compiled now'}) | "
     ui.log(f"[dim]{result.prompt_tokens} prompt tokens, {len(result.token_ids)} generated ({result.stop_reason}) | "
