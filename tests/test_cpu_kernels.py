@@ -80,7 +80,7 @@ def test_a_bf16_prefill_gives_each_row_its_decode_result(k, n, bits, group, act_
     xr = torch.empty(x.shape, dtype=torch.float64)
     xr[:, perm] = round_like_kernel(x.float()[:, perm])
     ref = xr @ w.t()
-    if lcpu.prefill_product(fast.store_bits) == "llamactl":
+    if lcpu.prefill_product() == "llamactl":
         assert torch.equal(y, torch.cat([fast(x[i : i + 1]) for i in range(13)]))
         torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())  # y in bf16
         assert fast.product(13) == "low-bit llamactl cpu" + (" (4 rows a load)" if bits in (4, 8) else "")

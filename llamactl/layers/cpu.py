@@ -6,7 +6,7 @@ blocks of 32 inputs, a short last group too; act-order through a permutation of 
 4 bits are stored as nibbles, 5 and 6 bits as nibbles and one or two high bit planes, 7 and 8 bits
 as bytes, in tiles of 16 output rows interleaved by 4 inputs, and multiplied as they are with x rounded to int8 per block of 32 (the kernel's comment
 says how). Decode rows (up to kernels.cpu.MAX_ROWS) run the kernel; a bf16 prefill's rows run it
-too (4 rows a weight load) at 4 and 8 bits where prefill_product chooses it, else dequantize the
+too (4 rows a weight load at 4 and 8 bits) where prefill_product chooses it, else dequantize the
 layer for torch's matmul (oneDNN; in bf16, or exactly in float32 for float32 activations).
 
 CpuLinear: a bf16 nn.Linear whose decode rows run the AVX-512 BF16 product (x rounded to bf16, as
@@ -268,13 +268,13 @@ class CpuQuantLinear(nn.Module):
         """Whether llamactl's kernel multiplies these rows: a decode step's (up to kcpu.MAX_ROWS), and
         a bf16 prefill's where prefill_product says so; a float32 prefill stays exact (dequantized)."""
         rows = x2.shape[0]
-        return rows <= kcpu.MAX_ROWS or (x2.dtype == torch.bfloat16 and prefill_product(self.store_bits) == "llamactl")
+        return rows <= kcpu.MAX_ROWS or (x2.dtype == torch.bfloat16 and prefill_product() == "llamactl")
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows of bf16 (bench rows name it)."""
         if rows <= kcpu.MAX_ROWS:
             return "low-bit llamactl cpu"
-        if prefill_product(self.store_bits) == "onednn":
+        if prefill_product() == "onednn":
             return "low-bit dequantize + oneDNN"
         return "low-bit llamactl cpu" + (" (4 rows a load)" if self.store_bits in (4, 8) else "")
 
@@ -297,18 +297,18 @@ class CpuLinear(nn.Linear):
         return "bf16 llamactl cpu" if rows <= kcpu.MAX_ROWS else "bf16 oneDNN"
 
 
-@torch.no_grad()
 @functools.lru_cache(maxsize=None)
-def prefill_product(store_bits: int) -> str:
-    """What multiplies a bf16 prefill's rows with weights stored in store_bits: "llamactl" (the
-    kernel with AVX-512 VNNI, x rounded to int8 as in decode; 4 rows a weight load at 4 and 8 bits,
-    a row at a time at 5 and 6), or "onednn" (dequantize, then torch's bf16 matmul). On a 2-core
-    Sapphire Rapids without AMX, at 128 rows of the 17M and 135M models' layers, the kernel took
-    0.30-0.50x the time of dequantize + oneDNN at 4 and 8 bits and 0.55-0.75x at 5 and 6
-    (docs/bench/cpu.md); with AMX oneDNN's tiles are left the work (not measured here)."""
+def prefill_product() -> str:
+    """What multiplies a bf16 prefill's rows with low-bit weights: "llamactl" (the kernel with
+    AVX-512 VNNI, x rounded to int8 as in decode; 4 rows a weight load at 4 and 8 bits, a row at a
+    time at 5 and 6), or "onednn" (dequantize, then torch's bf16 matmul). On a 2-core Sapphire
+    Rapids without AMX, at 128 rows of the 17M and 135M models' layers, the kernel took 0.30-0.50x
+    the time of dequantize + oneDNN at 4 and 8 bits and 0.55-0.75x at 5 and 6 (docs/bench/cpu.md);
+    with AMX oneDNN's tiles are left the work (not measured here)."""
     return "llamactl" if quant_fast() and not kcpu.has_amx() else "onednn"
 
 
+@torch.no_grad()
 def use_cpu_kernels(model) -> int:
     """Swap every GPTQ-format layer of 2 to 8 bits the CPU kernel takes for CpuQuantLinear;
     returns how many (0 when the kernels did not load or have no vector path here)."""
