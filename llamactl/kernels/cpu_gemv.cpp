@@ -337,17 +337,6 @@ void tile_dot_rows(const uint8_t* w, const int8_t* xq, const float* dx, const fl
 }
 #endif
 
-// ROWS rows of x at a time where the vector path has tile_dot_rows (4 and 8 bits), else none
-template <int BITS>
-constexpr int64_t rows_at_once() {
-#ifdef LLAMACTL_VNNI
-  return BITS == 4 || BITS == 8 ? 4 : 1;
-#else
-  return 1;
-#endif
-}
-
-
 template <int BITS, typename S>
 void tile_dot_any(const uint8_t* w, const int8_t* xq, const float* dx, const float* xsum, const S* s,
                   const uint8_t* z, const int32_t* grp, int64_t k, float* out) {
@@ -417,27 +406,27 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sca
       const uint8_t* wt = wp + t * tile_bytes;
       const uint8_t* zt = zp + t * groups * TILE;
       const int64_t o = t * TILE, rows = std::min(TILE, n - o);
+      const auto put = [&](int64_t r, const float* v) {  // the tile's outputs of x's row r into y
+        if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, v, rows);
+        else store_row(y.data_ptr<float>() + r * n + o, v, rows);
+      };
       const auto tile_rows = [&](auto st) {
         dispatch_bits(bits, [&](auto tag) {
           constexpr int BITS = decltype(tag)::value;
           int64_t r = 0;
 #ifdef LLAMACTL_VNNI
-          if constexpr (rows_at_once<BITS>() == 4) {
+          if constexpr (BITS == 4 || BITS == 8) {  // 4 rows a weight load (tile_dot_rows)
             for (; r + 4 <= m; r += 4) {
               tile_dot_rows<BITS, 4>(wt, qr.xq.data() + r * k, qr.dx.data() + r * nb, qr.xsum.data() + r * nb, st,
                                      zt, grp, k, tmp);
-              for (int64_t i = 0; i < 4; ++i) {
-                if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + (r + i) * n + o, tmp + i * TILE, rows);
-                else store_row(y.data_ptr<float>() + (r + i) * n + o, tmp + i * TILE, rows);
-              }
+              for (int64_t i = 0; i < 4; ++i) put(r + i, tmp + i * TILE);
             }
           }
 #endif
           for (; r < m; ++r) {
             tile_dot_any<BITS>(wt, qr.xq.data() + r * k, qr.dx.data() + r * nb, qr.xsum.data() + r * nb, st, zt,
                                grp, k, tmp);
-            if (bf16_out) store_row(y.data_ptr<c10::BFloat16>() + r * n + o, tmp, rows);
-            else store_row(y.data_ptr<float>() + r * n + o, tmp, rows);
+            put(r, tmp);
           }
         });
       };
