@@ -95,49 +95,56 @@ class Launched:
         return self._host.tolist()
 
 
-class Staging:
-    """Host buffers for the decode step's positions and tokens. On a GPU they are pinned and copied
-    without a stream sync, in a ring of RING: a buffer is written again only after the copy that
-    last used it has run (its event), so the host may run a step ahead of the device."""
+class _Ring:
+    """RING host buffers of max_batch int64s, pinned on a GPU; one is handed out again only after
+    the copy that last used it has run (its event), so the host may run a step ahead."""
 
     RING = 2
 
-    def __init__(self, max_batch: int, device: torch.device):
-        self.device, self.gpu = device, device.type == "cuda"
-        self._pos = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.gpu) for _ in range(self.RING)]
-        self._tok = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.gpu) for _ in range(self.RING)]
-        self._done: list = [[None, None] for _ in range(self.RING)]  # per buffer: its copies' events
-        self._pos_i = self._tok_i = 0
+    def __init__(self, max_batch: int, gpu: bool):
+        self.gpu = gpu
+        self._bufs = [torch.zeros(max_batch, dtype=torch.long, pin_memory=gpu) for _ in range(self.RING)]
+        self._done: list["torch.cuda.Event | None"] = [None] * self.RING
+        self._i = 0
 
-    def positions(self, pos: list[int]) -> torch.Tensor:
-        """pos -> [len(pos)] on the device."""
-        i, self._pos_i = self._pos_i, (self._pos_i + 1) % self.RING
-        host = self._pos[i][: len(pos)]
-        self._wait(i, 0)
-        host.copy_(torch.tensor(pos, dtype=torch.long))
-        dev = host.to(self.device, non_blocking=True)
-        self._record(i, 0)
-        return dev
+    def take(self, n: int) -> tuple[int, torch.Tensor]:
+        """(its index, the next buffer's first n), once its last copy has run."""
+        i, self._i = self._i, (self._i + 1) % self.RING
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+        return i, self._bufs[i][:n]
 
-    def read_later(self, out: torch.Tensor, rows: list["Request"], launched: float) -> Launched:
-        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
-        i, self._tok_i = self._tok_i, (self._tok_i + 1) % self.RING
-        host = self._tok[i][: out.numel()]
-        self._wait(i, 1)
-        host.copy_(out, non_blocking=self.gpu)
-        return Launched(rows, host, self._record(i, 1), launched)
-
-    def _wait(self, i: int, which: int) -> None:
-        if self._done[i][which] is not None:
-            self._done[i][which].synchronize()
-
-    def _record(self, i: int, which: int):
+    def copied(self, i: int) -> "torch.cuda.Event | None":
+        """Mark buffer i's copy as queued now (on a GPU: its event, returned)."""
         if not self.gpu:
             return None
         ev = torch.cuda.Event()
         ev.record()
-        self._done[i][which] = ev
+        self._done[i] = ev
         return ev
+
+
+class Staging:
+    """Host buffers for the decode step's positions and tokens: on a GPU pinned and copied without
+    a stream sync, each in a _Ring."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device, self.gpu = device, device.type == "cuda"
+        self._pos, self._tok = _Ring(max_batch, self.gpu), _Ring(max_batch, self.gpu)
+
+    def positions(self, pos: list[int]) -> torch.Tensor:
+        """pos -> [len(pos)] on the device."""
+        i, host = self._pos.take(len(pos))
+        host.copy_(torch.tensor(pos, dtype=torch.long))
+        dev = host.to(self.device, non_blocking=True)
+        self._pos.copied(i)
+        return dev
+
+    def read_later(self, out: torch.Tensor, rows: list["Request"], launched: float) -> Launched:
+        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
+        i, host = self._tok.take(out.numel())
+        host.copy_(out, non_blocking=self.gpu)
+        return Launched(rows, host, self._tok.copied(i), launched)
 
 
 class QueueFull(Exception):
@@ -321,9 +328,9 @@ class Engine:
     def _iteration(self) -> bool:
         """Admit, drop the cancelled, one prefill budget, one decode step; False when stopped."""
         with self._cv:
-            while not self._stopping and not self._queue and not any(self._slots) and self._inflight is None:
+            while not self._stopping and self._idle():
                 self._cv.wait()
-            if self._stopping and not self._queue and not any(self._slots) and self._inflight is None:
+            if self._stopping and self._idle():
                 return False
             joined = self._admit()
         for r in joined:
@@ -338,6 +345,10 @@ class Engine:
         else:
             self._collect(step)
         return True
+
+    def _idle(self) -> bool:
+        """Nothing queued, in a slot or in flight (under self._cv)."""
+        return not self._queue and not any(self._slots) and self._inflight is None
 
     def _admit(self) -> list[Request]:
         # under self._cv: first come, first served, into the free slots
