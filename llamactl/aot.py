@@ -70,16 +70,18 @@ class AotStep:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamactl" / "aot"
+    from llamactl.kernels.cpu import cache_root
+
+    return cache_root("aot")
 
 
 def _key(program, state: dict[str, torch.Tensor]) -> str:
     """What the library depends on: the program's code and signature, its tensors' layouts (not
     their values: they are loaded by reference), torch, the CPU."""
-    from llamactl.kernels.cpu import _cpu_flags
+    from llamactl.kernels.cpu import cpu_flags
 
     h = hashlib.sha256()
-    for part in (program.graph_module.code, str(program.graph_signature), torch.__version__, _cpu_flags()):
+    for part in (program.graph_module.code, str(program.graph_signature), torch.__version__, cpu_flags()):
         h.update(part.encode())
     for name in sorted(state):
         t = state[name]

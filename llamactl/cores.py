@@ -41,6 +41,8 @@ def set_torch_threads() -> int:
     """torch's intra-op threads = usable(), unless OMP_NUM_THREADS is set; returns the count."""
     import torch
 
-    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() != usable():
-        torch.set_num_threads(usable())
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = usable()
+        if torch.get_num_threads() != cores:
+            torch.set_num_threads(cores)
     return torch.get_num_threads()

@@ -29,11 +29,13 @@ VNNI, BF16 = 1, 2  # features() bits: the vector paths the build has
 ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM = 16, 256  # what decode_attention takes (cpu_attention.cpp MAX_R, MAX_D)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamactl" / "cpu-kernels"
+def cache_root(part: str = "cpu-kernels") -> Path:
+    """llamactl's folder `part` in the user's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llamactl" / part
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's flags line (/proc/cpuinfo), what builds for this CPU depend on."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -62,7 +64,7 @@ def _library_path(cxx: str) -> Path:
     st = real.stat()  # the compiler named by its file (no process started per load)
     version = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), version.encode(), cpu_flags().encode(),
                  sys.version.encode()):
         h.update(part)
     return cache_root() / f"llamactl_cpu-{h.hexdigest()[:16]}.so"
@@ -98,7 +100,7 @@ def load() -> str | None:
 
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16 (oneDNN's bf16 matmul then runs on them)."""
-    return "amx_bf16" in _cpu_flags().split()
+    return "amx_bf16" in cpu_flags().split()
 
 
 def features() -> int:
