@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.device import pdl_launch
+from llamactl.kernels.device import index, pdl_launch
 from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 MAX_SPLITS = 64
@@ -208,12 +208,12 @@ def _fill(device: torch.device) -> int:
     """Programs that fill the GPU (FILL_PER_SM a streaming multiprocessor); 0 (no limit) elsewhere."""
     if device.type != "cuda":
         return 0
-    return FILL_PER_SM * _sms(device.index if device.index is not None else torch.cuda.current_device())
+    return FILL_PER_SM * _sms(index(device))
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sms(idx: int) -> int:
+    return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 def _check_head_dim(d: int) -> None:
