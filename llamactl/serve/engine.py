@@ -188,8 +188,15 @@ class Request:
 
 
 class Engine:
-    """The scheduler and step loop over one model. start() runs it on its own thread; submit()
-    from any thread; stop() ends it (requests still in it are cancelled)."""
+    """The scheduler and step loop over one model. run() runs the loop on the calling thread,
+    start() on a thread of its own; submit() from any thread; stop() ends it (requests still in
+    it are cancelled).
+
+    On a CPU the loop belongs on the thread that loaded the model: torch's CPU threads (an OpenMP
+    team) belong to the thread that first ran a parallel op, and a second thread's team beside
+    them made every op of a 17M-parameter model's step about 4x slower on 2 cores (the teams
+    outnumber the cores, so OpenMP stops spinning and sleeps between ops). `llamactl serve` runs
+    the loop on its main thread and the HTTP server on another."""
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
@@ -232,7 +239,7 @@ class Engine:
         self.times = EngineTimes()
         self.world = world
         self._followers_stopped = False
-        self._thread = threading.Thread(target=self._run, name="llamactl-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="llamactl-engine", daemon=True)
 
     # -- for callers (any thread) --------------------------------------------------------------
 
@@ -297,7 +304,9 @@ class Engine:
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The step loop on this thread, until stop() (from another thread) ends it; a failed
+        step ends it too, after every request in it got the error (the engine then takes none)."""
         try:
             with torch.inference_mode():
                 while self._iteration():

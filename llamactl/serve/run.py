@@ -118,7 +118,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             engine.follow()
             return "rank 0 stopped"
         name = serve.model_name or label
-        app = build_app(Service(engine.start(), tok, name, m.args.vocab_size, serve.api_key))
+        app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
         from llamactl.bench import kv_alloc_bytes
 
         cache = kv_alloc_bytes(m)
@@ -132,7 +132,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                 f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}"
                 + (", API key required" if serve.api_key else ""))
 
-        stopped_by = serve_app(app, sock, serve.drain_s, ready)
+        stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)
     finally:
         if sock is not None:
             sock.close()

@@ -1,6 +1,8 @@
-"""The server process: the app on uvicorn, on a socket bound here (a busy port is one clear line),
-stopped by SIGTERM or Ctrl-C: it stops accepting, lets the streams in flight end (at most
-`drain_s`), stops the engine and returns."""
+"""The server process: the app on uvicorn on a thread of its own, on a socket bound here (a busy
+port is one clear line), while the main thread runs the engine's step loop (on a CPU torch's
+threads are the main thread's: serve.engine.Engine). SIGTERM or Ctrl-C (caught on the main
+thread) stops accepting, lets the streams in flight end (at most `drain_s`), stops the engine
+and returns."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import errno
 import signal
 import socket
+import threading
 from typing import Callable
 
 from llamactl.errors import InputError
@@ -39,26 +42,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], None]) -> str | None:
-    """Run until SIGTERM or SIGINT; returns the signal's name (None if the server stopped by itself)."""
+def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], None],
+          main: Callable[[], None], stop_main: Callable[[], None]) -> str | None:
+    """Run the app until SIGTERM or SIGINT, and main() (the step loop) on this thread meanwhile;
+    once the server has stopped, stop_main() ends main(). Returns the signal's name (None if the
+    server stopped by itself). A main() that ends first (a failed engine) leaves the server
+    answering until a signal."""
     import uvicorn
 
     got: list[int] = []
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn's own re-raises the signal once stopped (killing us with it): note it instead
-            def on_signal(sig, frame):
-                got.append(sig)
-                self.handle_exit(sig, frame)
-
-            old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
+        def capture_signals(self):  # caught on the main thread (below), not on the server's
+            yield
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -68,5 +65,32 @@ def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], No
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(1, int(drain_s)), timeout_keep_alive=5)
-    Server(config).run(sockets=[sock])
+    server = Server(config)
+
+    def on_signal(sig, frame):  # uvicorn's own handler re-raises the signal once stopped: note it instead
+        got.append(sig)
+        server.handle_exit(sig, frame)
+
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # raised again on the main thread
+            failed.append(e)
+        finally:
+            stop_main()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="llamactl-http", daemon=True)
+    try:
+        thread.start()
+        main()
+        while thread.is_alive():  # a signal's handler runs between these waits
+            thread.join(0.5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if failed:
+        raise failed[0]
     return signal.Signals(got[0]).name if got else None
