@@ -166,7 +166,8 @@ def attention_reference(q, k, v, pos):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,h,r,d,s,pos", [(1, 3, 3, 64, 192, [150]), (3, 2, 4, 64, 600, [0, 300, 599]),
-                                           (2, 6, 1, 128, 64, [10, 63]), (1, 1, 8, 80, 1000, [999])])
+                                           (2, 6, 1, 128, 64, [10, 63]), (1, 1, 8, 80, 1000, [999]),
+                                           (1, 2, 2, 256, 300, [299])])
 def test_decode_attention_matches_float64(dtype, b, h, r, d, s, pos):
     """GQA groups of 1-8 query heads, each row at its own position (one for all rows with [1]),
     caches longer than one chunk of 256 (chunks combined), a head width of 80, a cache with more

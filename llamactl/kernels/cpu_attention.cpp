@@ -23,10 +23,12 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -123,49 +125,52 @@ inline __m512 exp_neg16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// chunk_attention for D % 16 == 0: a cache row loaded once as D / 16 vectors for the R queries;
-// the weighted sum of V keeps each query's 16 output columns in a register across the chunk
-template <typename T>
-void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r, int64_t d,
+// chunk_attention for D = 16 DV: one query head at a time with its D / 16 vectors of q, and of its
+// output, in registers (DV independent sums a cache row, not one chain the length of the chunk);
+// the chunk's K and V rows (at most 256 x D) stay in L1/L2 for the next query head of the group
+template <int DV, typename T>
+void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r,
                             float* m, float* l, float* acc) {
-  thread_local std::vector<float> sc;
-  sc.resize(MAX_R * (CHUNK + 16));
-  const int64_t n = t1 - t0, dv = d / 16, ld = CHUNK + 16;  // scores [R, n], rows padded to whole vectors
-  for (int64_t t = 0; t < n; ++t) {
-    const T* kt = k + (t0 + t) * d;
-    __m512 s[MAX_R];
-    for (int64_t j = 0; j < r; ++j) s[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dv; ++c) {
-      const __m512 kv = load16(kt + 16 * c);
-      for (int64_t j = 0; j < r; ++j) s[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c), kv, s[j]);
-    }
-    for (int64_t j = 0; j < r; ++j) sc[j * ld + t] = _mm512_reduce_add_ps(s[j]);
-  }
-  const int64_t whole = (n + 15) / 16;
-  for (int64_t j = 0; j < r; ++j) {  // probabilities less the chunk's max; the padding gets 0
-    float* sj = sc.data() + j * ld;
+  constexpr int64_t d = 16 * DV;
+  alignas(64) float sc[CHUNK + 16];  // one query head's scores, padded to whole vectors
+  const int64_t n = t1 - t0, whole = (n + 15) / 16;
+  const T* kc = k + t0 * d;
+  const T* vc = v + t0 * d;
+  for (int64_t j = 0; j < r; ++j) {
+    __m512 qv[DV];
+    for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + j * d + 16 * c);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 s = _mm512_mul_ps(qv[0], load16(kc + t * d));
+      for (int c = 1; c < DV; ++c) s = _mm512_fmadd_ps(qv[c], load16(kc + t * d + 16 * c), s);
+      sc[t] = _mm512_reduce_add_ps(s);
+      mx = std::max(mx, sc[t]);
+    }
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t b = 0; b < whole; ++b) {
+    for (int64_t b = 0; b < whole; ++b) {  // probabilities less the chunk's max; the padding gets 0
       const __mmask16 live = n - 16 * b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * b)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sj + 16 * b), vmx)));
-      _mm512_storeu_ps(sj + 16 * b, e);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(sc + 16 * b), vmx)));
+      _mm512_storeu_ps(sc + 16 * b, e);
       sum = _mm512_add_ps(sum, e);
     }
     m[j] = mx;
     l[j] = _mm512_reduce_add_ps(sum);
-  }
-  for (int64_t c = 0; c < dv; ++c) {  // acc[j, 16c..16c+15] = sum_t p[j, t] v[t, 16c..]
-    __m512 a[MAX_R];
-    for (int64_t j = 0; j < r; ++j) a[j] = _mm512_setzero_ps();
+    __m512 a[DV];  // acc[j] = sum_t p[t] v[t]
+    for (int c = 0; c < DV; ++c) a[c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      const __m512 vv = load16(v + (t0 + t) * d + 16 * c);
-      for (int64_t j = 0; j < r; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * ld + t]), vv, a[j]);
+      const __m512 p = _mm512_set1_ps(sc[t]);
+      for (int c = 0; c < DV; ++c) a[c] = _mm512_fmadd_ps(p, load16(vc + t * d + 16 * c), a[c]);
     }
-    for (int64_t j = 0; j < r; ++j) _mm512_storeu_ps(acc + j * d + 16 * c, a[j]);
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + j * d + 16 * c, a[c]);
   }
+}
+
+// chunk_attention_avx512 for DV = 1..MAX_D / 16, indexed by DV - 1
+template <typename T, int... I>
+const auto& avx512_kernels(std::integer_sequence<int, I...>) {
+  static const std::array table{chunk_attention_avx512<I + 1, T>...};
+  return table;
 }
 #endif
 
@@ -202,7 +207,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
       const int64_t cache = (row * h + head) * s * d;
 #if defined(__AVX512F__)
       if (d % 16 == 0) {
-        chunk_attention_avx512<T>(qf, kp + cache, vp + cache, t0, t1, r, d, w, w + r, w + 2 * r);
+        avx512_kernels<T>(std::make_integer_sequence<int, MAX_D / 16>())[d / 16 - 1](qf, kp + cache, vp + cache, t0,
+                                                                                    t1, r, w, w + r, w + 2 * r);
         continue;
       }
 #endif
