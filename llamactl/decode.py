@@ -204,7 +204,7 @@ class Decoder:
             raise ValueError(f"prefill_slots: {b} prompts of {s} for slots {slots}, lengths {valid}")
         at = torch.tensor(slots, device=self.device)
         n = torch.tensor(valid, device=self.device)
-        pos = torch.arange(s, device=self.device).expand(b, s)
+        pos = torch.arange(s, device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)
         logits = self.model(ids, pos, last_only=True, slot=at, kv_len=s, last_at=n - 1)[:, -1]  # [B, V]
         self.prefill_finite = torch.isfinite(logits).all()
         if self.rows is None:

@@ -96,15 +96,15 @@ class KVCache(nn.Module):
         """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
         row at the same positions) or [B, S] (each row at its own); slot: write and read only
         cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch), or rows
-        slot: [B] (several joining at once, input_pos [B, S]; their first kv_len positions are
-        returned, gathered)."""
+        slot: [B] (several whole prompts joining at once, at positions 0..S-1: k/v are all their
+        cache holds, and are returned as they are)."""
         # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D] (rows 0..B-1 where B is fewer)
         b = k.shape[0]
         if isinstance(slot, torch.Tensor):
-            rows = slot[:, None]  # [B, 1]
-            self.k[rows, :, input_pos] = k.transpose(1, 2)  # [B, S, H_kv, D] into each row's slot
-            self.v[rows, :, input_pos] = v.transpose(1, 2)
-            return self.k[slot, :, :kv_len], self.v[slot, :, :kv_len]  # [B, H_kv, kv_len, D]
+            s = k.shape[2]
+            self.k[:, :, :s].index_copy_(0, slot, k)  # positions 0..S-1 of each prompt's row
+            self.v[:, :, :s].index_copy_(0, slot, v)
+            return k, v  # [B, H_kv, S, D]: no gather of what was just written
         if slot is not None:
             ck, cv = self.k[slot : slot + 1], self.v[slot : slot + 1]
         else:
@@ -138,6 +138,7 @@ class Attention(nn.Module):
         self.decode_kernel = ""
         self.attn_min_chunk = 64
         self.pdl = False
+        self.rope_kernel = False  # a prefill's RoPE as one Triton kernel (kernels.glue) outside torch.compile
         self.tp_group = None  # tensor parallelism: o_proj's outputs are summed over this group (tp.py)
 
     def forward(self, x, cos, sin, mask, input_pos, residual, slot: int | None = None):
@@ -164,12 +165,17 @@ class Attention(nn.Module):
                                       sin[:, 0] if rows else sin[0], input_pos.view(-1), self.attn_min_chunk,
                                       self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual, self.tp_group)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = k.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
-            cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, D]
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, H_kv, D]
+        v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
+        if self.rope_kernel and not torch.compiler.is_compiling():
+            from llamactl.kernels.glue import rope
+
+            q, k = rope(q, cos, sin), rope(k, cos, sin)  # [B, H, S, D], [B, H_kv, S, D]
+        else:
+            if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
+                cos, sin = cos[:, None], sin[:, None]
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v, slot, mask.shape[-1])  # [B, H_kv, max_seq, D]
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
@@ -369,7 +375,7 @@ class LlamaModel(nn.Module):
         """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
         own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
         cache row `slot` alone (it joins while the other rows keep theirs), or slot: [B] the cache
-        rows of B sequences joining at once (input_pos [B, S]). kv_len: SDPA reads only
+        rows of B whole prompts joining at once (input_pos [B, S], each row 0..S-1). kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
         on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
         of position last_at of idx instead of its last (a prompt padded to a common length).

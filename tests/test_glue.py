@@ -41,3 +41,50 @@ def test_silu_mul_is_silu_gate_times_up(dtype, i):
     ulp = {torch.bfloat16: 2**-7, torch.float32: 2**-21}[dtype]
     assert got.shape == want.shape
     assert ((got.float() - want.float()).abs() <= 2 * ulp * want.float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype,d,rows", [(torch.bfloat16, 128, False), (torch.float16, 64, True),
+                                         (torch.float32, 80, False), (torch.bfloat16, 64, True)])
+def test_rope_is_apply_rope_bit_for_bit(dtype, d, rows):
+    """q as a view of a fused projection's output ([B, S, H, D] with the qkv row's stride), cos/sin
+    shared or one per row, head widths that are not a power of two: the bits of model.apply_rope."""
+    from llamactl.model import apply_rope
+
+    torch.manual_seed(d)
+    b, s, h = 2, 5, 3
+    qkv = (torch.randn(b, s, 3 * h * d, device=DEV) * 3).to(dtype)
+    q = qkv[..., : h * d].view(b, s, h, d)
+    ang = torch.rand(b if rows else 1, s, d, device=DEV) * 50
+    cos, sin = ang.cos(), ang.sin()
+    if not rows:
+        cos, sin = cos[0], sin[0]  # [S, D]
+    want = apply_rope(q.transpose(1, 2), cos[:, None] if rows else cos, sin[:, None] if rows else sin)
+    got = glue.rope(q, cos, sin)
+    assert got.shape == (b, h, s, d) and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined):
+    """A model's prefill with RoPE as the kernel (Attention.rope_kernel) against PyTorch's ops:
+    one prompt, and two prompts joining in their cache rows at once (Decoder.prefill_slots'
+    path: the cache written and not read back)."""
+    from llamactl.synthetic import build_synthetic
+
+    model = build_synthetic("tiny", torch.device(DEV), torch.float32)
+    model.setup_caches(4, 32)
+    ids = torch.randint(1, 8000, (2 if joined else 1, 12), device=DEV)
+    pos = torch.arange(12, device=DEV)
+    slot = torch.tensor([3, 1], device=DEV) if joined else None
+    outs, caches = [], []
+    for on in (False, True):
+        for layer in model.model.layers:
+            layer.self_attn.rope_kernel = on
+        with torch.no_grad():
+            outs.append(model(ids, pos, slot=slot, kv_len=12))
+        caches.append(model.model.layers[1].self_attn.kv_cache.k.clone())
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0], caches[1])
+    if joined:  # each prompt's keys in its own cache row
+        assert caches[1][3, :, :12].abs().sum() > 0 and caches[1][1, :, :12].abs().sum() > 0
+        assert caches[1][0].abs().sum() == 0 and caches[1][2].abs().sum() == 0

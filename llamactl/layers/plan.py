@@ -151,6 +151,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     for layer in model.model.layers:
         at = layer.self_attn
         at.decode_kernel, at.attn_min_chunk, at.pdl = attn, options.attn_min_chunk, pdl
+        at.rope_kernel = on
     if not on:
         return Plan(gemv="cublas" if device.type == "cuda" else "llamactl cpu" if cpu else "torch",
                     attention="llamactl cpu" if attn == "cpu" else "sdpa", warnings=tuple(warnings))

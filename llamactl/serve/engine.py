@@ -216,10 +216,12 @@ class Engine:
         self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
         self.max_seq = self.decoder.max_seq
         self.mode = mode
-        # prompt chunks padded to a multiple of this: on a GPU each new shape costs cuDNN/cuBLAS a
-        # plan (hundreds of ms at first); on the CPU nothing is gained, and the float32 sums stay
+        # prompt chunks padded to a multiple of this on a GPU, so that fewer shapes meet the
+        # libraries for the first time (each costs cuBLAS a plan; cuDNN's attention, hundreds of
+        # ms, is not used): 16 rather than 64, as a burst pads every prompt to its longest (prompts
+        # of about 142 tokens became 192). On the CPU nothing is gained, and the float32 sums stay
         # those of an unpadded prefill (token for token equal to `generate`)
-        self.pad_to = 64 if self.device.type == "cuda" else 1
+        self.pad_to = 16 if self.device.type == "cuda" else 1
         # prompts that join together are prefilled in one forward (on the CPU one at a time, so the
         # float32 sums, and so the tokens, are those of `generate`)
         self.batch_prefill = self.device.type == "cuda"
@@ -300,6 +302,12 @@ class Engine:
             for b in self.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
         if self.device.type == "cuda":
+            # a prefill of each kind too, into free rows: the libraries' first calls (cuBLAS's
+            # handles and plans, Triton's compiles) cost the first request 60 ms or more otherwise
+            s = min(64, self.max_seq)
+            self.decoder.prefill(torch.zeros(1, s, dtype=torch.long, device=self.device), slot=0, valid=s)
+            if self.batch_prefill and self.max_batch > 1:
+                self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long, device=self.device), [0, 1], [s, s])
             torch.cuda.synchronize(self.device)
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
