@@ -65,13 +65,15 @@ def test_rope_is_apply_rope_bit_for_bit(dtype, d, rows):
 
 
 @pytest.mark.parametrize("joined", [False, True])
-def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined):
-    """A model's prefill with RoPE as the kernel (Attention.rope_kernel) against PyTorch's ops:
-    one prompt, and two prompts joining in their cache rows at once (Decoder.prefill_slots'
-    path: the cache written and not read back)."""
+def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined, monkeypatch):
+    """A bf16 model's prefill with RoPE as the kernel (Attention.rope_kernel, here from the first
+    token) against PyTorch's ops: one prompt, and two prompts joining in their cache rows at once
+    (Decoder.prefill_slots' path: the cache written and not read back)."""
+    from llamactl import model as model_mod
     from llamactl.synthetic import build_synthetic
 
-    model = build_synthetic("tiny", torch.device(DEV), torch.float32)
+    monkeypatch.setattr(model_mod, "ROPE_KERNEL_TOKENS", 1)
+    model = build_synthetic("tiny", torch.device(DEV), torch.bfloat16)
     model.setup_caches(4, 32)
     ids = torch.randint(1, 8000, (2 if joined else 1, 12), device=DEV)
     pos = torch.arange(12, device=DEV)
