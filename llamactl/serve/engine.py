@@ -216,15 +216,18 @@ class Engine:
         self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
         self.max_seq = self.decoder.max_seq
         self.mode = mode
-        # prompt chunks padded to a multiple of this on a GPU, so that fewer shapes meet the
-        # libraries for the first time (each costs cuBLAS a plan; cuDNN's attention, hundreds of
-        # ms, is not used): 16 rather than 64, as a burst pads every prompt to its longest (prompts
-        # of about 142 tokens became 192). On the CPU nothing is gained, and the float32 sums stay
-        # those of an unpadded prefill (token for token equal to `generate`)
-        self.pad_to = 16 if self.device.type == "cuda" else 1
+        # A prompt chunk is padded to a multiple of pad_to on a GPU, so that few shapes meet the
+        # libraries for the first time (a new row count cost cuBLAS 30 ms or more on an H200, the
+        # first prefill of all 270 ms; cuDNN's attention, hundreds of ms, is not used): each such
+        # length is prefilled once in warm_up. A burst's prompts are padded to their longest,
+        # rounded to burst_pad_to only (its row count is new anyway, and 142-token prompts padded
+        # to 192 cost a third more). On the CPU nothing is gained, and the float32 sums stay those
+        # of an unpadded prefill (token for token equal to `generate`).
+        gpu = self.device.type == "cuda"
+        self.pad_to, self.burst_pad_to = (64, 16) if gpu else (1, 1)
         # prompts that join together are prefilled in one forward (on the CPU one at a time, so the
         # float32 sums, and so the tokens, are those of `generate`)
-        self.batch_prefill = self.device.type == "cuda"
+        self.batch_prefill = gpu
         # the decode step runs on slots 0..b-1 for the smallest bucket b holding every decoding row
         # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -302,11 +305,13 @@ class Engine:
             for b in self.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
         if self.device.type == "cuda":
-            # a prefill of each kind too, into free rows: the libraries' first calls (cuBLAS's
-            # handles and plans, Triton's compiles) cost the first request 60 ms or more otherwise
-            s = min(64, self.max_seq)
-            self.decoder.prefill(torch.zeros(1, s, dtype=torch.long, device=self.device), slot=0, valid=s)
+            # prefills into free rows too: each padded length of one prompt chunk, and two prompts
+            # together, so that the libraries' first calls with a shape (cuBLAS's plans, Triton's
+            # compiles) land here and not in a request's time to its first token
+            for s in range(self.pad_to, min(self.prefill_chunk, self.max_seq) + 1, self.pad_to):
+                self.decoder.prefill(torch.zeros(1, s, dtype=torch.long, device=self.device), slot=0, valid=s)
             if self.batch_prefill and self.max_batch > 1:
+                s = min(self.pad_to, self.max_seq)
                 self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long, device=self.device), [0, 1], [s, s])
             torch.cuda.synchronize(self.device)
 
@@ -475,7 +480,7 @@ class Engine:
         if len(group) < 2:
             return budget
         t0 = time.perf_counter()
-        s = min(-(-max(len(r.prompt) for r in group) // self.pad_to) * self.pad_to, self.max_seq)
+        s = min(-(-max(len(r.prompt) for r in group) // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
         ids = [r.prompt + [0] * (s - len(r.prompt)) for r in group]  # [k, s]
         toks = self._do(("prefill_slots", ids, [r.slot for r in group], [len(r.prompt) for r in group]))  # [k]
         first = toks.tolist()  # the host read
