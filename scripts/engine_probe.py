@@ -6,7 +6,8 @@
   its first token from its submit, and the engine's prefill forwards;
 - prefill: the kernels of one forward of 32 prompts of 128 tokens (prefill_slots), by name.
 
-Usage: python scripts/engine_probe.py OUT.json [--max-seq 640] [--spacing 0,1]
+Usage: python scripts/engine_probe.py OUT.json [--max-seq 640] [--spacing 0,1] [--parts steps,burst,prefill]
+       [--rope-tokens N,...]   (prefill: once per value of model.ROPE_KERNEL_TOKENS, same process)
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=640)
     ap.add_argument("--spacing", default="0,1")
     ap.add_argument("--parts", default="steps,burst,prefill")
+    ap.add_argument("--rope-tokens", default="", help="model.ROPE_KERNEL_TOKENS values to run the prefill part at")
     a = ap.parse_args()
     model = load_targets([], "llama2-7b", torch.device("cuda"), "bfloat16")[0].model
     parts = a.parts.split(",")
@@ -127,12 +129,17 @@ def main() -> None:
     for spacing in (float(x) for x in a.spacing.split(",")) if "burst" in parts else ():
         out["bursts"].append(burst(model, 32, spacing, a.max_seq))
         print({k: v for k, v in out["bursts"][-1].items() if k != "ttft_ms"}, flush=True)
-    for rows in (1, 8, 32) if "prefill" in parts else ():
-        out["prefill"].append(prefill_kernels(model, rows, a.max_seq))
-        p = out["prefill"][-1]
-        print(f"prefill {rows} x 128: {p['wall_ms']} ms wall (first {p['first_ms']}), kernels {p['kernels_ms']} ms, {p['tflops']} TFLOP/s", flush=True)
-        for k in p["kernels"][:12]:
-            print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['kernel']}", flush=True)
+    from llamactl import model as model_mod
+
+    for rope_tokens in [int(x) for x in a.rope_tokens.split(",") if x] or [model_mod.ROPE_KERNEL_TOKENS]:
+        model_mod.ROPE_KERNEL_TOKENS = rope_tokens
+        for rows in (1, 8, 32) if "prefill" in parts else ():
+            p = {"rope_kernel_tokens": rope_tokens, **prefill_kernels(model, rows, a.max_seq)}
+            out["prefill"].append(p)
+            print(f"prefill {rows} x 128 (rope kernel from {rope_tokens}): {p['wall_ms']} ms wall (first "
+                  f"{p['first_ms']}), kernels {p['kernels_ms']} ms, {p['tflops']} TFLOP/s", flush=True)
+            for k in p["kernels"][:12]:
+                print(f"  {k['us']:9.1f} us {k['calls']:4d}x  {k['kernel']}", flush=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 
