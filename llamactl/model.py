@@ -23,8 +23,10 @@ from llamactl.config import LlamaArgs
 # in the time to first token of every prompt length a server or `generate` has not seen.
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Tokens a forward from which RoPE runs as one Triton kernel (kernels.glue.rope) where
-# Attention.rope_kernel: below it a prefill is bound by its launches' host time, and two Triton
-# launches cost more than the fourteen PyTorch ops they replace (docs/bench/README.md)
+# Attention.rope_kernel: a 32 x 128-token prefill of llama2-7b took 93 ms with it, 111 without;
+# below this a prefill is bound by its launches' host time, where the kernel's device time does not
+# show and its two Triton launches may cost more than PyTorch's fourteen ops (not yet measured in
+# one call: docs/bench/README.md)
 ROPE_KERNEL_TOKENS = 2048
 
 
@@ -172,7 +174,8 @@ class Attention(nn.Module):
         q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, H_kv, D]
         v = v.view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, S, D]
-        if self.rope_kernel and b * s >= ROPE_KERNEL_TOKENS and not torch.compiler.is_compiling():
+        if (self.rope_kernel and b * s >= ROPE_KERNEL_TOKENS and q.dtype != torch.float32
+                and not torch.compiler.is_compiling()):
             from llamactl.kernels.glue import rope
 
             q, k = rope(q, cos, sin), rope(k, cos, sin)  # [B, H, S, D], [B, H_kv, S, D]

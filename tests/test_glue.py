@@ -44,7 +44,7 @@ def test_silu_mul_is_silu_gate_times_up(dtype, i):
 
 
 @pytest.mark.parametrize("dtype,d,rows", [(torch.bfloat16, 128, False), (torch.float16, 64, True),
-                                         (torch.float32, 80, False), (torch.bfloat16, 64, True)])
+                                         (torch.float16, 80, False), (torch.bfloat16, 64, True)])
 def test_rope_is_apply_rope_bit_for_bit(dtype, d, rows):
     """q as a view of a fused projection's output ([B, S, H, D] with the qkv row's stride), cos/sin
     shared or one per row, head widths that are not a power of two: the bits of model.apply_rope."""

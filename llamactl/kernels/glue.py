@@ -10,10 +10,8 @@ again (as HF's LlamaRMSNorm); silu(gate) rounded before the product with up (as 
 RoPE: a prefill (or a multi-token step) rotated q and k with about fourteen kernels a layer (the
 casts of cos and sin, rotate_half's negation and concatenation, two products and a sum, each for q
 and for k); here one kernel each, with the same roundings (cos and sin rounded to x's dtype, each
-product and the sum rounded; float32 stays on PyTorch's ops), writing [B, H, S, D] for attention.
-It pays where the prefill's device time exceeds its launches' host time: a 32 x 128-token
-prefill of llama2-7b took 93 ms instead of 111, while a 128-token one, bound by launches, took
-1-2 ms more (model.ROPE_KERNEL_TOKENS).
+product and the sum rounded; 16-bit only), writing [B, H, S, D] for attention.
+Used from model.ROPE_KERNEL_TOKENS tokens a forward, where the device's time is what counts.
 torch.compile traces the PyTorch ops instead (Inductor fuses them itself), see model.RMSNorm.
 """
 
@@ -86,14 +84,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, sxb, sxs, sxh, scb, D: tl
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, S, H, D] (the last dimension contiguous; a view of a fused projection's output is
-    fine), cos/sin: [S, D] or [B, S, D] float32 -> model.apply_rope(x.transpose(1, 2), cos, sin):
-    [B, H, S, D] contiguous, the same bits."""
+    fine), 16-bit, cos/sin: [S, D] or [B, S, D] float32 -> model.apply_rope(x.transpose(1, 2), cos,
+    sin): [B, H, S, D] contiguous, the same bits."""
     b, s, h, d = x.shape
-    if x.dtype == torch.float32:  # PyTorch's ops: the kernel could fuse a product into the sum (an FMA)
-        from llamactl.model import apply_rope
-
-        return apply_rope(x.transpose(1, 2), cos[:, None] if cos.dim() == 3 else cos,
-                          sin[:, None] if sin.dim() == 3 else sin).contiguous()
+    if x.dtype not in (torch.bfloat16, torch.float16):  # float32: the compiler may fuse a product into the sum
+        raise ValueError(f"rope: bfloat16 or float16, not {x.dtype} (float32 takes model.apply_rope)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()

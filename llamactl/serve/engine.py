@@ -218,7 +218,7 @@ class Engine:
         self.mode = mode
         # A prompt chunk is padded to a multiple of pad_to on a GPU, so that few shapes meet the
         # libraries for the first time (a new row count cost cuBLAS 30 ms or more on an H200, the
-        # first prefill of all 270 ms; cuDNN's attention, hundreds of ms, is not used): each such
+        # first prefill of all 290 ms; cuDNN's attention, hundreds of ms, is not used): each such
         # length is prefilled once in warm_up. A burst's prompts are padded to their longest,
         # rounded to burst_pad_to only (its row count is new anyway, and 142-token prompts padded
         # to 192 cost a third more). On the CPU nothing is gained, and the float32 sums stay those
