@@ -447,8 +447,10 @@ void bf16_rows_dot(const c10::BFloat16* w, const c10::BFloat16* x, int64_t k, fl
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (; i + 32 <= k; i += 32) {
     const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i));
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + PREFETCH, _MM_HINT_T0);
       acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * k + i)), xv);
+    }
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 #endif
