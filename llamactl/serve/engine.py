@@ -195,7 +195,8 @@ class Engine:
     On a CPU the loop belongs on the thread that loaded the model: torch's CPU threads (an OpenMP
     team) belong to the thread that first ran a parallel op, and a second thread's team beside
     them made every op of a 17M-parameter model's step about 4x slower on 2 cores (the teams
-    outnumber the cores, so OpenMP stops spinning and sleeps between ops). `llamactl serve` runs
+    outnumber the cores, and libgomp then seems to sleep between parallel regions instead of
+    spinning: a second thread whose team was the only one was not slowed). `llamactl serve` runs
     the loop on its main thread and the HTTP server on another."""
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
