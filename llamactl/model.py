@@ -98,7 +98,7 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slot: "int | torch.Tensor | None" = None, kv_len: int | None = None):
+               slot: "int | torch.Tensor | None" = None):
         """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
         row at the same positions) or [B, S] (each row at its own); slot: write and read only
         cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch), or rows
@@ -183,7 +183,7 @@ class Attention(nn.Module):
             if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
                 cos, sin = cos[:, None], sin[:, None]
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v, slot, mask.shape[-1])  # [B, H_kv, max_seq, D]
+        k, v = self.kv_cache.update(input_pos, k, v, slot)  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 

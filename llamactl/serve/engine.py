@@ -233,7 +233,7 @@ class Engine:
         # (one CUDA graph each): a lone request steps at batch 1, not at max_batch
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.overlap = gpu if overlap is None else overlap
         self._staging = Staging(max_batch, self.device)
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._last_read = 0.0
