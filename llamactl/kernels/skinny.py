@@ -1,0 +1,216 @@
+"""Skinny products Y = X W^T for a decode batch (2-64 rows) with the weights as the MMA's first
+operand: y^T [BN, BM] += w [BN, BK] x^T [BK, BM].
+
+kernels.multirow puts the rows first (x w^T): the batch is the MMA's M, padded to 16 rows, and on
+the H200 the weights, the large operand, become the second operand, which the tensor cores read
+from shared memory (for int4: dequantized in registers, stored there, loaded back). Swapped, the
+weights' BN rows fill the M of the H200's warp-group MMA (64 or 128), which takes its first
+operand from registers (int4) or straight from the shared memory the loads filled (16-bit), and
+the rows are the small N (16 or 32). That is how tinygemm and Marlin arrange it.
+
+int4 codes are turned into fp16 with the magic-number trick (Marlin's): a nibble OR-ed into the
+mantissa of 1024.0 (0x6400) is 1024 + code, two nibbles a 32-bit operation, with no integer to
+float conversion (a quarter-rate instruction on the H200). w = ((1024 + code) - (1024 + zero)) *
+scale in fp16: the difference is exact and the product rounds once, so w is (code - zero) * scale
+rounded to fp16 (the multirow kernels round it to bf16, 3 bits less). x goes to fp16 for the dot
+(exact for bf16 values in fp16's normal range; clamped to +-65504).
+
+Several programs (SPLIT) share a column block's K range where a layer has too few blocks to fill
+the GPU. Each stores its float32 share in a workspace and counts itself in; the last to arrive
+adds the shares in a fixed order and writes y, so sums do not depend on timing (the multirow
+split-K kernel's float32 atomics do) and no zeroing or conversion kernel runs around the product.
+The counters are one int32 tensor a device, left at zero by every launch.
+
+Epilogue: y rounded to x's dtype, then (RES) a residual added and rounded again (PyTorch's
+residual + linear(x)). GLU: x is a fused [gate; up] output [M, 2K], and silu(gate) * up (PyTorch's
+roundings, as kernels.glue) is what multiplies the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llamactl.kernels.device import interpreted
+
+MAX_ROWS = 64
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device, blocks: int) -> torch.Tensor:
+    """The device's counters (zero between launches). The first call for a device must not be
+    under CUDA graph capture (nor is Triton's autotuning)."""
+    c = _counters.get(device)
+    if c is None or c.numel() < blocks:
+        c = _counters[device] = torch.zeros(max(blocks, 8192), dtype=torch.int32, device=device)
+    return c
+
+
+@triton.jit
+def _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr):
+    # x^T's tile [BK, BM]: x [M, K] (GLU: h [M, 2K], silu(gate) * up with PyTorch's roundings)
+    if GLU:
+        g = tl.load(x_ptr + rm.to(tl.int64)[None, :] * (2 * K) + kk[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        u = tl.load(x_ptr + rm.to(tl.int64)[None, :] * (2 * K) + K + kk[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        gf = g.to(tl.float32)
+        silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    return tl.load(x_ptr + rm.to(tl.int64)[None, :] * K + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k,
+            SPLIT: tl.constexpr, RES: tl.constexpr):
+    # acc: [BN, BM] float32, this program's share of y^T's block; y, r: [M, N] in y's dtype;
+    # part: [SPLIT, M, N] float32 workspace; cnt: [>= N / BN] int32, zero
+    offs = rm.to(tl.int64)[None, :] * N + rn[:, None]  # [BN, BM]
+    ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        y = acc.to(y_ptr.dtype.element_ty)
+        if RES:
+            y = (y.to(tl.float32) + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, y, mask=ok)
+    else:
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=ok)
+        tl.debug_barrier()  # every thread's share stored before the count
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # the last of the block's programs: add the shares in order
+            total = tl.zeros_like(acc)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+            y = total.to(y_ptr.dtype.element_ty)
+            if RES:
+                y = (y.to(tl.float32) + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(
+                    y_ptr.dtype.element_ty)
+            tl.store(y_ptr + offs, y, mask=ok)
+
+
+@triton.jit
+def _w16_kernel(x_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
+                F32: tl.constexpr = False):
+    # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] 16-bit -> y: [M, N]; program (n block, k share)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    blocks = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(blocks, SPLIT)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
+    for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
+        kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        xt = _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU).to(w.dtype)  # [BK, BM]
+        if F32:  # Triton's CPU interpreter gets 16-bit dots wrong
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)  # [BN, BM]
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
+
+
+@triton.jit
+def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
+               SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
+               GLU: tl.constexpr, F32: tl.constexpr = False):
+    # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 8] int32 (nibble j of word i: column 8 i + j),
+    # s: [N, K // G] fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k
+    # share) of K's 128-column blocks (a block lies in one group). Nibbles j and j + 4 of a word come
+    # out of one 32-bit operation: planes of 16 columns (8 i + j, 8 i + j + 4), one K=16 dot each
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok, n_ok = rm < M, rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    blocks = K // 128
+    per = tl.cdiv(blocks, SPLIT)
+    for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
+        words = b * 16 + tl.arange(0, 16)  # [16]
+        p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16] int32
+        g = b * 128 // G
+        s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0)  # [BN] fp16
+        z = (tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32) + 1024.0).to(
+            tl.float16)  # [BN]: 1024 + zero, exact
+        for j in tl.static_range(4):
+            q = ((p >> (4 * j)) & 0x000F000F) | 0x64006400  # [BN, 16]: two fp16 1024 + code
+            for half in tl.static_range(2):  # nibble j, then j + 4
+                v = ((q >> (16 * half)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # [BN, 16]
+                w = (v - z[:, None]) * s[:, None]  # [BN, 16] fp16: (code - zero) * scale, one rounding
+                kk = words * 8 + j + 4 * half  # [16]
+                xt = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU).to(tl.float32)  # [16, BM]
+                xt = tl.minimum(tl.maximum(xt, -65504.0), 65504.0).to(tl.float16)
+                if F32:
+                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt, acc)  # [BN, BM]
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
+
+
+def _configs16():
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
+                                  (128, 256, 8, 3), (64, 64, 4, 6))
+            for sp in (1, 2, 4, 8)]
+
+
+def _configs4():
+    return [triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
+            for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
+            for sp in (1, 2, 4, 8)]
+
+
+_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
+                             cache_results=True)(_w16_kernel)
+_w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
+                            cache_results=True)(_w4_kernel)
+
+
+def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
+    width = 2 * k if glu else k
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"x must be [M, {width}], not {tuple(x.shape)}")
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"skinny products take 1 to {MAX_ROWS} rows, not {x.shape[0]}")
+    return x.contiguous()
+
+
+def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(8, m, n, dtype=torch.float32, device=x.device)
+    cnt = _counter(x.device, triton.cdiv(n, 32))
+    r = y if residual is None else residual.contiguous()
+    block_m = max(16, triton.next_power_of_2(m))
+    args = (x, *w_args, r, part, cnt, y, m, n, k)
+    flags = dict(BLOCK_M=block_m, RES=residual is not None, GLU=glu, **extra)
+    if interpreted():  # two shares of K: the workspace and the counters are exercised
+        kernel[(triton.cdiv(n, 32), 2)](*args, SPLIT=2, BLOCK_N=32, F32=True, **flags,
+                                        **({} if "G" in extra else {"BLOCK_K": 32}))
+    else:
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags)
+    return y
+
+
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, residual:
+    [M, N] or None -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+    n, k = w.shape
+    return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w,), n, k, residual, glu, {})
+
+
+def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """x: [M, K] 16-bit (glu: [M, 2K]), the 4-bit layout of kernels.gemv with groups of a multiple of
+    128 columns (qweight [N, K // 8] int32, scales [N, K // G] fp16, zeros [N, K // G] uint8) ->
+    x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if group_size % 128 or k % group_size:
+        raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
+    return _launch(_w4_kernel, _w4_tuned, _rows(x, k, glu), (qweight, scales, zeros), n, k, residual, glu,
+                   {"G": group_size})

@@ -1,0 +1,105 @@
+"""The swapped-operand products (kernels.skinny) against cuBLAS and what a decode batch runs
+today, per llama2-7b layer shape and rows (GPU).
+
+Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o]. For each shape (N,
+K) and rows M, device us a call (calls in a CUDA graph, multirow_probe.timed) and GB/s of weight
+bytes: cublas_bf16, skinny_mm (16-bit), skinny_mm_res (with the residual added; o and down),
+multirow_int4 (the split-K kernel), skinny_int4, tinygemm (torch's int4). Errors against float64
+once a shape, and whether 50 replays of a graph of the split kernels give the same bits.
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from multirow_probe import timed  # scripts/ is this script's import path
+
+from llamactl.kernels import skinny
+from llamactl.kernels.int4_layout import pack_int4
+from llamactl.kernels.multirow import multirow_int4
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+ROWS = [2, 4, 8, 16, 32]
+G = 128
+
+
+def err(got, ref):
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def replays_agree(fn):
+    """A graph of fn replayed 50 times: the same bits each time (the split's fixed summation order)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = fn()
+    g.replay()
+    first = y.clone()
+    same = True
+    for _ in range(50):
+        g.replay()
+        same &= bool(torch.equal(y, first))
+    return same
+
+
+def tuned(kernel):
+    return {str(k): str(v) for k, v in kernel.cache.items()}
+
+
+def main(out, rows_probed, layers):
+    torch.manual_seed(0)
+    rows, checks = [], []
+    for name, (n, k) in SHAPES.items():
+        if layers and name not in layers:
+            continue
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+        q = pack_int4(codes)
+        s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
+        z = torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+        wq = (codes.double() - z.double().repeat_interleave(G, 1)) * s.double().repeat_interleave(G, 1)
+        u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        tg = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+        sz = torch.stack([s.float().t(), ((8 - z.float()) * s.float()).t()], dim=-1).to(torch.bfloat16).contiguous()
+        for m in (3, 24):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            c = {"layer": name, "M": m,
+                 "skinny_mm": err(skinny.skinny_mm(x, w16), x.double() @ w16.double().t()),
+                 "skinny_mm_res_exact": bool(torch.equal(skinny.skinny_mm(x, w16, r),
+                                                         r + skinny.skinny_mm(x, w16))),
+                 "skinny_int4": err(skinny.skinny_int4(x, q, s, z, G), x.double() @ wq.t()),
+                 "multirow_int4": err(multirow_int4(x, q, s, z, G), x.double() @ wq.t()),
+                 "cublas_bf16": err(F.linear(x, w16), x.double() @ w16.double().t()),
+                 "replays_agree_mm": replays_agree(lambda: skinny.skinny_mm(x, w16)),
+                 "replays_agree_int4": replays_agree(lambda: skinny.skinny_int4(x, q, s, z, G))}
+            checks.append(c)
+            print(json.dumps(c), flush=True)
+        for m in rows_probed:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            t = {"layer": name, "N": n, "K": k, "M": m,
+                 "cublas_bf16": timed(lambda: F.linear(x, w16)),
+                 "skinny_mm": timed(lambda: skinny.skinny_mm(x, w16)),
+                 "multirow_int4": timed(lambda: multirow_int4(x, q, s, z, G)),
+                 "skinny_int4": timed(lambda: skinny.skinny_int4(x, q, s, z, G)),
+                 "tinygemm": timed(lambda: torch.ops.aten._weight_int4pack_mm(x, tg, G, sz))}
+            if name in ("o", "down") and m in (8, 32):
+                t["cublas_bf16_res"] = timed(lambda: res + F.linear(x, w16))
+                t["skinny_mm_res"] = timed(lambda: skinny.skinny_mm(x, w16, res))
+            for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int4", 0.5), ("skinny_int4", 0.5)):
+                t[key + "_GBps"] = n * k * b / t[key] / 1e3
+            rows.append(t)
+            print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in t.items()}), flush=True)
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "checks": checks, "rows": rows, "tuned_mm": tuned(skinny._w16_tuned),
+               "tuned_int4": tuned(skinny._w4_tuned)}, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    rows_arg = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else None
+    layers_arg = sys.argv[sys.argv.index("--layers") + 1].split(",") if "--layers" in sys.argv else None
+    main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS, layers_arg)

@@ -1,0 +1,100 @@
+"""The swapped-operand products for decode batches (kernels.skinny: weights first, int4 by the
+magic-number decode, K shared by programs that add their shares in a fixed order) against
+float64. Without CUDA through Triton's interpreter (set in conftest), with two shares of K."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from test_kernels import DEV, rel  # noqa: E402
+
+
+def _int4(n, k, g):
+    from llamactl.kernels.int4_layout import pack_int4
+
+    codes = torch.randint(0, 16, (n, k), device=DEV, dtype=torch.int32)
+    s = torch.rand(n, k // g, device=DEV, dtype=torch.float16) * 0.01
+    z = torch.randint(0, 16, (n, k // g), device=DEV, dtype=torch.uint8)
+    w = (codes.double() - z.double().repeat_interleave(g, 1)) * s.double().repeat_interleave(g, 1)  # [N, K]
+    return pack_int4(codes), s, z, w
+
+
+@pytest.mark.parametrize("m", [2, 5, 17])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int4-g128", "int4-g256"])
+def test_skinny_products_match_float64(kind, m):
+    """x w^T for 2-17 rows (17: a 32-row tile, masked), 80 columns (a partial column block)."""
+    from llamactl.kernels import skinny
+
+    torch.manual_seed(m)
+    n, k = 80, 512
+    dt = torch.float16 if kind == "fp16" else torch.bfloat16
+    x = torch.randn(m, k, device=DEV, dtype=dt)
+    if kind.startswith("int4"):
+        g = int(kind.split("-g")[1])
+        q, s, z, w = _int4(n, k, g)
+        got = skinny.skinny_int4(x, q, s, z, g)
+        # the kernel's own roundings: w to fp16, x to fp16 (exact here), float32 sums, y to x's dtype
+        tight = x.double() @ w.half().double().t()
+        assert rel(got.cpu(), tight.cpu()) < 5e-3
+    else:
+        w = torch.randn(n, k, device=DEV, dtype=dt) * 0.05
+        got = skinny.skinny_mm(x, w)
+    ref = x.double() @ w.double().t()
+    assert got.shape == (m, n) and got.dtype == dt
+    assert rel(got.cpu(), ref.cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int4"])
+def test_skinny_folds_swiglu_and_the_residual(kind):
+    """glu: the input is [gate; up] and silu(gate) * up is multiplied (PyTorch's roundings); the
+    residual is added to the rounded product, as residual + linear(x) rounds. fp16: the
+    interpreter rounds bf16 by truncation where the GPU rounds to nearest."""
+    from llamactl.kernels import skinny
+
+    torch.manual_seed(0)
+    dt = torch.float16
+    m, n, k = 3, 64, 256
+    h = torch.randn(m, 2 * k, device=DEV, dtype=dt)
+    r = torch.randn(m, n, device=DEV, dtype=dt)
+    x = F.silu(h[:, :k]) * h[:, k:]
+    if kind == "int4":
+        q, s, z, w = _int4(n, k, 128)
+        plain, folded = skinny.skinny_int4(x, q, s, z, 128), skinny.skinny_int4(h, q, s, z, 128, r, glu=True)
+    else:
+        w = torch.randn(n, k, device=DEV, dtype=dt) * 0.05
+        plain, folded = skinny.skinny_mm(x, w), skinny.skinny_mm(h, w, r, glu=True)
+    assert torch.equal(folded, r + plain)
+    assert rel(plain.cpu(), (x.double() @ w.double().t()).cpu()) < 1e-2
+
+
+def test_skinny_repeats_its_bits_and_leaves_counters_at_zero():
+    """The shares of K are added in a fixed order by the last program of a block: the same bits
+    every call, and the counters back at zero for the next launch."""
+    from llamactl.kernels import skinny
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 512, device=DEV, dtype=torch.float16)
+    w = torch.randn(96, 512, device=DEV, dtype=torch.float16)
+    first = skinny.skinny_mm(x, w)
+    for _ in range(3):
+        assert torch.equal(skinny.skinny_mm(x, w), first)
+    assert int(skinny._counters[x.device].abs().sum()) == 0
+
+
+def test_skinny_refuses_what_it_is_not_for():
+    from llamactl.kernels import skinny
+
+    w = torch.zeros(32, 64, device=DEV, dtype=torch.float16)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        skinny.skinny_mm(torch.zeros(65, 64, device=DEV, dtype=torch.float16), w)
+    with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
+        skinny.skinny_mm(torch.zeros(2, 64, device=DEV, dtype=torch.float16), w, glu=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        skinny.skinny_int4(torch.zeros(2, 512, device=DEV, dtype=torch.float16),
+                           torch.zeros(32, 64, device=DEV, dtype=torch.int32),
+                           torch.zeros(32, 8, device=DEV, dtype=torch.float16),
+                           torch.zeros(32, 8, device=DEV, dtype=torch.uint8), 64)
