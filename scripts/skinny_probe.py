@@ -1,7 +1,7 @@
 """The swapped-operand products (kernels.skinny) against cuBLAS and what a decode batch runs
 today, per llama2-7b layer shape and rows (GPU).
 
-Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o]. For each shape (N,
+Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o] [--kinds w16,int4]. For each shape (N,
 K) and rows M, device us a call (calls in a CUDA graph, multirow_probe.timed) and GB/s of weight
 bytes: cublas_bf16, skinny_mm (16-bit), skinny_mm_res (with the residual added; o and down),
 multirow_int4 (the split-K kernel), skinny_int4, tinygemm (torch's int4). Errors against float64
@@ -49,7 +49,7 @@ def tuned(kernel):
     return {str(k): str(v) for k, v in kernel.cache.items()}
 
 
-def main(out, rows_probed, layers):
+def main(out, rows_probed, layers, kinds):
     torch.manual_seed(0)
     rows, checks = [], []
     for name, (n, k) in SHAPES.items():
@@ -67,31 +67,33 @@ def main(out, rows_probed, layers):
         for m in (3, 24):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            c = {"layer": name, "M": m,
-                 "skinny_mm": err(skinny.skinny_mm(x, w16), x.double() @ w16.double().t()),
-                 "skinny_mm_res_exact": bool(torch.equal(skinny.skinny_mm(x, w16, r),
-                                                         r + skinny.skinny_mm(x, w16))),
-                 "skinny_int4": err(skinny.skinny_int4(x, q, s, z, G), x.double() @ wq.t()),
-                 "multirow_int4": err(multirow_int4(x, q, s, z, G), x.double() @ wq.t()),
-                 "cublas_bf16": err(F.linear(x, w16), x.double() @ w16.double().t()),
-                 "replays_agree_mm": replays_agree(lambda: skinny.skinny_mm(x, w16)),
-                 "replays_agree_int4": replays_agree(lambda: skinny.skinny_int4(x, q, s, z, G))}
+            c = {"layer": name, "M": m, "cublas_bf16": err(F.linear(x, w16), x.double() @ w16.double().t())}
+            if "w16" in kinds:
+                c["skinny_mm"] = err(skinny.skinny_mm(x, w16), x.double() @ w16.double().t())
+                c["skinny_mm_res_exact"] = bool(torch.equal(skinny.skinny_mm(x, w16, r), r + skinny.skinny_mm(x, w16)))
+                c["replays_agree_mm"] = replays_agree(lambda: skinny.skinny_mm(x, w16))
+            if "int4" in kinds:
+                c["skinny_int4"] = err(skinny.skinny_int4(x, q, s, z, G), x.double() @ wq.t())
+                c["multirow_int4"] = err(multirow_int4(x, q, s, z, G), x.double() @ wq.t())
+                c["replays_agree_int4"] = replays_agree(lambda: skinny.skinny_int4(x, q, s, z, G))
             checks.append(c)
             print(json.dumps(c), flush=True)
         for m in rows_probed:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            t = {"layer": name, "N": n, "K": k, "M": m,
-                 "cublas_bf16": timed(lambda: F.linear(x, w16)),
-                 "skinny_mm": timed(lambda: skinny.skinny_mm(x, w16)),
-                 "multirow_int4": timed(lambda: multirow_int4(x, q, s, z, G)),
-                 "skinny_int4": timed(lambda: skinny.skinny_int4(x, q, s, z, G)),
-                 "tinygemm": timed(lambda: torch.ops.aten._weight_int4pack_mm(x, tg, G, sz))}
-            if name in ("o", "down") and m in (8, 32):
-                t["cublas_bf16_res"] = timed(lambda: res + F.linear(x, w16))
-                t["skinny_mm_res"] = timed(lambda: skinny.skinny_mm(x, w16, res))
+            t = {"layer": name, "N": n, "K": k, "M": m, "cublas_bf16": timed(lambda: F.linear(x, w16))}
+            if "w16" in kinds:
+                t["skinny_mm"] = timed(lambda: skinny.skinny_mm(x, w16))
+                if name in ("o", "down") and m in (8, 32):
+                    t["cublas_bf16_res"] = timed(lambda: res + F.linear(x, w16))
+                    t["skinny_mm_res"] = timed(lambda: skinny.skinny_mm(x, w16, res))
+            if "int4" in kinds:
+                t["multirow_int4"] = timed(lambda: multirow_int4(x, q, s, z, G))
+                t["skinny_int4"] = timed(lambda: skinny.skinny_int4(x, q, s, z, G))
+                t["tinygemm"] = timed(lambda: torch.ops.aten._weight_int4pack_mm(x, tg, G, sz))
             for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int4", 0.5), ("skinny_int4", 0.5)):
-                t[key + "_GBps"] = n * k * b / t[key] / 1e3
+                if key in t:
+                    t[key + "_GBps"] = n * k * b / t[key] / 1e3
             rows.append(t)
             print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in t.items()}), flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -102,4 +104,5 @@ def main(out, rows_probed, layers):
 if __name__ == "__main__":
     rows_arg = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else None
     layers_arg = sys.argv[sys.argv.index("--layers") + 1].split(",") if "--layers" in sys.argv else None
-    main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS, layers_arg)
+    kinds_arg = sys.argv[sys.argv.index("--kinds") + 1].split(",") if "--kinds" in sys.argv else ["w16", "int4"]
+    main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS, layers_arg, kinds_arg)

@@ -90,6 +90,36 @@ def _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_
 
 
 @triton.jit
+def _dot(w, xt, acc, F32: tl.constexpr):
+    # acc [BN, BM] + w [BN, BK] x^T [BK, BM]; F32: in float32 (Triton's CPU interpreter gets 16-bit dots wrong)
+    if F32:
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    return tl.dot(w, xt.to(w.dtype), acc)
+
+
+@triton.jit
+def _halves(q, dt: tl.constexpr):
+    # q: int32 holding two 16-bit floats of type dt -> (low, high), each of q's shape
+    lo = (q & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+    hi = (q >> 16).to(tl.int16).to(dt, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _minus(v, z, F32: tl.constexpr):
+    # v [BN, K'] - z [BN] (F32: in float32: the interpreter's 16-bit arithmetic is not the GPU's)
+    if F32:
+        return v.to(tl.float32) - z.to(tl.float32)[:, None]
+    return v - z[:, None]
+
+
+@triton.jit
+def _plane(acc, w, x_ptr, rm, m_ok, kk, K, GLU: tl.constexpr, F32: tl.constexpr):
+    # acc [BN, BM] + w [BN, 16] x^T's rows kk [16, BM]
+    return _dot(w, _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU), acc, F32)
+
+
+@triton.jit
 def _w16_kernel(x_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
                 F32: tl.constexpr = False):
@@ -106,49 +136,64 @@ def _w16_kernel(x_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: t
         kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
-        xt = _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU).to(w.dtype)  # [BK, BM]
-        if F32:  # Triton's CPU interpreter gets 16-bit dots wrong
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)  # [BN, BM]
+        acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
 @triton.jit
 def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
-               GLU: tl.constexpr, F32: tl.constexpr = False):
+               GLU: tl.constexpr, JOIN: tl.constexpr = True, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 8] int32 (nibble j of word i: column 8 i + j),
     # s: [N, K // G] fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k
     # share) of K's 128-column blocks (a block lies in one group). Nibbles j and j + 4 of a word come
-    # out of one 32-bit operation: planes of 16 columns (8 i + j, 8 i + j + 4), one K=16 dot each
+    # out of one 32-bit operation as x's dtype's magic number + code (bf16: 128, fp16: 1024); minus
+    # magic + zero: code - zero, exact; the dot of those small integers with x, then times the
+    # group's scale (float32), once a block and row.
+    # JOIN: the block's 8 nibble planes joined into one [BN, 128] operand (columns in the joins'
+    # order, x loaded in the same order): one dot a block; else one K=16 dot a plane
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_ok, n_ok = rm < M, rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    BF16: tl.constexpr = dt == tl.bfloat16
+    magic: tl.constexpr = 0x43004300 if BF16 else 0x64006400
+    offset: tl.constexpr = 128.0 if BF16 else 1024.0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     blocks = K // 128
     per = tl.cdiv(blocks, SPLIT)
+    t = tl.arange(0, 128)
+    # the joins' column order: position t holds column 8 (t >> 3) + nibble 4 (t & 1) + 2 ((t >> 1) & 1) + ((t >> 2) & 1)
+    perm = 8 * (t >> 3) + 4 * (t & 1) + 2 * ((t >> 1) & 1) + ((t >> 2) & 1)  # [128]
     for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
         words = b * 16 + tl.arange(0, 16)  # [16]
         p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16] int32
         g = b * 128 // G
-        s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0)  # [BN] fp16
-        z = (tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32) + 1024.0).to(
-            tl.float16)  # [BN]: 1024 + zero, exact
-        for j in tl.static_range(4):
-            q = ((p >> (4 * j)) & 0x000F000F) | 0x64006400  # [BN, 16]: two fp16 1024 + code
-            for half in tl.static_range(2):  # nibble j, then j + 4
-                v = ((q >> (16 * half)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # [BN, 16]
-                w = (v - z[:, None]) * s[:, None]  # [BN, 16] fp16: (code - zero) * scale, one rounding
-                kk = words * 8 + j + 4 * half  # [16]
-                xt = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU).to(tl.float32)  # [16, BM]
-                xt = tl.minimum(tl.maximum(xt, -65504.0), 65504.0).to(tl.float16)
-                if F32:
-                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = tl.dot(w, xt, acc)  # [BN, BM]
+        s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+        z = (tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.float32) + offset).to(dt)
+        lo0, hi0 = _halves((p & 0x000F000F) | magic, dt)  # [BN, 16] each: magic + nibble 0, 4
+        lo1, hi1 = _halves(((p >> 4) & 0x000F000F) | magic, dt)
+        lo2, hi2 = _halves(((p >> 8) & 0x000F000F) | magic, dt)
+        lo3, hi3 = _halves(((p >> 12) & 0x000F000F) | magic, dt)
+        if JOIN:
+            v = tl.join(tl.join(tl.join(lo0, lo1), tl.join(lo2, lo3)), tl.join(tl.join(hi0, hi1), tl.join(hi2, hi3)))
+            w = _minus(tl.reshape(v, (BLOCK_N, 128)), z, F32)  # [BN, 128]: code - zero, column perm[t]
+            kk = b * 128 + perm
+            xt = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU)  # [128, BM]
+            part = _dot(w, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), F32)
+        else:
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            part = _plane(part, _minus(lo0, z, F32), x_ptr, rm, m_ok, words * 8, K, GLU, F32)
+            part = _plane(part, _minus(lo1, z, F32), x_ptr, rm, m_ok, words * 8 + 1, K, GLU, F32)
+            part = _plane(part, _minus(lo2, z, F32), x_ptr, rm, m_ok, words * 8 + 2, K, GLU, F32)
+            part = _plane(part, _minus(lo3, z, F32), x_ptr, rm, m_ok, words * 8 + 3, K, GLU, F32)
+            part = _plane(part, _minus(hi0, z, F32), x_ptr, rm, m_ok, words * 8 + 4, K, GLU, F32)
+            part = _plane(part, _minus(hi1, z, F32), x_ptr, rm, m_ok, words * 8 + 5, K, GLU, F32)
+            part = _plane(part, _minus(hi2, z, F32), x_ptr, rm, m_ok, words * 8 + 6, K, GLU, F32)
+            part = _plane(part, _minus(hi3, z, F32), x_ptr, rm, m_ok, words * 8 + 7, K, GLU, F32)
+        acc += part * s[:, None]
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
@@ -160,9 +205,9 @@ def _configs16():
 
 
 def _configs4():
-    return [triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
-            for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4))
-            for sp in (1, 2, 4, 8)]
+    return [triton.Config({"BLOCK_N": bn, "SPLIT": sp, "JOIN": join}, num_warps=w, num_stages=st)
+            for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 4), (32, 2, 4))
+            for sp in (2, 4, 8, 16) for join in (True, False)]
 
 
 _w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
