@@ -110,3 +110,37 @@ def test_skinny_refuses_what_it_is_not_for():
                            torch.zeros(32, 64, device=DEV, dtype=torch.int32),
                            torch.zeros(32, 8, device=DEV, dtype=torch.float16),
                            torch.zeros(32, 8, device=DEV, dtype=torch.uint8), 64)
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int4"])
+@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
+def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path, weights, swiglu):
+    """A 3-row decode step of a prepared fp16 model takes kernels.skinny (16-bit and int4 g128 layers,
+    the norm before, SwiGLU at either site and the residual folded in) and gives the logits of the
+    same step with the kernels off (cuBLAS/torch), within the products' rounding."""
+    from conftest import make_hf_model
+    from llamactl.artifact import open_artifact
+    from llamactl.layers.plan import prepare, products
+    from llamactl.load import load_model
+    from llamactl.options import RuntimeOptions
+    from llamactl.quantize.rtn import quantize_linears_int4
+
+    path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2, vocab=512)
+    model = load_model(open_artifact(path), torch.device(DEV), torch.float16)
+    if weights == "int4":
+        assert quantize_linears_int4(model, True, 128) == 2 * 7
+    model.setup_caches(3, 32)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (3, 9), device=DEV)
+    options = RuntimeOptions(swiglu=swiglu)
+
+    def run():  # an 8-token prefill of 3 rows (24 rows: past skinny's), then one 3-row decode step
+        model(ids[:, :8], torch.arange(8, device=DEV))
+        return model(ids[:, 8:], torch.tensor([8], device=DEV))[:, -1].float()
+
+    prepare(model, options.replace(kernels=False), interpreter=True)
+    ref = run()
+    prepare(model, options, interpreter=True)
+    kind = "int4 skinny" if weights == "int4" else "16-bit skinny"
+    assert kind in products(model, 3) and kind not in products(model, 33)
+    assert rel(run(), ref.double()) < 1e-2

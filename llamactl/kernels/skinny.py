@@ -35,6 +35,10 @@ import triton.language as tl
 from llamactl.kernels.device import interpreted
 
 MAX_ROWS = 64
+# the most rows the layers give these products: past 32, cuBLAS was as fast for 16-bit layers
+# and the split-K int4 kernel is not yet compared (docs/bench/README.md, 2026-12-03 skinny section)
+LAYER_ROWS = 32
+MAX_SPLIT = 16  # the autotuner's largest share count: the workspace's first dimension
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -228,7 +232,7 @@ def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
 def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(8, m, n, dtype=torch.float32, device=x.device)
+    part = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)
     cnt = _counter(x.device, triton.cdiv(n, 32))
     r = y if residual is None else residual.contiguous()
     block_m = max(16, triton.next_power_of_2(m))
@@ -242,6 +246,7 @@ def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
     return y
 
 
+@torch.library.custom_op("llamactl::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, residual:
     [M, N] or None -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
@@ -249,6 +254,7 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = 
     return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w,), n, k, residual, glu, {})
 
 
+@torch.library.custom_op("llamactl::skinny_int4", mutates_args=())
 def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K]), the 4-bit layout of kernels.gemv with groups of a multiple of
@@ -259,3 +265,13 @@ def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
     return _launch(_w4_kernel, _w4_tuned, _rows(x, k, glu), (qweight, scales, zeros), n, k, residual, glu,
                    {"G": group_size})
+
+
+@skinny_mm.register_fake
+def _(x, w, residual=None, glu=False):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@skinny_int4.register_fake
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
+    return x.new_empty(x.shape[0], qweight.shape[0])

@@ -26,6 +26,7 @@ a kernels.pinned table)."""
         self.pdl = False
         self.pins = ""
         self.glue_kernels = False  # more rows: SwiGLU as one Triton kernel (the norm module has its own switch)
+        self.skinny = False  # 2 to skinny.LAYER_ROWS rows: kernels.skinny, SwiGLU and the residual folded in
 
     def can_fuse(self) -> bool:
         return getattr(self, "bias", None) is None
@@ -40,6 +41,29 @@ a kernels.pinned table)."""
 
     def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
         return swiglu(y, self.glue_kernels) if self.glu_out else y
+
+    def _skinny_rows(self, x: torch.Tensor) -> int:
+        """How many rows x holds if kernels.skinny is to multiply them, else 0."""
+        from llamactl.kernels.skinny import LAYER_ROWS
+
+        rows = x.numel() // self._input_width()
+        half = x.dtype in (torch.float16, torch.bfloat16)  # float32 would multiply in TF32
+        return rows if self.skinny and half and self.can_fuse() and 1 < rows <= LAYER_ROWS else 0
+
+    def _skinny_io(self, x: torch.Tensor, rows: int, residual: torch.Tensor | None):
+        """The skinny product's input (the norm applied, SwiGLU left to the product: glu) and the
+        residual it adds (none where SwiGLU follows: glu_out)."""
+        if self.norm is not None:
+            x = self.norm(x)
+        fold = residual is not None and not self.glu_out
+        return x.reshape(rows, self._input_width()), residual.reshape(rows, -1) if fold else None
+
+    def _skinny_out(self, y: torch.Tensor, shape, residual: torch.Tensor | None) -> torch.Tensor:
+        # y: [rows, out] -> [..., out] with glu_out's SwiGLU and a residual not yet added
+        if self.glu_out:
+            y = self._unfused_output(y)
+            y = y if residual is None else residual.reshape(y.shape) + y
+        return y.view(*shape[:-1], self._output_width())
 
     def _input_width(self) -> int:
         return self.in_features * (2 if self.glu else 1)
@@ -65,12 +89,22 @@ class GemvLinear(nn.Linear, FusedIO):
                      None if residual is None else residual.reshape(-1), self.glu, self.glu_out, "float",
                      self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
+        rows = self._skinny_rows(x)
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
+            from llamactl.kernels.skinny import skinny_mm
+
+            x2, r2 = self._skinny_io(x, rows, residual)
+            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu), x.shape, residual)
         y = self._unfused_output(F.linear(self._unfused_input(x), self.weight, self.bias))
         return y if residual is None else residual + y
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
-        return "16-bit GEMV" if rows == 1 else "16-bit cuBLAS"
+        from llamactl.kernels.skinny import LAYER_ROWS
+
+        if rows == 1:
+            return "16-bit GEMV"
+        return "16-bit skinny" if self.skinny and self.can_fuse() and rows <= LAYER_ROWS else "16-bit cuBLAS"
 
 
 def swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:

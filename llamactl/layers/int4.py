@@ -259,6 +259,13 @@ class TritonInt4Linear(nn.Module, FusedIO):
                           None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.inputs,
                           self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
+        rows = self._skinny_rows(x) if self.group_size % 128 == 0 else 0
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
+            from llamactl.kernels.skinny import skinny_int4
+
+            x2, r2 = self._skinny_io(x, rows, residual)
+            y = skinny_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
+            return self._skinny_out(y, x.shape, residual)
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
             x2 = x2[:, self.perm]
@@ -280,8 +287,12 @@ class TritonInt4Linear(nn.Module, FusedIO):
         """What multiplies `rows` rows (bench rows name it)."""
         from llamactl.kernels.multirow import int4_rows, splitk_takes
 
+        from llamactl.kernels.skinny import LAYER_ROWS
+
         if rows == 1:
             return "int4 GEMV"
+        if self.skinny and self.can_fuse() and self.group_size % 128 == 0 and rows <= LAYER_ROWS:
+            return "int4 skinny"
         if rows <= int4_rows(self.group_size):
             return "int4 split-K" if splitk_takes(self.group_size) else "int4 multirow"
         return "int4 dequantize + cuBLAS"

@@ -141,7 +141,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     pins = pinned.resolve(device, options.pins, options.pins_file) if on else pinned.NONE
     for mod in model.modules():
         if isinstance(mod, FusedIO):
-            mod.pdl, mod.pins, mod.glue_kernels = pdl, pins.id, on
+            mod.pdl, mod.pins, mod.glue_kernels, mod.skinny = pdl, pins.id, on, on
         elif isinstance(mod, RMSNorm):
             mod.kernel = on
     if on:
