@@ -224,7 +224,7 @@ def test_a_busy_cpu_is_said(monkeypatch):
 
 def test_rows_name_the_products_of_their_batch():
     """A bench row says what the linears ran at its batch: int4 layers with groups of 128 and of
-    64 at 1 to 65 rows (the layers' own product(), no GPU needed), torch's for the rest."""
+    64 at 1 to 65 rows, prepared or not (the layers' own product(), no GPU needed), torch's for the rest."""
     import torch
 
     from llamactl.layers.int4 import TritonInt4Linear
@@ -232,9 +232,11 @@ def test_rows_name_the_products_of_their_batch():
 
     lin = TritonInt4Linear.__new__(TritonInt4Linear)  # no weights: product() reads the group size alone
     torch.nn.Module.__init__(lin)
-    lin.group_size = 128
+    lin.group_size, lin.skinny = 128, False
     assert [lin.product(r) for r in (1, 8, 64, 65)] == ["int4 GEMV", "int4 split-K", "int4 split-K",
                                                         "int4 dequantize + cuBLAS"]
+    lin.skinny, lin.bias, lin.perm, lin.pad = True, None, None, 0  # prepared with the kernels on
+    assert [lin.product(r) for r in (2, 32, 33)] == ["int4 skinny", "int4 skinny", "int4 split-K"]
     lin.group_size = 64
     assert lin.product(16) == "int4 multirow" and lin.product(17) == "int4 dequantize + cuBLAS"
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), lin)
