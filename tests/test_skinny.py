@@ -23,7 +23,7 @@ def _int4(n, k, g):
     return pack_int4(codes), s, z, w
 
 
-@pytest.mark.parametrize("m", [2, 5, 17])
+@pytest.mark.parametrize("m", [2, 17])
 @pytest.mark.parametrize("kind", ["bf16", "fp16", "int4-g128", "int4-g256"])
 def test_skinny_products_match_float64(kind, m):
     """x w^T for 2-17 rows (17: a 32-row tile, masked), 80 columns (a partial column block)."""
@@ -112,8 +112,7 @@ def test_skinny_refuses_what_it_is_not_for():
                            torch.zeros(32, 8, device=DEV, dtype=torch.uint8), 64)
 
 
-@pytest.mark.parametrize("weights", ["fp16", "int4"])
-@pytest.mark.parametrize("swiglu", ["down", "gate_up"])
+@pytest.mark.parametrize("weights,swiglu", [("fp16", "down"), ("int4", "gate_up")])
 def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path, weights, swiglu):
     """A 3-row decode step of a prepared fp16 model takes kernels.skinny (16-bit and int4 g128 layers,
     the norm before, SwiGLU at either site and the residual folded in) and gives the logits of the
