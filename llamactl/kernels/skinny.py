@@ -19,7 +19,8 @@ Several programs (SPLIT) share a column block's K range where a layer has too fe
 the GPU. Each stores its float32 share in a workspace and counts itself in; the last to arrive
 adds the shares in a fixed order and writes y, so sums do not depend on timing (the multirow
 split-K kernel's float32 atomics do) and no zeroing or conversion kernel runs around the product.
-The counters are one int32 tensor a device, left at zero by every launch.
+The counters are one int32 tensor a device, left at zero by every launch (so launches on one
+device must not overlap: one stream at a time, as the decode step and the server run them).
 
 Epilogue: y rounded to x's dtype, then (RES) a residual added and rounded again (PyTorch's
 residual + linear(x)). GLU: x is a fused [gate; up] output [M, 2K], and silu(gate) * up (PyTorch's
