@@ -105,6 +105,10 @@ def test_skinny_refuses_what_it_is_not_for():
         skinny.skinny_mm(torch.zeros(65, 64, device=DEV, dtype=torch.float16), w)
     with pytest.raises(ValueError, match=r"x must be \[M, 128\]"):
         skinny.skinny_mm(torch.zeros(2, 64, device=DEV, dtype=torch.float16), w, glu=True)
+    with pytest.raises(ValueError, match="fp16 or bf16 rows"):
+        skinny.skinny_mm(torch.zeros(2, 64, device=DEV), w.float())
+    with pytest.raises(ValueError, match="not x's"):
+        skinny.skinny_mm(torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="multiple of 128"):
         skinny.skinny_int4(torch.zeros(2, 512, device=DEV, dtype=torch.float16),
                            torch.zeros(32, 64, device=DEV, dtype=torch.int32),

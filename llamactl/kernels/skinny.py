@@ -227,6 +227,8 @@ def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
         raise ValueError(f"x must be [M, {width}], not {tuple(x.shape)}")
     if not 0 < x.shape[0] <= MAX_ROWS:
         raise ValueError(f"skinny products take 1 to {MAX_ROWS} rows, not {x.shape[0]}")
+    if x.dtype not in (torch.float16, torch.bfloat16):  # float32 would multiply in TF32
+        raise ValueError(f"skinny products take fp16 or bf16 rows, not {x.dtype}")
     return x.contiguous()
 
 
@@ -252,6 +254,8 @@ def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = 
     """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, residual:
     [M, N] or None -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
     n, k = w.shape
+    if w.dtype != x.dtype:
+        raise ValueError(f"skinny_mm: the weight's dtype {w.dtype} is not x's {x.dtype}")
     return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w,), n, k, residual, glu, {})
 
 
