@@ -8,12 +8,14 @@ weights' BN rows fill the M of the H200's warp-group MMA (64 or 128), which take
 operand from registers (int4) or straight from the shared memory the loads filled (16-bit), and
 the rows are the small N (16 or 32). That is how tinygemm and Marlin arrange it.
 
-int4 codes are turned into fp16 with the magic-number trick (Marlin's): a nibble OR-ed into the
-mantissa of 1024.0 (0x6400) is 1024 + code, two nibbles a 32-bit operation, with no integer to
-float conversion (a quarter-rate instruction on the H200). w = ((1024 + code) - (1024 + zero)) *
-scale in fp16: the difference is exact and the product rounds once, so w is (code - zero) * scale
-rounded to fp16 (the multirow kernels round it to bf16, 3 bits less). x goes to fp16 for the dot
-(exact for bf16 values in fp16's normal range; clamped to +-65504).
+int4 codes become 16-bit numbers of x's dtype by the magic-number trick (Marlin's): a nibble
+OR-ed into the mantissa of 128.0 (bf16, 0x4300) or 1024.0 (fp16, 0x6400) is that number plus the
+code, two nibbles a 32-bit operation, with no integer-to-float conversion (a quarter-rate
+instruction on the H200). Minus (magic + zero point), exact: code - zero, small integers the dot
+multiplies with x as it is (no conversion of x); the group's scale then multiplies each block's
+float32 sums, once a block and row (the multirow kernels round (code - zero) * scale to bf16 per
+weight). The 8 nibble planes of a block are either joined into one 128-column operand (x loaded
+in the joins' column order) or dotted a plane at a time (K = 16): the autotuner picks per shape.
 
 Several programs (SPLIT) share a column block's K range where a layer has too few blocks to fill
 the GPU. Each stores its float32 share in a workspace and counts itself in; the last to arrive
@@ -36,8 +38,8 @@ import triton.language as tl
 from llamactl.kernels.device import interpreted
 
 MAX_ROWS = 64
-# the most rows the layers give these products: past 32, cuBLAS was as fast for 16-bit layers
-# and the split-K int4 kernel is not yet compared (docs/bench/README.md, 2026-12-03 skinny section)
+# the most rows the layers give these products: at 64, cuBLAS was faster for 16-bit layers, and
+# int4 at 33-64 rows stays on the split-K kernel, not yet compared (docs/bench/README.md, skinny section)
 LAYER_ROWS = 32
 MAX_SPLIT = 16  # the autotuner's largest share count: the workspace's first dimension
 _counters: dict[torch.device, torch.Tensor] = {}
