@@ -74,7 +74,8 @@ a kernels.pinned table)."""
 
 class GemvLinear(nn.Linear, FusedIO):
     """nn.Linear whose single-row inputs go through the Triton GEMV (with FusedIO's folded steps);
-    more rows go to cuBLAS."""
+    2 to skinny.LAYER_ROWS rows of 16-bit x through kernels.skinny (SwiGLU and the residual
+    folded); more rows to cuBLAS."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

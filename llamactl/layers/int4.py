@@ -200,10 +200,11 @@ def use_int4_kernels(model, group_size: int, triton: bool) -> int:
 class TritonInt4Linear(nn.Module, FusedIO):
     """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
-    Single rows run the int4 GEMV (reads 4 bits a weight), a decode batch (2 to
-    multirow.int4_rows rows: 64 with groups of 128, else 16) the multi-row kernels
-    (kernels.multirow: the weights read once for all rows), more rows (larger batches, prefill) dequantize the layer to 16 bits with a Triton
-    kernel and use cuBLAS.
+    Single rows run the int4 GEMV (reads 4 bits a weight); a decode batch reads the weights once
+    for all rows: 2 to skinny.LAYER_ROWS rows of a fusable layer with groups of a multiple of 128
+    on kernels.skinny (the norm before, SwiGLU and the residual folded in), else up to
+    multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
+    batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
     """
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
