@@ -1,4 +1,7 @@
-"""Skinny matrix products Y = X W^T for a few rows (a decode batch of 2-64) that read each weight once.
+"""Matrix products Y = X W^T for a few rows (a decode batch of 2-64) that read each weight once,
+with the rows as the MMA's first operand. The layers now take kernels.skinny (weights first) for
+16-bit and int4 g128 layers up to 32 rows; these serve int8 layers, int4 layers of other groups
+or not fusable, and int4 batches of 33-64 rows.
 
 Batch-1 decoding runs the GEMVs of kernels.gemv; with B rows those would read every weight B
 times. Here each program takes BLOCK_N output columns, streams their weights once for all rows
