@@ -1,9 +1,10 @@
 """The swapped-operand products (kernels.skinny) against cuBLAS and what a decode batch runs
 today, per llama2-7b layer shape and rows (GPU).
 
-Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o] [--kinds w16,int4]. For each shape (N,
+Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o] [--kinds w16,int8,int4]. For each shape (N,
 K) and rows M, device us a call (calls in a CUDA graph, multirow_probe.timed) and GB/s of weight
 bytes: cublas_bf16, skinny_mm (16-bit), skinny_mm_res (with the residual added; o and down),
+multirow_int8 and skinny_int8 (int8 per-row scales),
 multirow_int4 (the split-K kernel), skinny_int4, tinygemm (torch's int4). Errors against float64
 once a shape, and whether 50 replays of a graph of the split kernels give the same bits.
 """
@@ -18,7 +19,7 @@ from multirow_probe import timed  # scripts/ is this script's import path
 
 from llamactl.kernels import skinny
 from llamactl.kernels.int4_layout import pack_int4
-from llamactl.kernels.multirow import multirow_int4
+from llamactl.kernels.multirow import multirow_int4, multirow_mm
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
 ROWS = [2, 4, 8, 16, 32]
@@ -60,6 +61,8 @@ def main(out, rows_probed, layers, kinds):
         q = pack_int4(codes)
         s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
         z = torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+        w8 = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+        s8 = torch.rand(n, device="cuda", dtype=torch.bfloat16) * 0.01
         wq = (codes.double() - z.double().repeat_interleave(G, 1)) * s.double().repeat_interleave(G, 1)
         u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
         tg = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
@@ -72,6 +75,10 @@ def main(out, rows_probed, layers, kinds):
                 c["skinny_mm"] = err(skinny.skinny_mm(x, w16), x.double() @ w16.double().t())
                 c["skinny_mm_res_exact"] = bool(torch.equal(skinny.skinny_mm(x, w16, r), r + skinny.skinny_mm(x, w16)))
                 c["replays_agree_mm"] = replays_agree(lambda: skinny.skinny_mm(x, w16))
+            if "int8" in kinds:
+                ref8 = (x.double() @ w8.double().t()) * s8.double()
+                c["skinny_int8"] = err(skinny.skinny_mm(x, w8, scales=s8), ref8)
+                c["multirow_int8"] = err(multirow_mm(x, w8, s8), ref8)
             if "int4" in kinds:
                 c["skinny_int4"] = err(skinny.skinny_int4(x, q, s, z, G), x.double() @ wq.t())
                 c["multirow_int4"] = err(multirow_int4(x, q, s, z, G), x.double() @ wq.t())
@@ -87,11 +94,15 @@ def main(out, rows_probed, layers, kinds):
                 if name in ("o", "down") and m in (8, 32):
                     t["cublas_bf16_res"] = timed(lambda: res + F.linear(x, w16))
                     t["skinny_mm_res"] = timed(lambda: skinny.skinny_mm(x, w16, res))
+            if "int8" in kinds:
+                t["multirow_int8"] = timed(lambda: multirow_mm(x, w8, s8))
+                t["skinny_int8"] = timed(lambda: skinny.skinny_mm(x, w8, scales=s8))
             if "int4" in kinds:
                 t["multirow_int4"] = timed(lambda: multirow_int4(x, q, s, z, G))
                 t["skinny_int4"] = timed(lambda: skinny.skinny_int4(x, q, s, z, G))
                 t["tinygemm"] = timed(lambda: torch.ops.aten._weight_int4pack_mm(x, tg, G, sz))
-            for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int4", 0.5), ("skinny_int4", 0.5)):
+            for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int8", 1), ("skinny_int8", 1),
+                           ("multirow_int4", 0.5), ("skinny_int4", 0.5)):
                 if key in t:
                     t[key + "_GBps"] = n * k * b / t[key] / 1e3
             rows.append(t)
@@ -104,5 +115,5 @@ def main(out, rows_probed, layers, kinds):
 if __name__ == "__main__":
     rows_arg = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else None
     layers_arg = sys.argv[sys.argv.index("--layers") + 1].split(",") if "--layers" in sys.argv else None
-    kinds_arg = sys.argv[sys.argv.index("--kinds") + 1].split(",") if "--kinds" in sys.argv else ["w16", "int4"]
+    kinds_arg = sys.argv[sys.argv.index("--kinds") + 1].split(",") if "--kinds" in sys.argv else ["w16", "int8", "int4"]
     main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS, layers_arg, kinds_arg)

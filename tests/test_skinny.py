@@ -24,7 +24,7 @@ def _int4(n, k, g):
 
 
 @pytest.mark.parametrize("m", [2, 17])
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "int4-g128", "int4-g256"])
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "int8", "int4-g128", "int4-g256"])
 def test_skinny_products_match_float64(kind, m):
     """x w^T for 2-17 rows (17: a 32-row tile, masked), 80 columns (a partial column block)."""
     from llamactl.kernels import skinny
@@ -37,6 +37,11 @@ def test_skinny_products_match_float64(kind, m):
         g = int(kind.split("-g")[1])
         q, s, z, w = _int4(n, k, g)
         got = skinny.skinny_int4(x, q, s, z, g)
+    elif kind == "int8":  # codes exact in x's dtype, each row's scale on its float32 sums
+        codes = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+        s = torch.rand(n, device=DEV, dtype=dt) * 0.01
+        got = skinny.skinny_mm(x, codes, scales=s)
+        w = codes.double() * s.double()[:, None]
     else:
         w = torch.randn(n, k, device=DEV, dtype=dt) * 0.05
         got = skinny.skinny_mm(x, w)
@@ -107,7 +112,7 @@ def test_skinny_refuses_what_it_is_not_for():
         skinny.skinny_mm(torch.zeros(2, 64, device=DEV, dtype=torch.float16), w, glu=True)
     with pytest.raises(ValueError, match="fp16 or bf16 rows"):
         skinny.skinny_mm(torch.zeros(2, 64, device=DEV), w.float())
-    with pytest.raises(ValueError, match="not x's"):
+    with pytest.raises(ValueError, match="a weight of x's dtype"):
         skinny.skinny_mm(torch.zeros(2, 64, device=DEV, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="multiple of 128"):
         skinny.skinny_int4(torch.zeros(2, 512, device=DEV, dtype=torch.float16),

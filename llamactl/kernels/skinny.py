@@ -24,6 +24,10 @@ split-K kernel's float32 atomics do) and no zeroing or conversion kernel runs ar
 The counters are one int32 tensor a device, left at zero by every launch (so launches on one
 device must not overlap: one stream at a time, as the decode step and the server run them).
 
+int8 weights (per-row scales) take the 16-bit kernel: their codes are exact in bf16 and fp16, and
+each row's scale multiplies its float32 sums (kernels.multirow's rounding). Not yet routed from
+the int8 layers: to be measured against the multirow kernel first (scripts/skinny_probe.py).
+
 Epilogue: y rounded to x's dtype, then (RES) a residual added and rounded again (PyTorch's
 residual + linear(x)). GLU: x is a fused [gate; up] output [M, 2K], and silu(gate) * up (PyTorch's
 roundings, as kernels.glue) is what multiplies the weights.
@@ -127,10 +131,11 @@ def _plane(acc, w, x_ptr, rm, m_ok, kk, K, GLU: tl.constexpr, F32: tl.constexpr)
 
 
 @triton.jit
-def _w16_kernel(x_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
-                F32: tl.constexpr = False):
-    # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] 16-bit -> y: [M, N]; program (n block, k share)
+def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr,
+                GLU: tl.constexpr, W8: tl.constexpr = False, F32: tl.constexpr = False):
+    # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] of x's dtype -> y: [M, N]; program (n block, k share)
+    # W8: w int8 [N, K] (exact in bf16 and fp16) and s [N] its rows' scales: y = (x w^T) s
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)  # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -142,8 +147,12 @@ def _w16_kernel(x_ptr, w_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: t
     for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
         kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BN, BK]
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
+        if W8:  # (F32: to float32, the interpreter's int8-to-bf16 conversion is not the GPU's)
+            w = w.to(tl.float32 if F32 else x_ptr.dtype.element_ty)
         acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
+    if W8:
+        acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
@@ -217,7 +226,7 @@ def _configs4():
             for sp in (2, 4, 8, 16) for join in (True, False)]
 
 
-_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
+_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "W8"],
                              cache_results=True)(_w16_kernel)
 _w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
                             cache_results=True)(_w4_kernel)
@@ -245,20 +254,25 @@ def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
     flags = dict(BLOCK_M=block_m, RES=residual is not None, GLU=glu, **extra)
     if interpreted():  # two shares of K: the workspace and the counters are exercised
         kernel[(triton.cdiv(n, 32), 2)](*args, SPLIT=2, BLOCK_N=32, F32=True, **flags,
-                                        **({} if "G" in extra else {"BLOCK_K": 32}))
+                                        **({"BLOCK_K": 32} if kernel is _w16_kernel else {}))
     else:
         tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags)
     return y
 
 
 @torch.library.custom_op("llamactl::skinny_mm", mutates_args=())
-def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
-    """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, residual:
-    [M, N] or None -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False,
+              scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, or int8
+    with scales [N] (y = (x w^T) scales), residual: [M, N] or None -> x w^T (+ residual): [M, N],
+    M <= MAX_ROWS."""
     n, k = w.shape
-    if w.dtype != x.dtype:
-        raise ValueError(f"skinny_mm: the weight's dtype {w.dtype} is not x's {x.dtype}")
-    return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w,), n, k, residual, glu, {})
+    w8 = w.dtype == torch.int8
+    if w8 != (scales is not None) or (not w8 and w.dtype != x.dtype):
+        raise ValueError(f"skinny_mm: a weight of x's dtype ({x.dtype}), or int8 with scales, not {w.dtype}"
+                         f"{' with' if scales is not None else ' without'} scales")
+    return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w, w if scales is None else scales), n, k, residual,
+                   glu, {"W8": w8})
 
 
 @torch.library.custom_op("llamactl::skinny_int4", mutates_args=())
@@ -275,7 +289,7 @@ def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 
 @skinny_mm.register_fake
-def _(x, w, residual=None, glu=False):
+def _(x, w, residual=None, glu=False, scales=None):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
