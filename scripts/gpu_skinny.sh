@@ -11,9 +11,12 @@ new=$PWD
 site=${PYTHONPATH%%:*}
 mkdir -p /tmp/old && git archive "$old" | tar -x -C /tmp/old || echo "no $old here: new tree only"
 timeout 120 python -m pytest -q tests/test_skinny.py 2>&1 | tail -3 | tee "$out/tests.txt"
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout 240 python scripts/skinny_probe.py "$out/probe-int8.json" --kinds int8 --rows 8,32 2>&1 | tail -8
+fi
 bench() {  # name dir
   (cd "$2" && PYTHONPATH=$site:$2 TRITON_PRINT_AUTOTUNING=1 timeout 330 python -m llamactl bench --synthetic llama2-7b \
-     --synthetic-quant none,int4 --dtype bfloat16 --mode graphs --batch 1,8,16,32 --prompt-len 128 --gen-len 256 \
+     --synthetic-quant "${QUANT:-none,int4}" --dtype bfloat16 --mode graphs --batch 1,8,16,32 --prompt-len 128 --gen-len 256 \
      --warmup 1 --repeat 3 --format json -o "$out/batch-$1.json" > "$out/batch-$1.log" 2>&1) || tail -5 "$out/batch-$1.log"
   python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/batch-$1.json'))))"
 }
