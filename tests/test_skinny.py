@@ -152,3 +152,16 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
     kind = "int4 skinny" if weights == "int4" else "16-bit skinny"
     assert kind in products(model, 3) and kind not in products(model, 33)
     assert rel(run(), ref.double()) < 1e-2
+
+
+def test_a_float32_model_keeps_its_exact_products(tmp_path):
+    """float32 rows would multiply in TF32 on the skinny kernels: a float32 model's batches stay on
+    torch's products, and the bench rows say so."""
+    from conftest import make_hf_model
+    from llamactl.artifact import open_artifact
+    from llamactl.layers.plan import prepare, products
+    from llamactl.load import load_model
+
+    model = load_model(open_artifact(make_hf_model(tmp_path / "m", vocab=512)), torch.device(DEV), torch.float32)
+    prepare(model, interpreter=True)
+    assert products(model, 1) == "16-bit GEMV" and products(model, 3) == "16-bit cuBLAS"

@@ -287,7 +287,6 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
         from llamactl.kernels.multirow import int4_rows, splitk_takes
-
         from llamactl.kernels.skinny import LAYER_ROWS
 
         if rows == 1:

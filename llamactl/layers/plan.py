@@ -139,9 +139,10 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
         mod.inputs = inputs
     pdl = on and options.pdl and pdl_supported(device)
     pins = pinned.resolve(device, options.pins, options.pins_file) if on else pinned.NONE
+    skinny = on and model.dtype in (torch.float16, torch.bfloat16)  # float32 would multiply in TF32
     for mod in model.modules():
         if isinstance(mod, FusedIO):
-            mod.pdl, mod.pins, mod.glue_kernels, mod.skinny = pdl, pins.id, on, on
+            mod.pdl, mod.pins, mod.glue_kernels, mod.skinny = pdl, pins.id, on, skinny
         elif isinstance(mod, RMSNorm):
             mod.kernel = on
     if on:
