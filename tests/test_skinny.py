@@ -13,6 +13,17 @@ pytest.importorskip("triton")
 from test_kernels import DEV, rel  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _few_configs(monkeypatch):
+    """On a GPU, two autotuner configs a kernel (one split of K and two, both int4 decodes): each
+    shape here would otherwise time them all, minutes in all (docs/bench/README.md)."""
+    if DEV == "cuda":
+        from llamactl.kernels import skinny
+
+        for tuned in (skinny._w16_tuned, skinny._w4_tuned):
+            monkeypatch.setattr(tuned, "configs", tuned.configs[:2])
+
+
 def _int4(n, k, g):
     from llamactl.kernels.int4_layout import pack_int4
 
