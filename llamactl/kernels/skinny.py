@@ -131,20 +131,26 @@ def _plane(acc, w, x_ptr, rm, m_ok, kk, K, GLU: tl.constexpr, F32: tl.constexpr)
 
 
 @triton.jit
+def _program(M, N, blocks, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # this program's column block (n) and share of K's `blocks` (k): its rows, columns, masks, and
+    # its blocks [lo, hi) (empty for the last shares where SPLIT does not divide them)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)  # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    per = tl.cdiv(blocks, SPLIT)
+    return pid_n, pid_k, rm, rn, rm < M, rn < N, pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)
+
+
+@triton.jit
 def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr,
                 GLU: tl.constexpr, W8: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] of x's dtype -> y: [M, N]; program (n block, k share)
     # W8: w int8 [N, K] (exact in bf16 and fp16) and s [N] its rows' scales: y = (x w^T) s
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)  # [BM]
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    m_ok, n_ok = rm < M, rn < N
+    pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, tl.cdiv(K, BLOCK_K), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    blocks = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(blocks, SPLIT)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
-    for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
+    for b in range(lo, hi):
         kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
@@ -168,22 +174,17 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     # group's scale (float32), once a block and row.
     # JOIN: the block's 8 nibble planes joined into one [BN, 128] operand (columns in the joins'
     # order, x loaded in the same order): one dot a block; else one K=16 dot a plane
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)  # [BM]
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    m_ok, n_ok = rm < M, rn < N
+    pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
     dt: tl.constexpr = x_ptr.dtype.element_ty
     BF16: tl.constexpr = dt == tl.bfloat16
     magic: tl.constexpr = 0x43004300 if BF16 else 0x64006400
     offset: tl.constexpr = 128.0 if BF16 else 1024.0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    blocks = K // 128
-    per = tl.cdiv(blocks, SPLIT)
     t = tl.arange(0, 128)
     # the joins' column order: position t holds column 8 (t >> 3) + nibble 4 (t & 1) + 2 ((t >> 1) & 1) + ((t >> 2) & 1)
     perm = 8 * (t >> 3) + 4 * (t & 1) + 2 * ((t >> 1) & 1) + ((t >> 2) & 1)  # [128]
-    for b in range(pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)):
+    for b in range(lo, hi):
         words = b * 16 + tl.arange(0, 16)  # [16]
         p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16] int32
         g = b * 128 // G

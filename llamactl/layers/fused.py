@@ -42,13 +42,17 @@ a kernels.pinned table)."""
     def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
         return swiglu(y, self.glue_kernels) if self.glu_out else y
 
-    def _skinny_rows(self, x: torch.Tensor) -> int:
-        """How many rows x holds if kernels.skinny is to multiply them, else 0."""
+    def _skinny_takes(self, rows: int) -> bool:
+        """Whether kernels.skinny multiplies `rows` rows (2 or more) of this layer."""
         from llamactl.kernels.skinny import LAYER_ROWS
 
+        return self.skinny and self.can_fuse() and rows <= LAYER_ROWS
+
+    def _skinny_rows(self, x: torch.Tensor) -> int:
+        """How many rows x holds if kernels.skinny is to multiply them, else 0."""
         rows = x.numel() // self._input_width()
         half = x.dtype in (torch.float16, torch.bfloat16)  # float32 would multiply in TF32
-        return rows if self.skinny and half and self.can_fuse() and 1 < rows <= LAYER_ROWS else 0
+        return rows if half and rows > 1 and self._skinny_takes(rows) else 0
 
     def _skinny_io(self, x: torch.Tensor, rows: int, residual: torch.Tensor | None):
         """The skinny product's input (the norm applied, SwiGLU left to the product: glu) and the
@@ -101,11 +105,9 @@ class GemvLinear(nn.Linear, FusedIO):
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
-        from llamactl.kernels.skinny import LAYER_ROWS
-
         if rows == 1:
             return "16-bit GEMV"
-        return "16-bit skinny" if self.skinny and self.can_fuse() and rows <= LAYER_ROWS else "16-bit cuBLAS"
+        return "16-bit skinny" if self._skinny_takes(rows) else "16-bit cuBLAS"
 
 
 def swap_linear(mod: nn.Linear, cls: type) -> nn.Linear:

@@ -235,6 +235,9 @@ class TritonInt4Linear(nn.Module, FusedIO):
         # act-order layers gather x first, a short last group pads it: not fused
         return self.bias is None and self.perm is None and self.pad == 0
 
+    def _skinny_takes(self, rows: int) -> bool:
+        return self.group_size % 128 == 0 and super()._skinny_takes(rows)  # the kernel's blocks lie in one group
+
     @classmethod
     def concat(cls, mods: list["TritonInt4Linear"]) -> "TritonInt4Linear | None":
         """One layer computing the outputs of `mods` (same input) side by side, or None when their
@@ -260,7 +263,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
                           None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.inputs,
                           self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
-        rows = self._skinny_rows(x) if self.group_size % 128 == 0 else 0
+        rows = self._skinny_rows(x)
         if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_int4
 
@@ -287,11 +290,10 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
         from llamactl.kernels.multirow import int4_rows, splitk_takes
-        from llamactl.kernels.skinny import LAYER_ROWS
 
         if rows == 1:
             return "int4 GEMV"
-        if self.skinny and self.can_fuse() and self.group_size % 128 == 0 and rows <= LAYER_ROWS:
+        if self._skinny_takes(rows):
             return "int4 skinny"
         if rows <= int4_rows(self.group_size):
             return "int4 split-K" if splitk_takes(self.group_size) else "int4 multirow"
