@@ -527,6 +527,39 @@ def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, monke
         assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i], 8)
 
 
+@pytest.mark.parametrize("gather_s", [0.0, 0.2])
+def test_requests_arriving_together_from_idle_are_gathered(embedded, monkeypatch, gather_s):
+    """From idle, the engine waits while requests keep arriving (each within gather_s of the last)
+    and prefills them in one forward (the GPU's path, forced on the CPU); without the wait the first
+    is prefilled alone. Either way each gets the greedy tokens it gets alone."""
+    from llamactl.decode import Decoder
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = []
+    together = Decoder.prefill_slots
+    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
+                        or together(self, ids, slots, valid))
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=gather_s)
+    eng.batch_prefill = True
+    got = [[] for _ in range(3)]
+    eng.start()
+    reqs = []
+    for i, p in enumerate(PROMPTS[1:4]):  # 20 ms apart: within the 200 ms window, not at once
+        reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=6, temperature=0),
+                               (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
+        time.sleep(0.02)
+    while not all(r.finished for r in reqs):
+        time.sleep(0.01)
+    eng.stop()
+    if gather_s:
+        assert calls == [3] and eng.times.gather_s >= 0.04
+    else:
+        assert 3 not in calls and eng.times.gather_s == 0.0
+    for i in range(3):
+        assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i + 1], 6)
+
+
 def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--serve", "embedded", "--device", "cpu",

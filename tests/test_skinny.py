@@ -132,9 +132,9 @@ def test_skinny_refuses_what_it_is_not_for():
                            torch.zeros(32, 8, device=DEV, dtype=torch.uint8), 64)
 
 
-@pytest.mark.parametrize("weights,swiglu", [("fp16", "down"), ("int4", "gate_up")])
+@pytest.mark.parametrize("weights,swiglu", [("fp16", "down"), ("int4", "gate_up"), ("int8", "down")])
 def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path, weights, swiglu):
-    """A 3-row decode step of a prepared fp16 model takes kernels.skinny (16-bit and int4 g128 layers,
+    """A 3-row decode step of a prepared fp16 model takes kernels.skinny (16-bit, int8 and int4 g128 layers,
     the norm before, SwiGLU at either site and the residual folded in) and gives the logits of the
     same step with the kernels off (cuBLAS/torch), within the products' rounding."""
     from conftest import make_hf_model
@@ -142,12 +142,14 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
     from llamactl.layers.plan import prepare, products
     from llamactl.load import load_model
     from llamactl.options import RuntimeOptions
-    from llamactl.quantize.rtn import quantize_linears_int4
+    from llamactl.quantize.rtn import quantize_linears_int4, quantize_linears_int8
 
     path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2, vocab=512)
     model = load_model(open_artifact(path), torch.device(DEV), torch.float16)
     if weights == "int4":
         assert quantize_linears_int4(model, True, 128) == 2 * 7
+    if weights == "int8":
+        assert quantize_linears_int8(model, True) == 2 * 7
     model.setup_caches(3, 32)
     torch.manual_seed(0)
     ids = torch.randint(0, 512, (3, 9), device=DEV)
@@ -160,7 +162,7 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
     prepare(model, options.replace(kernels=False), interpreter=True)
     ref = run()
     prepare(model, options, interpreter=True)
-    kind = "int4 skinny" if weights == "int4" else "16-bit skinny"
+    kind = {"int4": "int4 skinny", "int8": "int8 skinny"}.get(weights, "16-bit skinny")
     assert kind in products(model, 3) and kind not in products(model, 33)
     assert rel(run(), ref.double()) < 1e-2
 

@@ -1,7 +1,9 @@
 """int8 weight-only layers through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
 
-Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead, and a
-decode batch of up to 64 rows through its multi-row kernel (kernels.multirow).
+Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead, a
+decode batch of 2 to skinny.LAYER_ROWS 16-bit rows through kernels.skinny (the norm before,
+SwiGLU and the residual folded in), and other batches of up to 64 rows through the multi-row
+kernel (kernels.multirow).
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
@@ -76,6 +78,12 @@ class Int8Kernel(nn.Module, FusedIO):
                      self.glu_out, self.inputs, self.pdl, self.pins)  # batch-1 decode
             y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        rows = self._skinny_rows(x)
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
+            from llamactl.kernels.skinny import skinny_mm
+
+            x2, r2 = self._skinny_io(x, rows, residual)
+            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu, self.scales), x.shape, residual)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS
@@ -98,7 +106,11 @@ class Int8Kernel(nn.Module, FusedIO):
         from llamactl.kernels.multirow import MAX_ROWS
 
         if self.triton:
-            return "int8 GEMV" if rows == 1 else "int8 multirow" if rows <= MAX_ROWS else "int8 dequantize + cuBLAS"
+            if rows == 1:
+                return "int8 GEMV"
+            if self._skinny_takes(rows):
+                return "int8 skinny"
+            return "int8 multirow" if rows <= MAX_ROWS else "int8 dequantize + cuBLAS"
         return "int8 torch int8pack" if self.torch_mm else "int8 dequantize + cuBLAS"
 
 

@@ -75,6 +75,7 @@ class EngineTimes:
     decode_steps: int = 0
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
+    gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Engine._gather)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
         self.prefill_s += seconds
@@ -161,6 +162,10 @@ BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no ro
 # costs the running streams about 60 ms once, and gave 32 streams 2,660 output tok/s against 2,213
 # with 512 (docs/bench/README.md); a CPU takes seconds for that many
 PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
+# From idle, the engine waits while requests keep arriving, each within gather_s of the last, for at
+# most GATHER_SPAN gather_s from the first (a burst then goes through one prefill forward: see
+# Engine._gather). On a GPU by default; on the CPU prompts are prefilled one at a time anyway.
+GATHER_GPU_S, GATHER_SPAN = 0.002, 10
 
 
 class Request:
@@ -201,8 +206,11 @@ class Engine:
 
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
-                 prefill_chunk: int | None = None, world=None, overlap: bool | None = None):
-        """overlap: launch each decode step before handing out the last one's tokens (None: on a
+                 prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
+                 gather_s: float | None = None):
+        """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
+        on a GPU, 0 on the CPU).
+        overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
         action to the other ranks, whose engines only follow() them (every rank computes the same
@@ -234,6 +242,7 @@ class Engine:
         self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self.overlap = gpu if overlap is None else overlap
+        self.gather_s = (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s
         self._staging = Staging(max_batch, self.device)
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._last_read = 0.0
@@ -355,6 +364,8 @@ class Engine:
                 self._cv.wait()
             if self._stopping and self._idle():
                 return False
+            if self.gather_s and not any(self._slots) and self._inflight is None:
+                self._gather()
             joined = self._admit()
         for r in joined:
             self._set_sampling(r)
@@ -372,6 +383,22 @@ class Engine:
     def _idle(self) -> bool:
         """Nothing queued, in a slot or in flight (under self._cv)."""
         return not self._queue and not any(self._slots) and self._inflight is None
+
+    def _gather(self) -> None:
+        """Under self._cv, from idle with a request queued: wait while more arrive, each within
+        gather_s of the last, for at most GATHER_SPAN gather_s from the first, or until the slots
+        are full. The closed-loop clients of a load test (and many real ones) come back together
+        when a batch ends, and their requests reach the engine over a few ms: the first prefilled
+        alone (a forward bound by its launches, which also holds the GIL the HTTP side needs to
+        take the others in) delayed all the others by that forward (docs/bench/README.md)."""
+        t0 = time.perf_counter()
+        end = self._queue[0].arrived + GATHER_SPAN * self.gather_s
+        while not self._stopping and self._queue and len(self._queue) < self.max_batch:
+            left = min(self._queue[-1].arrived + self.gather_s, end) - time.perf_counter()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        self.times.gather_s += time.perf_counter() - t0
 
     def _admit(self) -> list[Request]:
         # under self._cv: first come, first served, into the free slots

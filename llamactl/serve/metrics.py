@@ -35,7 +35,8 @@ class Metrics:
                              ("decode_s", "Seconds in decode steps (each with its host read)."),
                              ("decode_steps", "Decode steps run."),
                              ("decode_rows", "Tokens the decode steps gave to requests."),
-                             ("emit_s", "Seconds handing tokens to callers on the engine's thread.")):
+                             ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
+                             ("gather_s", "Seconds waiting, from idle, for a burst's other requests.")):
             name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
             Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
         self.e2e = Histogram("llamactl_request_latency_seconds", "Arrival to the last token.", buckets=_LATENCY,

@@ -17,6 +17,7 @@ class ServeOptions:
     max_queue: int = 64
     max_seq: int | None = None  # None: the model's context, at most DEFAULT_MAX_SEQ
     prefill_chunk: int | None = None  # None: the engine's default for the device
+    gather_ms: float | None = None  # None: the engine's default for the device (Engine._gather)
     drain_s: float = 30.0
     api_key: str | None = None
     model_name: str | None = None  # None: the model folder's name
@@ -107,7 +108,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             raise InputError(f"--max-seq {serve.max_seq} is longer than the model's context ({ctx})",
                              f"use --max-seq {ctx} or less")
         engine = Engine(m, eos, serve.max_batch, serve.max_queue,
-                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world)
+                        serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world,
+                        gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000)
         for w in engine.decoder.plan.warnings:
             warn(w)
         _warm_up(engine)
