@@ -20,7 +20,7 @@ def _few_configs(monkeypatch):
     if DEV == "cuda":
         from llamactl.kernels import skinny
 
-        for tuned in (skinny._w16_tuned, skinny._w4_tuned):
+        for tuned in (skinny._w16_tuned, skinny._w8_tuned, skinny._w4_tuned):
             monkeypatch.setattr(tuned, "configs", tuned.configs[:2])
 
 
@@ -59,6 +59,56 @@ def test_skinny_products_match_float64(kind, m):
     ref = x.double() @ w.double().t()
     assert got.shape == (m, n) and got.dtype == dt
     assert rel(got.cpu(), ref.cpu()) < 1e-2
+
+
+def _fixed16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as skinny_int8 multiplies it, float64: each row's 128-column block scaled by
+    2^(13 - e), 2^e <= max |x| < 2^(e + 1), rounded to the nearest integer (ties to even), scaled back."""
+    m, k = x.shape
+    blocks = F.pad(x.double(), (0, -k % 128)).view(m, -1, 128)  # [M, B, 128]
+    e = torch.frexp(blocks.abs().amax(-1, keepdim=True))[1] - 1  # [M, B, 1]
+    scale = torch.pow(2.0, (13 - e).double().clamp(max=126))
+    return (torch.round(blocks * scale) / scale).view(m, -1)[:, :k]
+
+
+@pytest.mark.parametrize("m", [3, 17])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_skinny_int8_multiplies_x_in_16_bit_fixed_point(dt, m):
+    """skinny_int8: int8 weights on the integer MMA, x in 16-bit fixed point a 128-column block
+    (the batch-1 GEMVs' int16 inputs) as two int8 operands: the product of that x (float64)
+    within the output's rounding; 200 columns: a partial block; SwiGLU and the residual folded
+    (checked in fp16: the interpreter rounds bf16 by truncation where the GPU rounds to nearest)."""
+    from llamactl.kernels import skinny
+
+    torch.manual_seed(m)
+    n, k = 80, 200
+    x = torch.randn(m, k, device=DEV, dtype=dt)
+    x[0, 5] = 300.0  # one large input: the row's first block's small inputs lose low bits
+    codes = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+    s = torch.rand(n, device=DEV, dtype=torch.bfloat16) * 0.01
+    w = codes.double() * s.double()[:, None]
+    got = skinny.skinny_int8(x, codes, s)
+    assert got.shape == (m, n) and got.dtype == dt
+    assert rel(got.cpu(), (_fixed16(x.cpu()) @ w.cpu().t())) < 1e-2
+    if dt != torch.float16:
+        return
+    h = torch.randn(m, 2 * k, device=DEV, dtype=dt)
+    r = torch.randn(m, n, device=DEV, dtype=dt)
+    folded = skinny.skinny_int8(h, codes, s, r, glu=True)
+    assert torch.equal(folded, r + skinny.skinny_int8(F.silu(h[:, :k]) * h[:, k:], codes, s))
+
+
+def test_skinny_int8_drops_inputs_under_its_fixed_point():
+    """An input under 2^-14 of its block's largest is rounded to zero (the float path keeps it)."""
+    from llamactl.kernels import skinny
+
+    x = torch.full((2, 128), 0.01, device=DEV, dtype=torch.bfloat16)
+    x[:, 0] = 1024.0  # scale 2^(13 - 10): 0.01 * 8 rounds to 0
+    codes = torch.ones(32, 128, device=DEV, dtype=torch.int8)
+    codes[:, 0] = 0
+    s = torch.ones(32, device=DEV, dtype=torch.bfloat16)
+    assert float(skinny.skinny_mm(x, codes, scales=s).float().abs().min()) > 1.2
+    assert float(skinny.skinny_int8(x, codes, s).float().abs().max()) == 0.0
 
 
 @pytest.mark.parametrize("kind", ["fp16", "int4"])

@@ -24,9 +24,15 @@ split-K kernel's float32 atomics do) and no zeroing or conversion kernel runs ar
 The counters are one int32 tensor a device, left at zero by every launch (so launches on one
 device must not overlap: one stream at a time, as the decode step and the server run them).
 
-int8 weights (per-row scales) take the 16-bit kernel: their codes are exact in bf16 and fp16, and
-each row's scale multiplies its float32 sums (kernels.multirow's rounding). Not yet routed from
-the int8 layers: to be measured against the multirow kernel first (scripts/skinny_probe.py).
+int8 weights (per-row scales) take the 16-bit kernel (their codes are exact in bf16 and fp16,
+converted in registers; each row's scale multiplies its float32 sums, kernels.multirow's
+rounding), or skinny_int8: the weights go to the int8 MMA as they are, with no conversion, and x
+is the batch-1 GEMVs' 16-bit fixed point (kernels.int16_inputs), split into two int8 operands.
+Each row's 128-column block is scaled by 2^(13 - e), 2^e <= max |x| < 2^(e + 1), and rounded to
+v (|v| <= 2^14): inputs within 2^6 of the block's largest are exact in bf16, smaller ones rounded
+to 2^-14 of the largest (bf16 itself rounds the largest to 2^-9 of it). v = 256 hi + lo with hi,
+lo int8; the two int32 dots, 256 dot(w, hi) + dot(w, lo), are exact, and one float scale a block
+and row, 2^(e - 13), takes them to float32. The scale blocks are 128 columns whatever the tile.
 
 Epilogue: y rounded to x's dtype, then (RES) a residual added and rounded again (PyTorch's
 residual + linear(x)). GLU: x is a fused [gate; up] output [M, 2K], and silu(gate) * up (PyTorch's
@@ -40,6 +46,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import interpreted
+from llamactl.kernels.int8_inputs import _round
 
 MAX_ROWS = 64
 # the most rows the layers give these products: at 64, cuBLAS was faster for 16-bit layers, and
@@ -163,6 +170,47 @@ def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, S
 
 
 @triton.jit
+def _fixed16(xt, F32: tl.constexpr):
+    # xt [128, BM] 16-bit -> (hi, lo) int8 [128, BM] and down [BM] float32: each row's block in
+    # fixed point, x ~ (256 hi + lo) down (the module's docstring)
+    amax = tl.max(tl.abs(xt.to(tl.float32)), axis=0)  # [BM]
+    e_bits = tl.maximum(amax.to(tl.int32, bitcast=True) & 0x7F800000, 14 << 23)  # e + 127, at least 14
+    down = (e_bits - (13 << 23)).to(tl.float32, bitcast=True)  # 2^(e - 13)
+    up = (0x7F000000 - e_bits + (13 << 23)).to(tl.float32, bitcast=True)  # 2^(13 - e)
+    v = _round(xt.to(tl.float32), up[None, :], not F32)  # [128, BM] int32, |v| <= 2^14
+    hi = (v + 128) >> 8  # [-64, 64]
+    return hi.to(tl.int8), (v - hi * 256).to(tl.int8), down
+
+
+@triton.jit
+def _idot(w, xt, F32: tl.constexpr):
+    # w [BN, BK] int8, xt [BK, BM] int8 -> [BN, BM] int32 (F32: as float32 dots of the integers, exact)
+    if F32:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee").to(tl.int32)
+    return tl.dot(w, xt, out_dtype=tl.int32)
+
+
+@triton.jit
+def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
+               F32: tl.constexpr = False):
+    # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] int8, s: [N] its rows' scales -> y: [M, N]; program
+    # (n block, k share) of K's 128-column blocks; x in 16-bit fixed point, two int8 dots a block
+    pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, tl.cdiv(K, 128), SPLIT, BLOCK_M, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
+    for b in range(first, end):
+        kk = b * 128 + tl.arange(0, 128)  # [128]
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, 128] int8
+        hi, lo, down = _fixed16(_x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), F32)  # [128, BM] x2, [BM]
+        d = _idot(w, hi, F32) * 256 + _idot(w, lo, F32)  # [BN, BM] int32, exact
+        acc += d.to(tl.float32) * down[None, :]
+    acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
+
+
+@triton.jit
 def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
                GLU: tl.constexpr, JOIN: tl.constexpr = True, F32: tl.constexpr = False):
@@ -221,6 +269,12 @@ def _configs16():
             for sp in (1, 2, 4, 8)]
 
 
+def _configs8():
+    return [triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
+            for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3))
+            for sp in (1, 2, 4, 8)]
+
+
 def _configs4():
     return [triton.Config({"BLOCK_N": bn, "SPLIT": sp, "JOIN": join}, num_warps=w, num_stages=st)
             for bn, w, st in ((64, 4, 3), (128, 4, 3), (128, 8, 4))
@@ -229,6 +283,8 @@ def _configs4():
 
 _w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "W8"],
                              cache_results=True)(_w16_kernel)
+_w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
+                            cache_results=True)(_w8_kernel)
 _w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
                             cache_results=True)(_w4_kernel)
 
@@ -289,8 +345,24 @@ def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                    {"G": group_size})
 
 
+@torch.library.custom_op("llamactl::skinny_int8", mutates_args=())
+def skinny_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None,
+                glu: bool = False) -> torch.Tensor:
+    """x: [M, K] 16-bit (glu: [M, 2K]) in 16-bit fixed point a 128-column block, w: [N, K] int8,
+    scales [N] -> (x w^T) scales (+ residual): [M, N] on the int8 MMA, M <= MAX_ROWS."""
+    n, k = w.shape
+    if w.dtype != torch.int8:
+        raise ValueError(f"skinny_int8: int8 weights, not {w.dtype}")
+    return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {})
+
+
 @skinny_mm.register_fake
 def _(x, w, residual=None, glu=False, scales=None):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@skinny_int8.register_fake
+def _(x, w, scales, residual=None, glu=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 

@@ -1,9 +1,10 @@
 """int8 weight-only layers through PyTorch's `_weight_int8pack_mm` (per-output-channel scales).
 
-Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead, a
-decode batch of 2 to skinny.LAYER_ROWS 16-bit rows through kernels.skinny (the norm before,
-SwiGLU and the residual folded in), and other batches of up to 64 rows through the multi-row
-kernel (kernels.multirow).
+Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead; a
+decode batch of 2 to skinny.LAYER_ROWS 16-bit rows with int16 inputs (the GEMV's default) through
+skinny_int8 (the weights on the integer MMA as they are, x in the GEMV's 16-bit fixed point; the
+norm before, SwiGLU and the residual folded in); other batches of up to 64 rows through the
+multi-row kernel (kernels.multirow).
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
@@ -68,6 +69,9 @@ class Int8Kernel(nn.Module, FusedIO):
         bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods])
         return cls(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].triton)
 
+    def _skinny_takes(self, rows: int) -> bool:
+        return self.inputs == "int16" and super()._skinny_takes(rows)  # skinny_int8's x: the GEMV's int16 inputs
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         if self.triton and x.numel() == self._input_width():
@@ -80,10 +84,10 @@ class Int8Kernel(nn.Module, FusedIO):
             return y if self.bias is None else y + self.bias.to(y.dtype)
         rows = self._skinny_rows(x)
         if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
-            from llamactl.kernels.skinny import skinny_mm
+            from llamactl.kernels.skinny import skinny_int8
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu, self.scales), x.shape, residual)
+            return self._skinny_out(skinny_int8(x2, self.weight, self.scales, r2, self.glu), x.shape, residual)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS
