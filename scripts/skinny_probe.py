@@ -1,11 +1,12 @@
 """The swapped-operand products (kernels.skinny) against cuBLAS and what a decode batch runs
 today, per llama2-7b layer shape and rows (GPU).
 
-Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o] [--kinds w16,int8,int4]. For each shape (N,
+Usage: python scripts/skinny_probe.py OUT.json [--rows 2,8,32] [--layers qkv,o] [--kinds w16,int8,int4,int4i8]. For each shape (N,
 K) and rows M, device us a call (calls in a CUDA graph, multirow_probe.timed) and GB/s of weight
 bytes: cublas_bf16, skinny_mm (16-bit), skinny_mm_res (with the residual added; o and down),
-multirow_int8 and skinny_int8 (int8 per-row scales),
-multirow_int4 (the split-K kernel), skinny_int4, tinygemm (torch's int4). Errors against float64
+multirow_int8, skinny_int8 (int8 per-row scales, the 16-bit MMA) and skinny_int8_mma (the int8 MMA),
+multirow_int4 (the split-K kernel), skinny_int4, tinygemm (torch's int4); int4i8: skinny_int4_i8
+(the codes on the int8 MMA). Errors against float64
 once a shape, and whether 50 replays of a graph of the split kernels give the same bits.
 """
 
@@ -28,6 +29,16 @@ G = 128
 
 def err(got, ref):
     return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def fixed16(x):
+    """x [M, K] as skinny_int8 and skinny_int4_i8 multiply it (float64): each row's 128-column
+    block scaled by 2^(13 - e), 2^e <= max |x| < 2^(e + 1), rounded, scaled back."""
+    m, k = x.shape
+    blocks = F.pad(x.double(), (0, -k % 128)).view(m, -1, 128)
+    e = torch.frexp(blocks.abs().amax(-1, keepdim=True))[1] - 1
+    scale = torch.pow(2.0, (13 - e).double().clamp(max=126))
+    return (torch.round(blocks * scale) / scale).view(m, -1)[:, :k]
 
 
 def replays_agree(fn):
@@ -83,6 +94,11 @@ def main(out, rows_probed, layers, kinds):
                 c["skinny_int4"] = err(skinny.skinny_int4(x, q, s, z, G), x.double() @ wq.t())
                 c["multirow_int4"] = err(multirow_int4(x, q, s, z, G), x.double() @ wq.t())
                 c["replays_agree_int4"] = replays_agree(lambda: skinny.skinny_int4(x, q, s, z, G))
+            if "int4i8" in kinds:  # against its own x: 16-bit fixed point a 128-column block
+                xf = fixed16(x)
+                c["skinny_int4_i8"] = err(skinny.skinny_int4_i8(x, q, s, z, G), xf @ wq.t())
+                c["skinny_int4_i8_vs_float_x"] = err(skinny.skinny_int4_i8(x, q, s, z, G), x.double() @ wq.t())
+                c["replays_agree_int4_i8"] = replays_agree(lambda: skinny.skinny_int4_i8(x, q, s, z, G))
             checks.append(c)
             print(json.dumps(c), flush=True)
         for m in rows_probed:
@@ -97,19 +113,25 @@ def main(out, rows_probed, layers, kinds):
             if "int8" in kinds:
                 t["multirow_int8"] = timed(lambda: multirow_mm(x, w8, s8))
                 t["skinny_int8"] = timed(lambda: skinny.skinny_mm(x, w8, scales=s8))
+                t["skinny_int8_mma"] = timed(lambda: skinny.skinny_int8(x, w8, s8))
             if "int4" in kinds:
                 t["multirow_int4"] = timed(lambda: multirow_int4(x, q, s, z, G))
                 t["skinny_int4"] = timed(lambda: skinny.skinny_int4(x, q, s, z, G))
                 t["tinygemm"] = timed(lambda: torch.ops.aten._weight_int4pack_mm(x, tg, G, sz))
-            for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int8", 1), ("skinny_int8", 1),
-                           ("multirow_int4", 0.5), ("skinny_int4", 0.5)):
+            if "int4i8" in kinds:
+                t["skinny_int4_i8"] = timed(lambda: skinny.skinny_int4_i8(x, q, s, z, G))
+                if "int4" not in kinds:
+                    t["skinny_int4"] = timed(lambda: skinny.skinny_int4(x, q, s, z, G))
+            for key, b in (("cublas_bf16", 2), ("skinny_mm", 2), ("multirow_int8", 1), ("skinny_int8", 1), ("skinny_int8_mma", 1),
+                           ("multirow_int4", 0.5), ("skinny_int4", 0.5), ("skinny_int4_i8", 0.5)):
                 if key in t:
                     t[key + "_GBps"] = n * k * b / t[key] / 1e3
             rows.append(t)
             print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in t.items()}), flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "checks": checks, "rows": rows, "tuned_mm": tuned(skinny._w16_tuned),
-               "tuned_int4": tuned(skinny._w4_tuned)}, open(out, "w"), indent=1)
+               "tuned_int4": tuned(skinny._w4_tuned), "tuned_int4_i8": tuned(skinny._w4i8_tuned),
+               "tuned_int8": tuned(skinny._w8_tuned)}, open(out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def _few_configs(monkeypatch):
     if DEV == "cuda":
         from llamactl.kernels import skinny
 
-        for tuned in (skinny._w16_tuned, skinny._w8_tuned, skinny._w4_tuned):
+        for tuned in (skinny._w16_tuned, skinny._w8_tuned, skinny._w4_tuned, skinny._w4i8_tuned):
             monkeypatch.setattr(tuned, "configs", tuned.configs[:2])
 
 
@@ -96,6 +96,35 @@ def test_skinny_int8_multiplies_x_in_16_bit_fixed_point(dt, m):
     r = torch.randn(m, n, device=DEV, dtype=dt)
     folded = skinny.skinny_int8(h, codes, s, r, glu=True)
     assert torch.equal(folded, r + skinny.skinny_int8(F.silu(h[:, :k]) * h[:, k:], codes, s))
+
+
+@pytest.mark.parametrize("m,g", [(3, 128), (17, 256)])
+def test_skinny_int4_i8_multiplies_codes_on_the_int8_mma(m, g):
+    """skinny_int4_i8: int4 codes as int8 MMA operands (even columns c, odd ones 16 (c - 8)), x in
+    skinny_int8's 16-bit fixed point: the product of that x (float64) within the output's rounding,
+    including a large input that rounds its block's small ones; SwiGLU and the residual folded
+    (fp16, as above)."""
+    from llamactl.kernels import skinny
+
+    torch.manual_seed(m)
+    n, k = 80, 512
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    x[0, 5] = 300.0
+    q, s, z, w = _int4(n, k, g)
+    z[0] = 15  # the largest zero point: dot(code - zero, v) stays exact in int32
+    w = (_unpack(q).double() - z.double().repeat_interleave(g, 1)) * s.double().repeat_interleave(g, 1)
+    got = skinny.skinny_int4_i8(x, q, s, z, g)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert rel(got.cpu(), _fixed16(x.cpu()) @ w.cpu().t()) < 1e-2
+    h = torch.randn(m, 2 * k, device=DEV, dtype=torch.float16)
+    r = torch.randn(m, n, device=DEV, dtype=torch.float16)
+    folded = skinny.skinny_int4_i8(h, q, s, z, g, r, glu=True)
+    assert torch.equal(folded, r + skinny.skinny_int4_i8(F.silu(h[:, :k]) * h[:, k:], q, s, z, g))
+
+
+def _unpack(q: torch.Tensor) -> torch.Tensor:
+    """kernels.gemv's int32 words [N, K // 8] -> codes [N, K] (nibble j of word i: column 8 i + j)."""
+    return torch.stack([(q >> (4 * j)) & 0xF for j in range(8)], dim=-1).reshape(q.shape[0], -1)
 
 
 def test_skinny_int8_drops_inputs_under_its_fixed_point():

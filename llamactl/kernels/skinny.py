@@ -66,17 +66,20 @@ def _counter(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 @triton.jit
-def _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr):
-    # x^T's tile [BK, BM]: x [M, K] (GLU: h [M, 2K], silu(gate) * up with PyTorch's roundings)
+def _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr, ROWS: tl.constexpr = False):
+    # x^T's tile [BK, BM] (ROWS: x's [BM, BK]): x [M, K] (GLU: h [M, 2K], silu(gate) * up with
+    # PyTorch's roundings)
+    if ROWS:
+        offs, ok = rm.to(tl.int64)[:, None] * (2 * K if GLU else K) + kk[None, :], m_ok[:, None] & k_ok[None, :]
+    else:
+        offs, ok = rm.to(tl.int64)[None, :] * (2 * K if GLU else K) + kk[:, None], m_ok[None, :] & k_ok[:, None]
     if GLU:
-        g = tl.load(x_ptr + rm.to(tl.int64)[None, :] * (2 * K) + kk[:, None], mask=m_ok[None, :] & k_ok[:, None],
-                    other=0.0)
-        u = tl.load(x_ptr + rm.to(tl.int64)[None, :] * (2 * K) + K + kk[:, None], mask=m_ok[None, :] & k_ok[:, None],
-                    other=0.0)
+        g = tl.load(x_ptr + offs, mask=ok, other=0.0)
+        u = tl.load(x_ptr + offs + K, mask=ok, other=0.0)
         gf = g.to(tl.float32)
         silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    return tl.load(x_ptr + rm.to(tl.int64)[None, :] * K + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+    return tl.load(x_ptr + offs, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -170,16 +173,30 @@ def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, S
 
 
 @triton.jit
-def _fixed16(xt, F32: tl.constexpr):
-    # xt [128, BM] 16-bit -> (hi, lo) int8 [128, BM] and down [BM] float32: each row's block in
-    # fixed point, x ~ (256 hi + lo) down (the module's docstring)
-    amax = tl.max(tl.abs(xt.to(tl.float32)), axis=0)  # [BM]
+def _scales16(amax):
+    # amax [BM] float32, the largest |x| of each row's block -> (up, down) [BM] float32: 2^(13 - e)
+    # and 2^(e - 13), 2^e <= amax < 2^(e + 1) (e at least -113)
     e_bits = tl.maximum(amax.to(tl.int32, bitcast=True) & 0x7F800000, 14 << 23)  # e + 127, at least 14
-    down = (e_bits - (13 << 23)).to(tl.float32, bitcast=True)  # 2^(e - 13)
-    up = (0x7F000000 - e_bits + (13 << 23)).to(tl.float32, bitcast=True)  # 2^(13 - e)
-    v = _round(xt.to(tl.float32), up[None, :], not F32)  # [128, BM] int32, |v| <= 2^14
+    return (0x7F000000 - e_bits + (13 << 23)).to(tl.float32, bitcast=True), (e_bits - (13 << 23)).to(
+        tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split16(xt, up, F32: tl.constexpr):
+    # xt [BK, BM] 16-bit, up [BM] -> (hi, lo) int8 [BK, BM] and the sums of v [BM] int32: v = x up
+    # rounded (|v| <= 2^14) = 256 hi + lo
+    v = _round(xt.to(tl.float32), up[None, :], not F32)  # [BK, BM] int32
     hi = (v + 128) >> 8  # [-64, 64]
-    return hi.to(tl.int8), (v - hi * 256).to(tl.int8), down
+    return hi.to(tl.int8), (v - hi * 256).to(tl.int8), tl.sum(v, axis=0)
+
+
+@triton.jit
+def _fixed16(xt, F32: tl.constexpr):
+    # xt [128, BM] 16-bit -> (hi, lo) int8 [128, BM], down [BM] float32 and the sums of v [BM]
+    # int32: each row's block in fixed point, x ~ v down, v = 256 hi + lo (the module's docstring)
+    up, down = _scales16(tl.max(tl.abs(xt.to(tl.float32)), axis=0))
+    hi, lo, vsum = _split16(xt, up, F32)
+    return hi, lo, down, vsum
 
 
 @triton.jit
@@ -203,7 +220,7 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SP
         kk = b * 128 + tl.arange(0, 128)  # [128]
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, 128] int8
-        hi, lo, down = _fixed16(_x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), F32)  # [128, BM] x2, [BM]
+        hi, lo, down, _ = _fixed16(_x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), F32)  # [128, BM] x2, [BM]
         d = _idot(w, hi, F32) * 256 + _idot(w, lo, F32)  # [BN, BM] int32, exact
         acc += d.to(tl.float32) * down[None, :]
     acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -262,6 +279,42 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
+@triton.jit
+def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
+                 GLU: tl.constexpr, F32: tl.constexpr = False):
+    # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 2] uint8, kernels.gemv's int32 words as bytes
+    # (byte t: column 2t in its low nibble, 2t + 1 in its high), s: [N, K // G] fp16, z: [N, K // G]
+    # uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k share) of K's 128-column blocks.
+    # The even columns' codes are the bytes AND 0x0F, the odd ones' 16 (code - 8) = the bytes XOR
+    # 0x80 AND 0xF0 as int8 (one logical operation on four bytes), both int8 MMA operands as they
+    # are; x's block in skinny_int8's 16-bit fixed point (v = 256 hi + lo, its even and odd columns
+    # apart). dot(code - zero, v) = dot(c_even, v_even) + dot(16 (c_odd - 8), v_odd) / 16
+    # + 8 sum(v_odd) - zero sum(v), exact in int32; then times 2^(e - 13) and the group's scale
+    # (float32), once a block and row.
+    pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for b in range(first, end):
+        q = tl.load(w_rows + (b * 64 + tl.arange(0, 64))[None, :], mask=n_ok[:, None], other=0)  # [BN, 64] uint8
+        g = b * 128 // G
+        s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
+        z = tl.load(z_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0).to(tl.int32)  # [BN]
+        even = (q & 0x0F).to(tl.int8, bitcast=True)  # [BN, 64]
+        odd = ((q ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)  # [BN, 64]
+        kk = b * 128 + tl.arange(0, 128)  # [128]
+        xr = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU, ROWS=True)  # [BM, 128]
+        up, down = _scales16(tl.max(tl.abs(xr.to(tl.float32)), axis=1))  # [BM] x2
+        xe, xo = tl.split(tl.reshape(xr, (BLOCK_M, 64, 2)))  # [BM, 64] x2
+        he, le, se = _split16(tl.trans(xe), up, F32)  # [64, BM] x2, [BM]
+        ho, lo, so = _split16(tl.trans(xo), up, F32)
+        do = _idot(odd, ho, F32) * 256 + _idot(odd, lo, F32)  # [BN, BM]: 16 dot(c_odd - 8, v_odd)
+        d = (_idot(even, he, F32) * 256 + _idot(even, le, F32) + (do >> 4)
+             + 8 * so[None, :] - z[:, None] * (se + so)[None, :])  # dot(c - z, v): exact
+        acc += d.to(tl.float32) * down[None, :] * s[:, None]
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
+
+
 def _configs16():
     # the shapes the H200 chose among 24 for llama2-7b's layers at 8-32 rows (scripts/skinny_probe.py)
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": sp}, num_warps=w, num_stages=st)
@@ -269,10 +322,10 @@ def _configs16():
             for sp in (1, 2, 4, 8)]
 
 
-def _configs8():
+def _configs8(most_split: int = 8):
     return [triton.Config({"BLOCK_N": bn, "SPLIT": sp}, num_warps=w, num_stages=st)
             for bn, w, st in ((64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 3))
-            for sp in (1, 2, 4, 8)]
+            for sp in (1, 2, 4, 8, 16) if sp <= most_split]
 
 
 def _configs4():
@@ -285,6 +338,8 @@ _w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RE
                              cache_results=True)(_w16_kernel)
 _w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
                             cache_results=True)(_w8_kernel)
+_w4i8_tuned = triton.autotune(configs=_configs8(16), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
+                              cache_results=True)(_w4i8_kernel)
 _w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
                             cache_results=True)(_w4_kernel)
 
@@ -356,6 +411,18 @@ def skinny_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, residual
     return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {})
 
 
+@torch.library.custom_op("llamactl::skinny_int4_i8", mutates_args=())
+def skinny_int4_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """skinny_int4's product on the int8 MMA: the codes as they are, x in skinny_int8's 16-bit
+    fixed point a 128-column block -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    if group_size % 128 or k % group_size:
+        raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
+    return _launch(_w4i8_kernel, _w4i8_tuned, _rows(x, k, glu), (qweight.view(torch.uint8), scales, zeros), n, k,
+                   residual, glu, {"G": group_size})
+
+
 @skinny_mm.register_fake
 def _(x, w, residual=None, glu=False, scales=None):
     return x.new_empty(x.shape[0], w.shape[0])
@@ -367,5 +434,10 @@ def _(x, w, scales, residual=None, glu=False):
 
 
 @skinny_int4.register_fake
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@skinny_int4_i8.register_fake
 def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
     return x.new_empty(x.shape[0], qweight.shape[0])

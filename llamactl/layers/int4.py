@@ -202,7 +202,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     Single rows run the int4 GEMV (reads 4 bits a weight); a decode batch reads the weights once
     for all rows: 2 to skinny.LAYER_ROWS rows of a fusable layer with groups of a multiple of 128
-    on kernels.skinny (the norm before, SwiGLU and the residual folded in), else up to
+    on kernels.skinny (the norm before, SwiGLU and the residual folded in; with int16 inputs, the
+    GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
     batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
     """
@@ -265,10 +266,11 @@ class TritonInt4Linear(nn.Module, FusedIO):
             return y.view(*x.shape[:-1], self._output_width())
         rows = self._skinny_rows(x)
         if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
-            from llamactl.kernels.skinny import skinny_int4
+            from llamactl.kernels.skinny import skinny_int4, skinny_int4_i8
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            y = skinny_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
+            product = skinny_int4_i8 if self.inputs == "int16" else skinny_int4
+            y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
             return self._skinny_out(y, x.shape, residual)
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:
@@ -294,7 +296,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         if rows == 1:
             return "int4 GEMV"
         if self._skinny_takes(rows):
-            return "int4 skinny"
+            return "int4 skinny int8 MMA" if self.inputs == "int16" else "int4 skinny"
         if rows <= int4_rows(self.group_size):
             return "int4 split-K" if splitk_takes(self.group_size) else "int4 multirow"
         return "int4 dequantize + cuBLAS"
