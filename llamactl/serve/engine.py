@@ -322,8 +322,14 @@ class Engine:
             for s in range(self.pad_to, min(self.prefill_chunk, self.max_seq) + 1, self.pad_to):
                 self.decoder.prefill(torch.zeros(1, s, dtype=torch.long, device=self.device), slot=0, valid=s)
             if self.batch_prefill and self.max_batch > 1:
+                # two short prompts, and a burst of every slot (2 x pad_to tokens each, at most
+                # BATCH_PREFILL_TOKENS): its first time through the burst's kernels at thousands of
+                # tokens cost the first burst of 32 streams 240 ms (docs/bench/README.md, 2026-12-04)
                 s = min(self.pad_to, self.max_seq)
                 self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long, device=self.device), [0, 1], [s, s])
+                s = min(2 * self.pad_to, self.max_seq)
+                k = max(2, min(self.max_batch, BATCH_PREFILL_TOKENS // s))
+                self.decoder.prefill_slots(torch.zeros(k, s, dtype=torch.long, device=self.device), list(range(k)), [s] * k)
             torch.cuda.synchronize(self.device)
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
