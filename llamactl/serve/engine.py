@@ -164,9 +164,10 @@ BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no ro
 PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
 # From idle, the engine waits while requests keep arriving, each within gather_s of the last, for at
 # most GATHER_SPAN gather_s from the first (a burst then goes through one prefill forward: see
-# Engine._gather). On a GPU by default; on the CPU prompts are prefilled one at a time anyway. 5 ms:
-# the lowest p95 TTFT of 0, 2 and 5 at 32 streams on an H200 (docs/bench/README.md, 2026-12-04).
-GATHER_GPU_S, GATHER_SPAN = 0.005, 10
+# Engine._gather). On a GPU by default; on the CPU prompts are prefilled one at a time anyway. 10 ms:
+# at 32 streams on an H200, 0, 2 and 5 ms split a wave's burst (p95 TTFT 440, 221, 205 ms), 10 and
+# 20 took it whole (195 ms both), 20 costing a lone request 10 ms more (docs/bench/README.md).
+GATHER_GPU_S, GATHER_SPAN = 0.010, 10
 
 
 class Request:
