@@ -6,7 +6,9 @@
 # it said "serving" (first uses that its warm-up missed), then the GPU tests named (`-k`; "-":
 # none). Each part has a time limit. Files: gpu.txt, batch.json, [prof.json,] serve-QUANT.json,
 # log.txt, tests.txt.
-# Usage: [REQUESTS=64] [PROFILE=1] bash scripts/gpu_serve.sh OUTDIR [pytest -k expression | -]
+# Usage: [REQUESTS=64] [PROFILE=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
+#        [MAX_SEQ=512] bash scripts/gpu_serve.sh OUTDIR [pytest -k expression | -]
+# (MAX_SEQ: a slot's tokens, as `bench --serve` sizes them for 128 + 256: 2 x 128 + 256)
 # Needs starlette and uvicorn there: carry .whl (see scripts/README.md).
 set -uo pipefail
 out=${1:?usage: gpu_serve.sh OUTDIR}; tests=${2:-served or own_positions}
@@ -17,13 +19,13 @@ load="--prompt-len 128 --gen-len 256"
 md() { python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }
 compiled() { find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name "*.json" ! -name "*autotune*" ! -name "__grp__*" \
   -printf "%P\n" 2>/dev/null | sort -u; }
-timeout 240 python -m llamactl bench $common $load --synthetic-quant none,int4,int8 --mode graphs --batch 1,8,32 \
+timeout 240 python -m llamactl bench $common $load --synthetic-quant "${BATCH_QUANT:-none,int4,int8}" --mode graphs --batch "${BATCH:-1,8,32}" \
   --warmup 1 --repeat 3 --format json -o "$out/batch.json" > /dev/null 2>> "$log" || tail -5 "$log"
 [ -f "$out/batch.json" ] && md "$out/batch.json"
 [ "${PROFILE:-0}" = 1 ] && timeout 90 python scripts/step_profile.py "$out/prof.json" --batch 1,8,32 2>&1 | tee -a "$log"
-for q in none int4; do
+for q in ${QUANTS:-none int4}; do
   srv="/tmp/srv-$q.err"
-  python -m llamactl serve $common --synthetic-quant $q --max-batch 32 --max-seq 640 --port 0 > /dev/null 2> "$srv" &
+  python -m llamactl serve $common --synthetic-quant $q --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
   pid=$!
   for _ in $(seq 1 300); do grep -q "serving" "$srv" && break; sleep 1; done
   url=$(grep -o "http://[0-9.:]*" "$srv" | head -1)

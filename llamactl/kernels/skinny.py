@@ -151,7 +151,7 @@ def _program(M, N, blocks, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
     return pid_n, pid_k, rm, rn, rm < M, rn < N, pid_k * per, tl.minimum(blocks, (pid_k + 1) * per)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr,
                 GLU: tl.constexpr, W8: tl.constexpr = False, F32: tl.constexpr = False):
@@ -207,7 +207,7 @@ def _idot(w, xt, F32: tl.constexpr):
     return tl.dot(w, xt, out_dtype=tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
                F32: tl.constexpr = False):
@@ -227,7 +227,7 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SP
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
                GLU: tl.constexpr, JOIN: tl.constexpr = True, F32: tl.constexpr = False):
@@ -279,7 +279,7 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
                  GLU: tl.constexpr, F32: tl.constexpr = False):
