@@ -42,6 +42,24 @@ def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps):
         assert rel(attention._attend(q, k, v, p, None, min_chunk, block_s, warps).cpu(), ref.double().cpu()) < 5e-3
 
 
+@pytest.mark.parametrize("rep,min_chunk,stages", [(1, 64, None), (2, 512, 2), (1, 1024, 1)])
+def test_decode_attention_in_registers_matches_softmax(rep, min_chunk, stages):
+    """Below dot_min_rows query rows a KV head the split kernel multiplies and sums in registers
+    (no tensor-core tile padded to 16 rows): the same attention, rows at their own positions, with
+    splits and merged or one split over the cache."""
+    torch.manual_seed(rep + min_chunk)
+    b, kv, d, max_seq = 3, 2, 64, 700
+    q = torch.randn(b, kv, rep, d, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    pos = torch.tensor([0, 699, 64], device=DEV)
+    out = attention._attend(q, k, v, pos, None, min_chunk, dot_min_rows=rep + 1, stages=stages)
+    for i, p_ in enumerate(pos.tolist()):
+        keys, vals = k[i, :, : p_ + 1].double(), v[i, :, : p_ + 1].double()
+        ref = torch.softmax(q[i].double() @ keys.transpose(-1, -2) / d**0.5, -1) @ vals
+        assert rel(out[i].cpu(), ref.cpu()) < 5e-3, i
+
+
 def test_plan_covers_the_cache_with_few_power_of_two_splits():
     for s in (1, 64, 255, 256, 700, 4096, 16640, 131072):
         for min_chunk in (32, 64, 512):
