@@ -84,9 +84,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--max-seq", type=int, default=320)
     a = ap.parse_args()
-    runs = [probe(shape, int(b), a.ctx, a.max_seq) for shape in SHAPES for b in a.batch.split(",")]
-    with open(a.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": runs}, f, indent=1)
+    runs = []
+    for shape in SHAPES:
+        for b in a.batch.split(","):
+            runs.append(probe(shape, int(b), a.ctx, a.max_seq))
+            with open(a.out, "w") as f:  # after each run: a time limit keeps what was measured
+                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
