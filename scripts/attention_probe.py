@@ -1,8 +1,7 @@
 """The decode attention of a batched step (issue 20), variant by variant, on the GPU: llama2-7b's
 (32 KV heads, one query row each) and llama3-8b's (8 KV heads, 4 query rows each) at each batch,
 every row at its own position near CTX in a MAX_SEQ cache, as the server steps. Each launch plan
-of kernels.attention._attend (tensor-core dots or registers, positions a tile, warps, pipelining
-stages, smallest chunk) is timed in a CUDA graph over enough cache copies that L2 cannot serve
+of kernels.attention._attend (positions a tile, warps, pipelining stages) is timed in a CUDA graph over enough cache copies that L2 cannot serve
 them, checked against float64, and put beside the default plan: GB/s counts the K/V bytes read.
 
 Usage: python scripts/attention_probe.py OUT.json [--batch 1,8,32] [--ctx 256] [--max-seq 320]
@@ -46,11 +45,8 @@ def reference(q, k, v, pos) -> torch.Tensor:
 def variants():
     """(name, _attend keyword arguments): the default first."""
     yield "default", {}
-    for dot, block_s, warps, stages in itertools.product((True, False), (16, 32, 64), (4, 8), (1, 2, 3)):
-        if dot and block_s < 32:
-            continue
-        yield (f"{'dots' if dot else 'registers'} tile {block_s} warps {warps} stages {stages}",
-               {"dot_min_rows": 1 if dot else 1 << 20, "block_s": block_s, "warps": warps, "stages": stages})
+    for block_s, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)):
+        yield f"tile {block_s} warps {warps} stages {stages}", {"block_s": block_s, "warps": warps, "stages": stages}
 
 
 def probe(shape: str, b: int, ctx: int, max_seq: int) -> dict:

@@ -102,10 +102,6 @@ def cases():
         yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,
                dict(R=r, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
                     PRECISION="tf32", PDL=pdl))
-    for rope, row_pos, splits in itertools.product([False, True], [False, True], [8, 1]):  # in registers, one query row
-        yield (f"decode attention in registers rope={rope} row_pos={row_pos} splits={splits}", attention._split_kernel,
-               ATTN, dict(R=1, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=128, BLOCK_R=1, BLOCK_S=64, ROPE=rope,
-                          PRECISION="tf32", PDL=True, HKV=32, ROW_POS=row_pos, DOT=False))
     rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32"}
     for kind, w_type, s_type in ((multirow.W16, "*bf16", "*bf16"), (multirow.W8, "*i8", "*bf16"),

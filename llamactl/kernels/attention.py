@@ -24,12 +24,11 @@ from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 
 MAX_SPLITS = 64
 MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)
-# Query rows a KV head from which a tile's scores and sums are tensor-core dots (the tile padded
-# to 16 rows); fewer rows (multi-head attention's one) are multiplied and summed in registers,
-# with no shared-memory operands. 1: always dots, as measured so far; whether registers read a
-# batch's cache faster (at 32 rows of llama2-7b the split kernel reads 1.6 TB/s) is to be timed
-# (scripts/kernel_probe.py --sweep attention).
-DOT_MIN_ROWS = 1
+# Triton's software-pipelining depth of the split kernel's loop: 2 read a batch's cache 10-11%
+# faster than its default 3 (llama2-7b's heads at 8 rows, llama3-8b's at 32) and as fast at 1 row
+# and elsewhere; summing in registers instead of tensor-core dots was 1.3-3.9x slower
+# (scripts/attention_probe.py, docs/bench/README.md, 2026-12-04)
+STAGES = 2
 
 
 @triton.jit
@@ -45,8 +44,7 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                  HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False,
-                  DOT: tl.constexpr = True):
+                  HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False):
     # q: [BH, R, D], k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV at its own; cos/sin
     # then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
     # one split (SPLITS == 1): the program holds the whole softmax and stores o: [BH, R, D] itself (no merge kernel)
@@ -54,7 +52,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
     # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
-    # DOT: scores and sums as tensor-core dots (BLOCK_R >= 16); else products summed in registers
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -88,21 +85,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        if DOT:
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
-        else:
-            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [BR, BS]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        if DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [BR, D]
-        else:
-            pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [BR, D]
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if SPLITS == 1:  # position 0 is in this chunk: l > 0
         tl.store(o_ptr + (bh * R + r[:, None]) * D + d[None, :], (acc / l[:, None]).to(o_ptr.dtype.element_ty),
@@ -157,21 +147,19 @@ def plan(max_seq: int, min_chunk: int = MIN_CHUNK, heads: int = 1, fill: int = 0
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
             rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
-            warps: int = 4, pdl: bool = False, dot_min_rows: int | None = None,
-            stages: int | None = None) -> torch.Tensor:
+            warps: int = 4, pdl: bool = False, stages: int = STAGES) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q and the rope
     tensors must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
     as the cache means one split: one kernel a layer, no merge), block_s (positions a tile) and
-    warps: the launch plan; pdl: programmatic dependent launch; dot_min_rows: DOT_MIN_ROWS (None)
-    or another threshold; stages: Triton's software pipelining depth (None: its default)."""
+    warps and stages (the loop's software pipelining): the launch plan; pdl: programmatic dependent
+    launch."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2]
     _check_head_dim(d)
     bh = b * hkv
     splits, chunk = plan(s, min_chunk, bh, _fill(q.device))
-    dot = r >= (DOT_MIN_ROWS if dot_min_rows is None else dot_min_rows)
-    block_r = max(16, triton.next_power_of_2(r)) if dot else triton.next_power_of_2(r)
+    block_r = max(16, triton.next_power_of_2(r))
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
@@ -183,8 +171,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                HKV=hkv, ROW_POS=row_pos, DOT=dot, num_warps=warps,
-                                **({} if stages is None else {"num_stages": stages}), **launch)
+                                HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
         _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
