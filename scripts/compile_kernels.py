@@ -26,7 +26,8 @@ GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16",
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "nw_ptr": "*bf16", "r_ptr": "*bf16",
         "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16",
-        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "S": "i32", "scale": "fp32"}
+        "kn_ptr": "*bf16", "vn_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "S": "i32", "scale": "fp32",
+        "q_row": "i32", "kn_row": "i32", "vn_row": "i32"}
 
 
 def compile_one(fn, signature: dict, constexprs: dict, warps: int = 4):

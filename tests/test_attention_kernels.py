@@ -111,6 +111,34 @@ def test_decode_attention_reads_each_row_to_its_own_position(min_chunk):
         attention.decode_attention(q, k, v, pos[:2])
 
 
+def test_decode_attention_reads_slices_of_the_fused_projection_as_they_are():
+    """q, k_new and v_new as the model passes them at several rows (views into the fused qkv
+    output, each row's heads contiguous, rows (H + 2 H_kv) D apart): the kernel reads them in place
+    (kernels.attention._rows) and gives the same bits as from contiguous copies; other layouts are
+    copied first."""
+    torch.manual_seed(7)
+    b, kv, rep, d, max_seq = 3, 2, 4, 64, 200
+    qkv = torch.randn(b, 1, (kv * rep + 2 * kv) * d, device=DEV, dtype=ATTN_DTYPE)
+    q, k_new, v_new = qkv.split([kv * rep * d, kv * d, kv * d], dim=-1)
+    q, k_new, v_new = q.reshape(b, kv, rep, d), k_new.reshape(b, kv, d), v_new.reshape(b, kv, d)
+    assert not q.is_contiguous() and attention._rows(q) == (q, qkv.shape[-1])
+    k = torch.randn(b, kv, max_seq, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    pos = torch.tensor([5, 150, 64], device=DEV)
+    ang = torch.rand(b, d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # [B, D]
+    outs, caches = [], []
+    for args in ((q, k_new, v_new), (q.contiguous(), k_new.contiguous(), v_new.contiguous())):
+        kc, vc = k.clone(), v.clone()
+        outs.append(attention.decode_attention_rope(args[0], args[1], args[2], kc, vc, cos, sin, pos))
+        caches.append((kc, vc))
+    assert torch.equal(outs[0], outs[1]) and all(torch.equal(x, y) for x, y in zip(*caches))
+    plain = attention.decode_attention(q, k, v, pos)
+    assert torch.equal(plain, attention.decode_attention(q.contiguous(), k, v, pos))
+    odd = q.transpose(2, 3)  # [B, H_kv, D, R]: not rows of contiguous heads: copied
+    assert attention._rows(odd)[0].is_contiguous()
+
+
 def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_gqa, monkeypatch):
     """A decode step of rows at different positions (pos [B, 1]) goes through llamactl's attention
     kernel (RoPE and the cache write folded in) and gives the logits SDPA gives over each row's

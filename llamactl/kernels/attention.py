@@ -42,14 +42,16 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
-                  R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
+                  q_row, kn_row, vn_row, R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
                   HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False):
-    # q: [BH, R, D], k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV at its own; cos/sin
-    # then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
+    # q: [B, HKV, R, D] with q_row elements from one row b to the next (a slice of the fused qkv
+    # projection's output: no copy), k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV
+    # at its own; cos/sin then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
     # one split (SPLITS == 1): the program holds the whole softmax and stores o: [BH, R, D] itself (no merge kernel)
-    # ROPE: q and the new key kn: [BH, D] are rotated here (cos/sin: [D] at pos), and the program
-    # whose chunk holds pos writes the new key and value vn: [BH, D] into the cache first.
+    # ROPE: q and the new key kn: [B, HKV, D] (kn_row apart) are rotated here (cos/sin: [D] at pos),
+    # and the program whose chunk holds pos writes the new key and value vn ([B, HKV, D], vn_row
+    # apart) into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
     # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
     if PDL:
@@ -57,8 +59,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         gdc_launch_dependents()
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    row = bh // HKV if ROW_POS else 0
+    b = bh // HKV
+    h = bh % HKV
+    row = b if ROW_POS else 0
     pos = tl.load(pos_ptr + row).to(tl.int32)
+    q_at = q_ptr + b * q_row + h * R * D  # this KV head's query rows [R, D]
     n_ctx = pos + 1
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, n_ctx)
@@ -68,16 +73,16 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     if ROPE:
         cos = tl.load(cos_ptr + row * D + d)
         sin = tl.load(sin_ptr + row * D + d)
-        q = _rope(q_ptr + bh * R * D, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
+        q = _rope(q_at, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
         if pos // CHUNK == split:  # only this program reads position pos: no other program races it
             one = tl.arange(0, 1)
-            k_new = _rope(kn_ptr + bh * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
-            v_new = tl.load(vn_ptr + bh * D + one[:, None] * 0 + d[None, :])
+            k_new = _rope(kn_ptr + b * kn_row + h * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
+            v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :])
             tl.store(k_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
             tl.store(v_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], v_new)
             tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
     else:
-        q = tl.load(q_ptr + bh * R * D + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
+        q = tl.load(q_at + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -145,12 +150,22 @@ def plan(max_seq: int, min_chunk: int = MIN_CHUNK, heads: int = 1, fill: int = 0
     return splits, chunk
 
 
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [B, ...] -> (t, elements from one row to the next): as it is where each row is contiguous
+    (a batch's slice of the fused qkv projection, rows 3 heads' widths apart), else a contiguous copy."""
+    if t.shape[0] > 1 and t[0].is_contiguous() and t.stride(0) >= t[0].numel():
+        return t, t.stride(0)
+    t = t.contiguous()
+    return t, t[0].numel() if t.shape[0] else 0
+
+
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
             rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
             warps: int = 4, pdl: bool = False, stages: int = STAGES) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
-    rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q and the rope
-    tensors must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
+    rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q, k_new and v_new
+    are read where they are when each row of them is contiguous (slices of the fused qkv output),
+    else copied; cos and sin must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
     as the cache means one split: one kernel a layer, no merge), block_s (positions a tile) and
     warps and stages (the loop's software pipelining): the launch plan; pdl: programmatic dependent
     launch."""
@@ -162,14 +177,16 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     block_r = max(16, triton.next_power_of_2(r))
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
+    q, q_row = _rows(q)
     k_new, v_new, cos, sin = rope or (q, q, q, q)  # unused without ROPE
+    (k_new, kn_row), (v_new, vn_row) = _rows(k_new), _rows(v_new)
     launch = pdl_launch(pdl)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     row_pos = pos.numel() > 1  # one position per row (with one row, the same thing)
     if row_pos and pos.numel() != b:
         raise ValueError(f"decode attention: {pos.numel()} positions for {b} rows")
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
-                                R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
+                                q_row, kn_row, vn_row, R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                                 HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages, **launch)
     if splits > 1:
@@ -182,7 +199,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
                      pdl: bool = False) -> torch.Tensor:
     """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] (every row) or
     [B] (each row's own) -> softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
-    return _attend(q.contiguous(), k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl)
+    return _attend(q, k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl)
 
 
 @decode_attention.register_fake
@@ -198,8 +215,8 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
     pos), cos/sin: [D] float32 at pos: [1], or [B, D] at each row's pos: [B] -> [B, H_kv, R, D]. One
     kernel instead of RoPE, two cache writes and the attention."""
-    rope = (k_new.contiguous(), v_new.contiguous(), cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q.contiguous(), k_cache, v_cache, pos, rope, min_chunk, pdl=pdl)
+    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
+    return _attend(q, k_cache, v_cache, pos, rope, min_chunk, pdl=pdl)
 
 
 @decode_attention_rope.register_fake
