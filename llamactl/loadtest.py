@@ -1,6 +1,7 @@
 """`bench --url`: a load test of any OpenAI-compatible server (llamactl's, vLLM's, llama.cpp's).
 
-An asyncio HTTP client streams /v1/completions requests: closed loop (`concurrency` clients,
+An asyncio HTTP client (llamactl/httpstream.py for http://, httpx for https:// and the GETs)
+streams /v1/completions requests: closed loop (`concurrency` clients,
 each sending its next request when the last one ended) or, with `rate`, Poisson arrivals of that
 many requests a second (at most `concurrency` in flight). Prompts are `prompt_len` random words
 (the server's usage field gives its token count), answers `gen_len` tokens with EOS ignored
@@ -12,6 +13,7 @@ end-to-end latency, requests/s, output tokens/s and errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -47,14 +49,16 @@ def prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-async def _one(client, load: Load, model: str, prompt: str) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": load.gen_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def _one(post, load: Load, model: str, prompt: str) -> dict[str, Any]:
+    """One streamed completion; post(path, body bytes): an async context manager giving the
+    response (status_code, aiter_lines(), aread()), as httpstream.Client.post and httpx's stream do."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": load.gen_len, "temperature": 0, "stream": True,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
     out: dict[str, Any] = {"ok": False, "chunks": [], "prompt_tokens": None, "output_tokens": None, "error": None}
     t0 = time.perf_counter()
     out["start"] = t0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async with post("/v1/completions", body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 out["error"] = f"HTTP {resp.status_code}: {_message(text)}"
@@ -93,7 +97,7 @@ def _message(text: str) -> str:
         return text[:200]
 
 
-async def _level(client, load: Load, model: str, concurrency: int, texts: list[str]) -> tuple[list[dict], float]:
+async def _level(post, load: Load, model: str, concurrency: int, texts: list[str]) -> tuple[list[dict], float]:
     """Every request of one concurrency level -> (results, wall time)."""
     results: list[dict] = []
     t0 = time.perf_counter()
@@ -102,7 +106,7 @@ async def _level(client, load: Load, model: str, concurrency: int, texts: list[s
 
         async def worker():
             for text in todo:
-                results.append(await _one(client, load, model, text))
+                results.append(await _one(post, load, model, text))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     else:
@@ -110,7 +114,7 @@ async def _level(client, load: Load, model: str, concurrency: int, texts: list[s
 
         async def send(text):
             async with gate:
-                results.append(await _one(client, load, model, text))
+                results.append(await _one(post, load, model, text))
 
         for text in texts:
             tasks.append(asyncio.ensure_future(send(text)))
@@ -149,28 +153,57 @@ def summarize(results: list[dict], wall: float) -> dict[str, Any]:
 async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
     import httpx
 
+    from llamactl import httpstream
+
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
-    limits = httpx.Limits(max_connections=max(load.concurrency) + 4, max_keepalive_connections=max(load.concurrency) + 4)
+    most = max(load.concurrency) + 4
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     async with httpx.AsyncClient(base_url=load.url, headers=headers, timeout=load.timeout_s, limits=limits) as client:
-        model = load.model or await _first_model(client, load.url)
-        for i in range(load.warmup):
-            r = await _one(client, load, model, prompts(1, load.prompt_len, load.seed + 10_000 + i)[0])
-            if not r["ok"]:
-                raise InputError(f"{load.url}: the warm-up request failed ({r['error']})",
-                                 "check the server, --model and --api-key")
-        rows = []
-        for c in load.concurrency:
-            before = await _engine_times(client)
-            results, wall = await _level(client, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
-            after = await _engine_times(client)
-            row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
-                   "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
-                   "url": load.url, **summarize(results, wall)}
-            if before and after:  # llamactl's server: where its step loop spent the level's time
-                row["engine"] = {k: after[k] - before.get(k, 0) if not k.endswith("_max_seconds") else after[k]
-                                 for k in after}
-            rows.append(row)
-            on_row(row)
+        if load.url.startswith("http://"):  # the streams on plain asyncio (httpstream's docstring: why)
+            streams = httpstream.Client(load.url, headers, most)
+            post = _timed(streams.post, load.timeout_s)
+        else:
+            streams = None
+            post = lambda path, body: client.stream("POST", path, content=body,  # noqa: E731
+                                                    headers={"Content-Type": "application/json"})
+        try:
+            return await _levels(client, post, load, on_row)
+        finally:
+            if streams is not None:
+                await streams.aclose()
+
+
+def _timed(post, timeout_s: float):
+    """post(path, body) whose whole exchange (the body read included) ends within timeout_s."""
+    @contextlib.asynccontextmanager
+    async def timed(path: str, body: bytes):
+        async with asyncio.timeout(timeout_s):
+            async with post(path, body) as resp:
+                yield resp
+    return timed
+
+
+async def _levels(client, post, load: Load, on_row: Callable[[dict], None]) -> list[dict]:
+    """The warm-up requests, then each concurrency level's row; client (httpx): the GETs."""
+    model = load.model or await _first_model(client, load.url)
+    for i in range(load.warmup):
+        r = await _one(post, load, model, prompts(1, load.prompt_len, load.seed + 10_000 + i)[0])
+        if not r["ok"]:
+            raise InputError(f"{load.url}: the warm-up request failed ({r['error']})",
+                             "check the server, --model and --api-key")
+    rows = []
+    for c in load.concurrency:
+        before = await _engine_times(client)
+        results, wall = await _level(post, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
+        after = await _engine_times(client)
+        row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
+               "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
+               "url": load.url, **summarize(results, wall)}
+        if before and after:  # llamactl's server: where its step loop spent the level's time
+            row["engine"] = {k: after[k] - before.get(k, 0) if not k.endswith("_max_seconds") else after[k]
+                             for k in after}
+        rows.append(row)
+        on_row(row)
     return rows
 
 
