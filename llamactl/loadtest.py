@@ -176,10 +176,19 @@ async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
 def _timed(post, timeout_s: float):
     """post(path, body) whose whole exchange (the body read included) ends within timeout_s."""
     @contextlib.asynccontextmanager
-    async def timed(path: str, body: bytes):
-        async with asyncio.timeout(timeout_s):
+    async def timed(path: str, body: bytes):  # asyncio.timeout's work, which Python 3.10 lacks
+        expired = []
+        task = asyncio.current_task()
+        alarm = asyncio.get_running_loop().call_later(timeout_s, lambda: (expired.append(1), task.cancel()))
+        try:
             async with post(path, body) as resp:
                 yield resp
+        except asyncio.CancelledError:
+            if expired:
+                raise TimeoutError(f"no answer within {timeout_s:g} s") from None
+            raise
+        finally:
+            alarm.cancel()
     return timed
 
 

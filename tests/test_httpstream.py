@@ -115,8 +115,7 @@ def test_the_load_tests_exchange_ends_at_its_time_limit():
         with pytest.raises(TimeoutError):
             async with post("/p", b"{}"):
                 pass
-        async with asyncio.timeout(2):  # the slot was given back: a second exchange can start
-            await client._open.acquire()
+        await asyncio.wait_for(client._open.acquire(), 2)  # the slot was given back: another exchange can start
         server.close()
 
     run(go())
