@@ -4,7 +4,8 @@ A load test's client should cost little beside the server it measures: at 32 clo
 httpx spent about 2 ms of CPU a request on this project's 2-core machine, so a wave's last request
 left the client tens of ms after its clock started (docs/bench/README.md). This client does one
 thing: POST a JSON body on a kept-alive connection to an http:// server and hand back the response
-body line by line (chunked or sized), as server-sent events arrive. https:// URLs use httpx.
+body line by line (chunked or sized), as server-sent events arrive; straight to the host (no
+proxy variables, no compression, no TLS). https:// URLs use httpx.
 """
 
 from __future__ import annotations
