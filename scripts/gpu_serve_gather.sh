@@ -5,10 +5,10 @@
 # random weights, CUDA graphs, 128-token prompts, 256 new tokens, REQUESTS a level: at 32 streams
 # every wave of a closed loop arrives at an idle engine). Files: gpu.txt, batch.json,
 # serve-gatherG.json a value, log.txt (stderr, and the engine's gather and prefill metrics). Carry .whl/.
-# Usage: [REQUESTS=64] bash scripts/gpu_serve_gather.sh OUTDIR [GATHER_MS ...]   (default: 0 5)
+# Usage: [REQUESTS=64] bash scripts/gpu_serve_gather.sh OUTDIR [GATHER_MS ...]   (default: 0 10)
 set -uo pipefail
 out=${1:?usage: gpu_serve_gather.sh OUTDIR [GATHER_MS ...]}; shift
-gathers=("$@"); [ ${#gathers[@]} -gt 0 ] || gathers=(0 5)
+gathers=("$@"); [ ${#gathers[@]} -gt 0 ] || gathers=(0 10)
 . "$(dirname "$0")/device_env.sh"
 log="$out/log.txt"
 md() { python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }
