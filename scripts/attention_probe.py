@@ -1,8 +1,9 @@
 """The decode attention of a batched step (issue 20), variant by variant, on the GPU: llama2-7b's
 (32 KV heads, one query row each) and llama3-8b's (8 KV heads, 4 query rows each) at each batch,
 every row at its own position near CTX in a MAX_SEQ cache, as the server steps. Each launch plan
-of kernels.attention._attend (positions a tile, warps, pipelining stages) is timed in a CUDA graph over enough cache copies that L2 cannot serve
-them, checked against float64, and put beside the default plan: GB/s counts the K/V bytes read.
+of kernels.attention._attend (positions a tile, warps, pipelining stages) is timed in a CUDA graph
+over enough cache copies that L2 cannot serve them, checked against float64, and put beside the
+default plan: GB/s counts the K/V bytes read.
 
 Usage: python scripts/attention_probe.py OUT.json [--batch 1,8,32] [--ctx 256] [--max-seq 320]
 """
@@ -62,8 +63,8 @@ def probe(shape: str, b: int, ctx: int, max_seq: int) -> dict:
         except Exception as e:  # a plan this GPU cannot run (shared memory, registers): say so, go on
             rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
-        rows.append({"variant": name, "us": t * 1e6, "gbs": gb / t, "rel_err": err, "splits": attention.plan(
-            max_seq, kw.get("min_chunk", attention.MIN_CHUNK), b * hkv, attention._fill(q.device))[0]})
+        rows.append({"variant": name, "us": t * 1e6, "gbs": gb / t, "rel_err": err,
+                     "splits": attention.plan(max_seq, attention.MIN_CHUNK, b * hkv, attention._fill(q.device))[0]})
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     base = rows[0]
     print(f"{shape} batch {b} ctx {ctx} cache {max_seq}: default {base.get('us', float('nan')):7.1f} us "

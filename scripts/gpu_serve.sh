@@ -16,7 +16,6 @@ out=${1:?usage: gpu_serve.sh OUTDIR}; tests=${2:-served or own_positions}
 log="$out/log.txt"
 common="--synthetic llama2-7b --dtype bfloat16"
 load="--prompt-len 128 --gen-len 256"
-md() { python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }
 compiled() { find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name "*.json" ! -name "*autotune*" ! -name "__grp__*" \
   -printf "%P\n" 2>/dev/null | sort -u; }
 timeout 240 python -m llamactl bench $common $load --synthetic-quant "${BATCH_QUANT:-none,int4,int8}" --mode graphs --batch "${BATCH:-1,8,32}" \
@@ -27,8 +26,7 @@ for q in ${QUANTS:-none int4}; do
   srv="/tmp/srv-$q.err"
   python -m llamactl serve $common --synthetic-quant $q --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
   pid=$!
-  for _ in $(seq 1 300); do grep -q "serving" "$srv" && break; sleep 1; done
-  url=$(grep -o "http://[0-9.:]*" "$srv" | head -1)
+  url=$(served_url "$srv")
   compiled > /tmp/ready-$q.txt
   echo "$q: $url (ready at ${SECONDS}s of the script)" | tee -a "$log"
   timeout 200 python -m llamactl bench --url "$url" $load --concurrency 1,8,32 --requests "${REQUESTS:-64}" \

@@ -19,13 +19,12 @@ serve_run() {  # name tree chunk
   (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama2-7b --dtype bfloat16 \
      --max-batch 32 --max-seq 640 --port 0 --prefill-chunk "$chunk") > /dev/null 2> "$out/srv-$name.err" &
   local pid=$!
-  for _ in $(seq 1 300); do grep -q "serving" "$out/srv-$name.err" && break; sleep 1; done
-  local url; url=$(grep -o "http://[0-9.:]*" "$out/srv-$name.err" | head -1)
+  local url; url=$(served_url "$out/srv-$name.err")
   echo "$name: $url (started in ${SECONDS}s of the script)"
   timeout 200 python -m llamactl bench --url "$url" --prompt-len 128 --gen-len 256 --concurrency 1,8,32 \
     --requests 32 --format json -o "$out/serve-$name.json" > /dev/null 2> "$out/serve-$name.err" || tail -5 "$out/serve-$name.err"
   kill -TERM $pid; wait $pid
-  [ -f "$out/serve-$name.json" ] && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/serve-$name.json'))))"
+  [ -f "$out/serve-$name.json" ] && md "$out/serve-$name.json"
 }
 serve_run old "$old" 512
 for c in "${chunks[@]}"; do serve_run "new-$c" "$new" "$c"; done

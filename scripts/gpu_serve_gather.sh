@@ -11,7 +11,6 @@ out=${1:?usage: gpu_serve_gather.sh OUTDIR [GATHER_MS ...]}; shift
 gathers=("$@"); [ ${#gathers[@]} -gt 0 ] || gathers=(0 10)
 . "$(dirname "$0")/device_env.sh"
 log="$out/log.txt"
-md() { python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }
 timeout 200 python -m llamactl bench --synthetic llama2-7b --dtype bfloat16 --mode graphs --batch 1,32 \
   --prompt-len 128 --gen-len 256 --warmup 1 --repeat 3 --format json -o "$out/batch.json" > /dev/null 2>> "$log" \
   || tail -5 "$log"
@@ -20,8 +19,7 @@ for g in "${gathers[@]}"; do
   python -m llamactl serve --synthetic llama2-7b --dtype bfloat16 --max-batch 32 --max-seq 640 --port 0 \
     --gather-ms "$g" > /dev/null 2> "$srv" &
   pid=$!
-  for _ in $(seq 1 300); do grep -q "serving" "$srv" && break; sleep 1; done
-  url=$(grep -o "http://[0-9.:]*" "$srv" | head -1)
+  url=$(served_url "$srv")
   echo "gather $g ms: $url (started at ${SECONDS}s of the script)" | tee -a "$log"
   timeout 150 python -m llamactl bench --url "$url" --prompt-len 128 --gen-len 256 --concurrency 8,32 \
     --requests "${REQUESTS:-64}" --format json -o "$out/serve-gather$g.json" > /dev/null 2>> "$log" || tail -5 "$log"
