@@ -6,6 +6,7 @@ over enough cache copies that L2 cannot serve them, checked against float64, and
 default plan: GB/s counts the K/V bytes read.
 
 Usage: python scripts/attention_probe.py OUT.json [--batch 1,8,32] [--ctx 256] [--max-seq 320]
+       [--variants tiles|splits]
 """
 
 from __future__ import annotations
@@ -43,20 +44,26 @@ def reference(q, k, v, pos) -> torch.Tensor:
     return out
 
 
-def variants():
-    """(name, _attend keyword arguments): the default first."""
+def variants(kind: str):
+    """(name, _attend keyword arguments): the default first; kind "tiles": each tile, warps and
+    pipelining depth; "splits": each smallest chunk of the cache (fewer, longer splits, down to one
+    split and no merge kernel)."""
     yield "default", {}
+    if kind == "splits":
+        for chunk in (128, 256, 512, 1024):
+            yield f"min chunk {chunk}", {"min_chunk": chunk}
+        return
     for block_s, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)):
         yield f"tile {block_s} warps {warps} stages {stages}", {"block_s": block_s, "warps": warps, "stages": stages}
 
 
-def probe(shape: str, b: int, ctx: int, max_seq: int) -> dict:
+def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str) -> dict:
     hkv, rep = SHAPES[shape]
     q, caches, pos = inputs(b, hkv, rep, max_seq, ctx)
     ref = reference(q, *caches[0], pos)
     gb = sum(2 * hkv * (p + 1) * D * 2 for p in pos.tolist()) / 1e9
     rows = []
-    for name, kw in variants():
+    for name, kw in variants(kind):
         try:
             err = rel(attention._attend(q, *caches[0], pos, None, **kw), ref)
             t = graph_time([lambda k=k, v=v, kw=kw: attention._attend(q, k, v, pos, None, **kw) for k, v in caches])
@@ -64,7 +71,8 @@ def probe(shape: str, b: int, ctx: int, max_seq: int) -> dict:
             rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
         rows.append({"variant": name, "us": t * 1e6, "gbs": gb / t, "rel_err": err,
-                     "splits": attention.plan(max_seq, attention.MIN_CHUNK, b * hkv, attention._fill(q.device))[0]})
+                     "splits": attention.plan(max_seq, kw.get("min_chunk", attention.MIN_CHUNK), b * hkv,
+                                                attention._fill(q.device))[0]})
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     base = rows[0]
     print(f"{shape} batch {b} ctx {ctx} cache {max_seq}: default {base.get('us', float('nan')):7.1f} us "
@@ -80,11 +88,12 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--max-seq", type=int, default=320)
+    ap.add_argument("--variants", choices=("tiles", "splits"), default="tiles")
     a = ap.parse_args()
     runs = []
     for shape in SHAPES:
         for b in a.batch.split(","):
-            runs.append(probe(shape, int(b), a.ctx, a.max_seq))
+            runs.append(probe(shape, int(b), a.ctx, a.max_seq, a.variants))
             with open(a.out, "w") as f:  # after each run: a time limit keeps what was measured
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": runs}, f, indent=1)
 

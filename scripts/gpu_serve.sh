@@ -4,9 +4,12 @@
 # at each batch, scripts/step_profile.py), `llamactl serve` (bf16, then int4) under `bench --url`
 # at concurrency 1, 8, 32 (REQUESTS a level), with the Triton kernels each server compiled after
 # it said "serving" (first uses that its warm-up missed), then the GPU tests named (`-k`; "-":
-# none). Each part has a time limit. Files: gpu.txt, batch.json, [prof.json,] serve-QUANT.json,
-# log.txt, tests.txt.
-# Usage: [REQUESTS=64] [PROFILE=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
+# none). Each part has a time limit. ATTN=1: then the decode attention's split plans
+# (scripts/attention_probe.py --variants splits, the bench's cache and the server's). Each load
+# test goes through scripts/serve_breakdown.py: the server's /metrics beside each level (its TTFT,
+# prefill forwards, gather wait). Files: gpu.txt, batch.json, [prof.json,] [attn.json,]
+# serve-QUANT.json, log.txt, tests.txt.
+# Usage: [REQUESTS=64] [PROFILE=1] [ATTN=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
 #        [MAX_SEQ=512] bash scripts/gpu_serve.sh OUTDIR [pytest -k expression | -]
 # (MAX_SEQ: a slot's tokens, as `bench --serve` sizes them for 128 + 256: 2 x 128 + 256)
 # Needs starlette and uvicorn there: carry .whl (see scripts/README.md).
@@ -18,10 +21,17 @@ common="--synthetic llama2-7b --dtype bfloat16"
 load="--prompt-len 128 --gen-len 256"
 compiled() { find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name "*.json" ! -name "*autotune*" ! -name "__grp__*" \
   -printf "%P\n" 2>/dev/null | sort -u; }
-timeout 240 python -m llamactl bench $common $load --synthetic-quant "${BATCH_QUANT:-none,int4,int8}" --mode graphs --batch "${BATCH:-1,8,32}" \
+timeout 330 python -m llamactl bench $common $load --synthetic-quant "${BATCH_QUANT:-none,int4,int8}" --mode graphs --batch "${BATCH:-1,8,32}" \
   --warmup 1 --repeat 3 --format json -o "$out/batch.json" > /dev/null 2>> "$log" || tail -5 "$log"
 [ -f "$out/batch.json" ] && md "$out/batch.json"
 [ "${PROFILE:-0}" = 1 ] && timeout 90 python scripts/step_profile.py "$out/prof.json" --batch 1,8,32 2>&1 | tee -a "$log"
+if [ "${ATTN:-0}" = 1 ]; then  # the bench's cache (320, rows near 256), then the server's (512, rows near 300)
+  timeout 60 python scripts/attention_probe.py /tmp/attn-bench.json --batch 8,32 --variants splits 2>&1 | tee -a "$log"
+  timeout 60 python scripts/attention_probe.py /tmp/attn-serve.json --batch 8,32 --ctx 300 --max-seq 512 \
+    --variants splits 2>&1 | tee -a "$log"
+  python -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
+    "$out/attn.json" /tmp/attn-bench.json /tmp/attn-serve.json
+fi
 for q in ${QUANTS:-none int4}; do
   srv="/tmp/srv-$q.err"
   python -m llamactl serve $common --synthetic-quant $q --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
@@ -29,8 +39,8 @@ for q in ${QUANTS:-none int4}; do
   url=$(served_url "$srv")
   compiled > /tmp/ready-$q.txt
   echo "$q: $url (ready at ${SECONDS}s of the script)" | tee -a "$log"
-  timeout 200 python -m llamactl bench --url "$url" $load --concurrency 1,8,32 --requests "${REQUESTS:-64}" \
-    --format json -o "$out/serve-$q.json" > /dev/null 2>> "$log" || tail -5 "$log"
+  timeout 200 python scripts/serve_breakdown.py "$url" --concurrency 1,8,32 --requests "${REQUESTS:-64}" \
+    -o "$out/serve-$q.json" -- $load 2>> "$log" | tee -a "$log" || tail -5 "$log"
   compiled | comm -13 /tmp/ready-$q.txt - | sed "s/^/$q: compiled while serving: /" | tee -a "$log"
   kill -TERM $pid; wait $pid
   cat "$srv" >> "$log"
