@@ -163,48 +163,6 @@ def test_skinny_folds_swiglu_and_the_residual(kind):
     assert rel(plain.cpu(), (x.double() @ w.double().t()).cpu()) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8-w16", "int8-mma", "int4", "int4-mma"])
-def test_skinny_folds_the_rmsnorm(kind):
-    """norm_weight: rmsnorm(x) w^T, the norm's scale on the float32 sums (each share's sums of
-    squares added by the program that finishes the block), against float64: as close as the
-    product of PyTorch's RMSNorm and then the layer, and far from x w^T without the norm. fp16:
-    the interpreter rounds bf16 by truncation where the GPU rounds to nearest."""
-    from llamactl.kernels import skinny
-
-    torch.manual_seed(1)
-    dt = torch.float16
-    m, n, k, eps = 5, 80, 512, 1e-5
-    x = torch.randn(m, k, device=DEV, dtype=dt) * 3
-    nw = (1 + 0.5 * torch.randn(k, device=DEV)).to(dt)
-    r = torch.randn(m, n, device=DEV, dtype=dt)
-    xd = x.double()
-    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * nw.double()  # [M, K]
-    if kind.startswith("int4"):
-        q, s, z, w = _int4(n, k, 128)
-        product = skinny.skinny_int4_i8 if kind == "int4-mma" else skinny.skinny_int4
-        run = lambda a, **kw: product(a, q, s, z, 128, **kw)  # noqa: E731
-    elif kind.startswith("int8"):
-        codes = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
-        s8 = (torch.rand(n, device=DEV) * 0.01).to(dt)
-        w = codes.double() * s8.double()[:, None]
-        if kind == "int8-mma":
-            run = lambda a, **kw: skinny.skinny_int8(a, codes, s8, **kw)  # noqa: E731
-        else:
-            run = lambda a, **kw: skinny.skinny_mm(a, codes, scales=s8, **kw)  # noqa: E731
-    else:
-        w = torch.randn(n, k, device=DEV, dtype=dt) * 0.05
-        run = lambda a, **kw: skinny.skinny_mm(a, w, **kw)  # noqa: E731
-    ref = normed @ w.double().t()  # [M, N]
-    folded = run(x, norm_weight=nw, eps=eps)
-    unfused = run(F.rms_norm(x.float(), (k,), eps=eps).to(dt) * nw)  # PyTorch's RMSNorm, then the product
-    assert folded.shape == (m, n) and folded.dtype == dt
-    assert rel(folded.cpu(), ref.cpu()) < 1.5 * max(rel(unfused.cpu(), ref.cpu()), 4e-3)
-    assert rel(run(x).cpu(), ref.cpu()) > 0.3  # the norm changes the product
-    assert torch.equal(run(x, residual=r, norm_weight=nw, eps=eps), r + folded)  # the residual on the rounded y
-    with pytest.raises(ValueError, match="RMSNorm"):
-        run(torch.randn(m, 2 * k, device=DEV, dtype=dt), glu=True, norm_weight=nw)
-
-
 @pytest.mark.skipif(DEV == "cuda", reason="the GPU's autotuner picks the decode; the interpreter takes either")
 def test_skinny_int4_decodes_by_planes_or_joined():
     """The two int4 decodes the autotuner chooses between: 8 planes of K=16 dots, or the planes

@@ -66,8 +66,7 @@ def _counter(device: torch.device, blocks: int) -> torch.Tensor:
 
 
 @triton.jit
-def _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr, NORM: tl.constexpr,
-            ROWS: tl.constexpr = False):
+def _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr, ROWS: tl.constexpr = False):
     # x^T's tile [BK, BM] (ROWS: x's [BM, BK]): x [M, K] (GLU: h [M, 2K], silu(gate) * up with
     # PyTorch's roundings)
     if ROWS:
@@ -80,45 +79,23 @@ def _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, k_ok, K, GLU: tl.constexpr, NORM: tl.co
         gf = g.to(tl.float32)
         silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (silu.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    if NORM:  # x * nw: the RMSNorm without its scale, which _finish applies (see _sumsq)
-        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
-        x = (x.to(tl.float32) * (nw[None, :] if ROWS else nw[:, None])).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _sumsq(x_ptr, rm, m_ok, kk, K):
-    # the sums of squares [BM] float32 of x's rows [M, K] over columns kk [BK]: NORM's shares of
-    # each row's RMS. The product multiplies x * nw (the norm's weight) rounded to x's dtype, and
-    # _finish multiplies its float32 sums by rsqrt(sum x^2 / K + eps): rmsnorm(x) w^T, where
-    # PyTorch's RMSNorm rounds x * rsqrt(..) first and then its product with nw (the batch-1
-    # GEMV's fold: kernels.gemv._load_input)
-    x = tl.load(x_ptr + rm.to(tl.int64)[None, :] * K + kk[:, None], mask=m_ok[None, :] & (kk < K)[:, None],
-                other=0.0).to(tl.float32)  # [BK, BM]
-    return tl.sum(x * x, axis=0)
+    return tl.load(x_ptr + offs, mask=ok, other=0.0)
 
 
 @triton.jit
 def _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k,
-            SPLIT: tl.constexpr, RES: tl.constexpr, ss, ss_ptr, eps, K, BLOCK_M: tl.constexpr,
-            NORM: tl.constexpr):
+            SPLIT: tl.constexpr, RES: tl.constexpr):
     # acc: [BN, BM] float32, this program's share of y^T's block; y, r: [M, N] in y's dtype;
-    # part: [SPLIT, M, N] float32 workspace; cnt: [>= N / BN] int32, zero; NORM: ss [BM], this
-    # share's sums of squares of x's rows (_sumsq), ss_ptr: [SPLIT, N / BN, BM] float32 workspace
+    # part: [SPLIT, M, N] float32 workspace; cnt: [>= N / BN] int32, zero
     offs = rm.to(tl.int64)[None, :] * N + rn[:, None]  # [BN, BM]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
-        if NORM:
-            acc = acc * tl.math.rsqrt(ss / K + eps)[None, :]
         y = acc.to(y_ptr.dtype.element_ty)
         if RES:
             y = (y.to(tl.float32) + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs, y, mask=ok)
     else:
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=ok)
-        if NORM:
-            tl.store(ss_ptr + (pid_k * tl.num_programs(0) + pid_n) * BLOCK_M + rm, ss)
         tl.debug_barrier()  # every thread's share stored before the count
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:  # the last of the block's programs: add the shares in order
@@ -126,11 +103,6 @@ def _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_
             for s in tl.static_range(SPLIT):
                 total += tl.load(part_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
-            if NORM:
-                ss_all = tl.zeros_like(ss)
-                for s in tl.static_range(SPLIT):
-                    ss_all += tl.load(ss_ptr + (s * tl.num_programs(0) + pid_n) * BLOCK_M + rm, cache_modifier=".cg")
-                total = total * tl.math.rsqrt(ss_all / K + eps)[None, :]
             y = total.to(y_ptr.dtype.element_ty)
             if RES:
                 y = (y.to(tl.float32) + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(
@@ -163,9 +135,9 @@ def _minus(v, z, F32: tl.constexpr):
 
 
 @triton.jit
-def _plane(acc, w, x_ptr, nw_ptr, rm, m_ok, kk, K, GLU: tl.constexpr, NORM: tl.constexpr, F32: tl.constexpr):
+def _plane(acc, w, x_ptr, rm, m_ok, kk, K, GLU: tl.constexpr, F32: tl.constexpr):
     # acc [BN, BM] + w [BN, 16] x^T's rows kk [16, BM]
-    return _dot(w, _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, kk < K, K, GLU, NORM), acc, F32)
+    return _dot(w, _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU), acc, F32)
 
 
 @triton.jit
@@ -180,28 +152,24 @@ def _program(M, N, blocks, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
-def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_ptr, y_ptr, M, N, K, eps, SPLIT: tl.constexpr,
+def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr,
-                GLU: tl.constexpr, W8: tl.constexpr = False, NORM: tl.constexpr = False, F32: tl.constexpr = False):
+                GLU: tl.constexpr, W8: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] of x's dtype -> y: [M, N]; program (n block, k share)
     # W8: w int8 [N, K] (exact in bf16 and fp16) and s [N] its rows' scales: y = (x w^T) s
     pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, tl.cdiv(K, BLOCK_K), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: x's sums of squares over this share's columns
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
     for b in range(lo, hi):
         kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = kk < K
-        if NORM:
-            ss += _sumsq(x_ptr, rm, m_ok, kk, K)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
         if W8:  # (F32: to float32, the interpreter's int8-to-bf16 conversion is not the GPU's)
             w = w.to(tl.float32 if F32 else x_ptr.dtype.element_ty)
-        acc = _dot(w, _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, k_ok, K, GLU, NORM), acc, F32)  # [BN, BM]
+        acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
     if W8:
         acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES,
-            ss, ss_ptr, eps, K, BLOCK_M, NORM)
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
 @triton.jit
@@ -240,33 +208,29 @@ def _idot(w, xt, F32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
-def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_ptr, y_ptr, M, N, K, eps, SPLIT: tl.constexpr,
+def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
-               NORM: tl.constexpr = False, F32: tl.constexpr = False):
+               F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] int8, s: [N] its rows' scales -> y: [M, N]; program
     # (n block, k share) of K's 128-column blocks; x in 16-bit fixed point, two int8 dots a block
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, tl.cdiv(K, 128), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: x's sums of squares over this share's columns
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
     for b in range(first, end):
         kk = b * 128 + tl.arange(0, 128)  # [128]
-        if NORM:
-            ss += _sumsq(x_ptr, rm, m_ok, kk, K)
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, 128] int8
-        hi, lo, down, _ = _fixed16(_x_tile(x_ptr, nw_ptr, rm, m_ok, kk, k_ok, K, GLU, NORM), F32)  # [128, BM] x2, [BM]
+        hi, lo, down, _ = _fixed16(_x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), F32)  # [128, BM] x2, [BM]
         d = _idot(w, hi, F32) * 256 + _idot(w, lo, F32)  # [BN, BM] int32, exact
         acc += d.to(tl.float32) * down[None, :]
     acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES,
-            ss, ss_ptr, eps, K, BLOCK_M, NORM)
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
-def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_ptr, y_ptr, M, N, K, eps, G: tl.constexpr,
+def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
-               GLU: tl.constexpr, JOIN: tl.constexpr = True, NORM: tl.constexpr = False, F32: tl.constexpr = False):
+               GLU: tl.constexpr, JOIN: tl.constexpr = True, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 8] int32 (nibble j of word i: column 8 i + j),
     # s: [N, K // G] fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k
     # share) of K's 128-column blocks (a block lies in one group). Nibbles j and j + 4 of a word come
@@ -282,14 +246,11 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_
     magic: tl.constexpr = 0x43004300 if BF16 else 0x64006400
     offset: tl.constexpr = 128.0 if BF16 else 1024.0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: x's sums of squares over this share's columns
     t = tl.arange(0, 128)
     # the joins' column order: position t holds column 8 (t >> 3) + nibble 4 (t & 1) + 2 ((t >> 1) & 1) + ((t >> 2) & 1)
     perm = 8 * (t >> 3) + 4 * (t & 1) + 2 * ((t >> 1) & 1) + ((t >> 2) & 1)  # [128]
     for b in range(lo, hi):
         words = b * 16 + tl.arange(0, 16)  # [16]
-        if NORM:
-            ss += _sumsq(x_ptr, rm, m_ok, b * 128 + tl.arange(0, 128), K)
         p = tl.load(w_rows + words[None, :], mask=n_ok[:, None], other=0)  # [BN, 16] int32
         g = b * 128 // G
         s = tl.load(s_ptr + rn.to(tl.int64) * (K // G) + g, mask=n_ok, other=0.0).to(tl.float32)  # [BN]
@@ -302,27 +263,26 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_
             v = tl.join(tl.join(tl.join(lo0, lo1), tl.join(lo2, lo3)), tl.join(tl.join(hi0, hi1), tl.join(hi2, hi3)))
             w = _minus(tl.reshape(v, (BLOCK_N, 128)), z, F32)  # [BN, 128]: code - zero, column perm[t]
             kk = b * 128 + perm
-            xt = _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, kk < K, K, GLU, NORM)  # [128, BM]
+            xt = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU)  # [128, BM]
             part = _dot(w, xt, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), F32)
         else:
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            part = _plane(part, _minus(lo0, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8, K, GLU, NORM, F32)
-            part = _plane(part, _minus(lo1, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 1, K, GLU, NORM, F32)
-            part = _plane(part, _minus(lo2, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 2, K, GLU, NORM, F32)
-            part = _plane(part, _minus(lo3, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 3, K, GLU, NORM, F32)
-            part = _plane(part, _minus(hi0, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 4, K, GLU, NORM, F32)
-            part = _plane(part, _minus(hi1, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 5, K, GLU, NORM, F32)
-            part = _plane(part, _minus(hi2, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 6, K, GLU, NORM, F32)
-            part = _plane(part, _minus(hi3, z, F32), x_ptr, nw_ptr, rm, m_ok, words * 8 + 7, K, GLU, NORM, F32)
+            part = _plane(part, _minus(lo0, z, F32), x_ptr, rm, m_ok, words * 8, K, GLU, F32)
+            part = _plane(part, _minus(lo1, z, F32), x_ptr, rm, m_ok, words * 8 + 1, K, GLU, F32)
+            part = _plane(part, _minus(lo2, z, F32), x_ptr, rm, m_ok, words * 8 + 2, K, GLU, F32)
+            part = _plane(part, _minus(lo3, z, F32), x_ptr, rm, m_ok, words * 8 + 3, K, GLU, F32)
+            part = _plane(part, _minus(hi0, z, F32), x_ptr, rm, m_ok, words * 8 + 4, K, GLU, F32)
+            part = _plane(part, _minus(hi1, z, F32), x_ptr, rm, m_ok, words * 8 + 5, K, GLU, F32)
+            part = _plane(part, _minus(hi2, z, F32), x_ptr, rm, m_ok, words * 8 + 6, K, GLU, F32)
+            part = _plane(part, _minus(hi3, z, F32), x_ptr, rm, m_ok, words * 8 + 7, K, GLU, F32)
         acc += part * s[:, None]
-    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES,
-            ss, ss_ptr, eps, K, BLOCK_M, NORM)
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
-def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, ss_ptr, y_ptr, M, N, K, eps, G: tl.constexpr,
+def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
-                 GLU: tl.constexpr, NORM: tl.constexpr = False, F32: tl.constexpr = False):
+                 GLU: tl.constexpr, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 2] uint8, kernels.gemv's int32 words as bytes
     # (byte t: column 2t in its low nibble, 2t + 1 in its high), s: [N, K // G] fp16, z: [N, K // G]
     # uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k share) of K's 128-column blocks.
@@ -335,7 +295,6 @@ def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, s
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: x's sums of squares over this share's columns
     for b in range(first, end):
         q = tl.load(w_rows + (b * 64 + tl.arange(0, 64))[None, :], mask=n_ok[:, None], other=0)  # [BN, 64] uint8
         g = b * 128 // G
@@ -344,9 +303,7 @@ def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, s
         even = (q & 0x0F).to(tl.int8, bitcast=True)  # [BN, 64]
         odd = ((q ^ 0x80) & 0xF0).to(tl.int8, bitcast=True)  # [BN, 64]
         kk = b * 128 + tl.arange(0, 128)  # [128]
-        if NORM:
-            ss += _sumsq(x_ptr, rm, m_ok, kk, K)
-        xr = _x_tile(x_ptr, nw_ptr, rm, m_ok, kk, kk < K, K, GLU, NORM, ROWS=True)  # [BM, 128]
+        xr = _x_tile(x_ptr, rm, m_ok, kk, kk < K, K, GLU, ROWS=True)  # [BM, 128]
         up, down = _scales16(tl.max(tl.abs(xr.to(tl.float32)), axis=1))  # [BM] x2
         xe, xo = tl.split(tl.reshape(xr, (BLOCK_M, 64, 2)))  # [BM, 64] x2
         he, le, se = _split16(tl.trans(xe), up, F32)  # [64, BM] x2, [BM]
@@ -355,8 +312,7 @@ def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, nw_ptr, s
         d = (_idot(even, he, F32) * 256 + _idot(even, le, F32) + (do >> 4)
              + 8 * so[None, :] - z[:, None] * (se + so)[None, :])  # dot(c - z, v): exact
         acc += d.to(tl.float32) * down[None, :] * s[:, None]
-    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES,
-            ss, ss_ptr, eps, K, BLOCK_M, NORM)
+    _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
 
 
 def _configs16():
@@ -378,20 +334,14 @@ def _configs4():
             for sp in (2, 4, 8, 16) for join in (True, False)]
 
 
-_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "NORM", "W8"],
+_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "W8"],
                              cache_results=True)(_w16_kernel)
-_w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU", "NORM"],
+_w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
                             cache_results=True)(_w8_kernel)
-_w4i8_tuned = triton.autotune(configs=_configs8(16), key=["BLOCK_M", "N", "K", "G", "RES", "GLU", "NORM"],
+_w4i8_tuned = triton.autotune(configs=_configs8(16), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
                               cache_results=True)(_w4i8_kernel)
-_w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU", "NORM"],
+_w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
                             cache_results=True)(_w4_kernel)
-
-
-def _norm(norm_weight: torch.Tensor | None, k: int, glu: bool) -> None:
-    if norm_weight is not None and (glu or norm_weight.shape != (k,)):
-        raise ValueError(f"a folded RMSNorm takes a weight [{k}] and no SwiGLU, not "
-                         f"{tuple(norm_weight.shape)}{' with SwiGLU' if glu else ''}")
 
 
 def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
@@ -405,19 +355,15 @@ def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra, norm_weight=None, eps=1e-6):
-    _norm(norm_weight, k, glu)
+def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)
     cnt = _counter(x.device, triton.cdiv(n, 32))
     r = y if residual is None else residual.contiguous()
     block_m = max(16, triton.next_power_of_2(m))
-    norm = norm_weight is not None
-    # NORM's sums of squares, a share, column block and row ([SPLIT, N / BN, BM]; BN >= 32)
-    ss = torch.empty(MAX_SPLIT * triton.cdiv(n, 32) * block_m if norm else 1, dtype=torch.float32, device=x.device)
-    args = (x, *w_args, r, part, cnt, norm_weight.contiguous() if norm else x, ss, y, m, n, k, eps)
-    flags = dict(BLOCK_M=block_m, RES=residual is not None, GLU=glu, NORM=norm, **extra)
+    args = (x, *w_args, r, part, cnt, y, m, n, k)
+    flags = dict(BLOCK_M=block_m, RES=residual is not None, GLU=glu, **extra)
     if interpreted():  # two shares of K: the workspace and the counters are exercised
         kernel[(triton.cdiv(n, 32), 2)](*args, SPLIT=2, BLOCK_N=32, F32=True, **flags,
                                         **({"BLOCK_K": 32} if kernel is _w16_kernel else {}))
@@ -428,75 +374,70 @@ def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra, norm_weight=No
 
 @torch.library.custom_op("llamactl::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False,
-              scales: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-              eps: float = 1e-6) -> torch.Tensor:
+              scales: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, or int8
     with scales [N] (y = (x w^T) scales), residual: [M, N] or None -> x w^T (+ residual): [M, N],
-    M <= MAX_ROWS. norm_weight [K], eps: x goes through the RMSNorm first (rmsnorm(x) w^T, folded:
-    _sumsq), not with glu."""
+    M <= MAX_ROWS."""
     n, k = w.shape
     w8 = w.dtype == torch.int8
     if w8 != (scales is not None) or (not w8 and w.dtype != x.dtype):
         raise ValueError(f"skinny_mm: a weight of x's dtype ({x.dtype}), or int8 with scales, not {w.dtype}"
                          f"{' with' if scales is not None else ' without'} scales")
     return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w, w if scales is None else scales), n, k, residual,
-                   glu, {"W8": w8}, norm_weight, eps)
+                   glu, {"W8": w8})
 
 
 @torch.library.custom_op("llamactl::skinny_int4", mutates_args=())
 def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                residual: torch.Tensor | None = None, glu: bool = False, norm_weight: torch.Tensor | None = None,
-                eps: float = 1e-6) -> torch.Tensor:
+                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K]), the 4-bit layout of kernels.gemv with groups of a multiple of
     128 columns (qweight [N, K // 8] int32, scales [N, K // G] fp16, zeros [N, K // G] uint8) ->
-    x w^T (+ residual): [M, N], M <= MAX_ROWS; norm_weight, eps: as skinny_mm's."""
+    x w^T (+ residual): [M, N], M <= MAX_ROWS."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 128 or k % group_size:
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
     return _launch(_w4_kernel, _w4_tuned, _rows(x, k, glu), (qweight, scales, zeros), n, k, residual, glu,
-                   {"G": group_size}, norm_weight, eps)
+                   {"G": group_size})
 
 
 @torch.library.custom_op("llamactl::skinny_int8", mutates_args=())
 def skinny_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None,
-                glu: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                glu: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K]) in 16-bit fixed point a 128-column block, w: [N, K] int8,
-    scales [N] -> (x w^T) scales (+ residual): [M, N] on the int8 MMA, M <= MAX_ROWS; norm_weight,
-    eps: as skinny_mm's (x * norm_weight is what goes into the fixed point)."""
+    scales [N] -> (x w^T) scales (+ residual): [M, N] on the int8 MMA, M <= MAX_ROWS."""
     n, k = w.shape
     if w.dtype != torch.int8:
         raise ValueError(f"skinny_int8: int8 weights, not {w.dtype}")
-    return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {}, norm_weight, eps)
+    return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {})
 
 
 @torch.library.custom_op("llamactl::skinny_int4_i8", mutates_args=())
 def skinny_int4_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   group_size: int, residual: torch.Tensor | None = None, glu: bool = False,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                   group_size: int, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """skinny_int4's product on the int8 MMA: the codes as they are, x in skinny_int8's 16-bit
     fixed point a 128-column block -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 128 or k % group_size:
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
     return _launch(_w4i8_kernel, _w4i8_tuned, _rows(x, k, glu), (qweight.view(torch.uint8), scales, zeros), n, k,
-                   residual, glu, {"G": group_size}, norm_weight, eps)
+                   residual, glu, {"G": group_size})
 
 
 @skinny_mm.register_fake
-def _(x, w, residual=None, glu=False, scales=None, norm_weight=None, eps=1e-6):
+def _(x, w, residual=None, glu=False, scales=None):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
 @skinny_int8.register_fake
-def _(x, w, scales, residual=None, glu=False, norm_weight=None, eps=1e-6):
+def _(x, w, scales, residual=None, glu=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
 @skinny_int4.register_fake
-def _(x, qweight, scales, zeros, group_size, residual=None, glu=False, norm_weight=None, eps=1e-6):
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 @skinny_int4_i8.register_fake
-def _(x, qweight, scales, zeros, group_size, residual=None, glu=False, norm_weight=None, eps=1e-6):
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
     return x.new_empty(x.shape[0], qweight.shape[0])

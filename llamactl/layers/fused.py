@@ -26,7 +26,7 @@ a kernels.pinned table)."""
         self.pdl = False
         self.pins = ""
         self.glue_kernels = False  # more rows: SwiGLU as one Triton kernel (the norm module has its own switch)
-        self.skinny = False  # 2 to skinny.LAYER_ROWS rows: kernels.skinny, the norm, SwiGLU and the residual folded in
+        self.skinny = False  # 2 to skinny.LAYER_ROWS rows: kernels.skinny, SwiGLU and the residual folded in
 
     def can_fuse(self) -> bool:
         return getattr(self, "bias", None) is None
@@ -55,14 +55,12 @@ a kernels.pinned table)."""
         return rows if half and rows > 1 and self._skinny_takes(rows) else 0
 
     def _skinny_io(self, x: torch.Tensor, rows: int, residual: torch.Tensor | None):
-        """The skinny product's input (the norm and SwiGLU left to the product: _skinny_norm, glu)
-        and the residual it adds (none where SwiGLU follows: glu_out)."""
+        """The skinny product's input (the norm applied, SwiGLU left to the product: glu) and the
+        residual it adds (none where SwiGLU follows: glu_out)."""
+        if self.norm is not None:
+            x = self.norm(x)
         fold = residual is not None and not self.glu_out
         return x.reshape(rows, self._input_width()), residual.reshape(rows, -1) if fold else None
-
-    def _skinny_norm(self) -> dict:
-        """The skinny product's keyword arguments for the RMSNorm folded in (none without one)."""
-        return {} if self.norm is None else {"norm_weight": self.norm.weight, "eps": self.norm.eps}
 
     def _skinny_out(self, y: torch.Tensor, shape, residual: torch.Tensor | None) -> torch.Tensor:
         # y: [rows, out] -> [..., out] with glu_out's SwiGLU and a residual not yet added
@@ -97,12 +95,11 @@ class GemvLinear(nn.Linear, FusedIO):
                      self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
         rows = self._skinny_rows(x)
-        if rows:  # a decode batch: the weights read once for all rows, the norm, SwiGLU and the residual folded in
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_mm
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            y = skinny_mm(x2, self.weight, r2, self.glu, **self._skinny_norm())
-            return self._skinny_out(y, x.shape, residual)
+            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu), x.shape, residual)
         y = self._unfused_output(F.linear(self._unfused_input(x), self.weight, self.bias))
         return y if residual is None else residual + y
 

@@ -202,7 +202,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     Single rows run the int4 GEMV (reads 4 bits a weight); a decode batch reads the weights once
     for all rows: 2 to skinny.LAYER_ROWS rows of a fusable layer with groups of a multiple of 128
-    on kernels.skinny (the norm, SwiGLU and the residual folded in; with int16 inputs, the
+    on kernels.skinny (the norm before, SwiGLU and the residual folded in; with int16 inputs, the
     GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
     batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
@@ -265,12 +265,12 @@ class TritonInt4Linear(nn.Module, FusedIO):
                           self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
         rows = self._skinny_rows(x)
-        if rows:  # a decode batch: the weights read once for all rows, the norm, SwiGLU and the residual folded in
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_int4, skinny_int4_i8
 
             x2, r2 = self._skinny_io(x, rows, residual)
             product = skinny_int4_i8 if self.inputs == "int16" else skinny_int4
-            y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu, **self._skinny_norm())
+            y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
             return self._skinny_out(y, x.shape, residual)
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:

@@ -3,7 +3,7 @@
 Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gemv) instead; a
 decode batch of 2 to skinny.LAYER_ROWS 16-bit rows with int16 inputs (the GEMV's default) through
 skinny_int8 (the weights on the integer MMA as they are, x in the GEMV's 16-bit fixed point; the
-norm, SwiGLU and the residual folded in); other batches of up to 64 rows through the
+norm before, SwiGLU and the residual folded in); other batches of up to 64 rows through the
 multi-row kernel (kernels.multirow).
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
@@ -83,12 +83,11 @@ class Int8Kernel(nn.Module, FusedIO):
             y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         rows = self._skinny_rows(x)
-        if rows:  # a decode batch: the weights read once for all rows, the norm, SwiGLU and the residual folded in
+        if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_int8
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            y = skinny_int8(x2, self.weight, self.scales, r2, self.glu, **self._skinny_norm())
-            return self._skinny_out(y, x.shape, residual)
+            return self._skinny_out(skinny_int8(x2, self.weight, self.scales, r2, self.glu), x.shape, residual)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS
