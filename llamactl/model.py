@@ -76,12 +76,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.kernel = False  # one Triton kernel (kernels.glue) outside torch.compile; set by layers.prepare
+        self.pdl = False  # that kernel's launch a programmatic dependent one (set by layers.prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and not torch.compiler.is_compiling():
             from llamactl.kernels.glue import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.pdl)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -232,13 +233,13 @@ class MLP(nn.Module):
         return add_linear(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), residual, self.tp_group)
 
 
-def swiglu(h: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+def swiglu(h: torch.Tensor, kernel: bool = False, pdl: bool = False) -> torch.Tensor:
     """h: [..., 2 I], a fused [gate; up] output -> silu(gate) * up: [..., I]; kernel: one Triton
-    kernel (kernels.glue) outside torch.compile."""
+    kernel (kernels.glue) outside torch.compile, pdl: launched as a programmatic dependent launch."""
     if kernel and not torch.compiler.is_compiling():
         from llamactl.kernels.glue import silu_mul
 
-        return silu_mul(h)
+        return silu_mul(h, pdl)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -257,3 +257,36 @@ def test_a_float32_model_keeps_its_exact_products(tmp_path):
     model = load_model(open_artifact(make_hf_model(tmp_path / "m", vocab=512)), torch.device(DEV), torch.float32)
     prepare(model, interpreter=True)
     assert products(model, 1) == "16-bit GEMV" and products(model, 3) == "16-bit cuBLAS"
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="programmatic dependent launch needs a GPU (the interpreter has no PTX)")
+def test_skinny_dependent_launches_give_the_same_bits():
+    """pdl: each product a programmatic dependent launch of the one before (first weights read
+    before waiting), chained as a decode step chains them, in a CUDA graph: the bits of plain launches."""
+    from llamactl.kernels import skinny
+    from llamactl.kernels.device import pdl_supported
+    from llamactl.kernels.glue import rms_norm, silu_mul
+
+    if not pdl_supported(torch.device(DEV)):
+        pytest.skip("this GPU has no programmatic dependent launch")
+    torch.manual_seed(0)
+    m, n, k = 8, 512, 1024
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    nw = torch.rand(k, device=DEV, dtype=torch.bfloat16)
+    w1 = torch.randn(2 * n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(k, n, device=DEV, dtype=torch.bfloat16) * 0.05
+    q, s, z, _ = _int4(k, k, 128)
+
+    def chain(pdl):  # norm -> gate_up -> SwiGLU -> down (+ x) -> int4 (+ x)
+        h = skinny.skinny_mm(rms_norm(x, nw, 1e-5, pdl), w1, pdl=pdl)
+        y = skinny.skinny_mm(silu_mul(h, pdl), w2, x, pdl=pdl)
+        return skinny.skinny_int4_i8(y, q, s, z, 128, x, pdl=pdl)
+
+    plain = chain(False)
+    assert torch.equal(chain(True), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)

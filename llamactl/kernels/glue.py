@@ -21,10 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llamactl.kernels.device import pdl_launch
+from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
-    # x, y: [rows, N], w: [N]; one program a row
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # x, y: [rows, N], w: [N]; one program a row; PDL (programmatic dependent launch, kernels.pdl):
+    # wait for the kernel before, then let the next one start launching
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < N
@@ -37,8 +44,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, y_ptr, N, BLOCK: tl.constexpr):
-    # h: [rows, 2N] ([gate; up] a row), y: [rows, N]; program (row, block of N)
+def _silu_mul_kernel(h_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # h: [rows, 2N] ([gate; up] a row), y: [rows, N]; program (row, block of N); PDL: as _rms_norm_kernel's
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < N
@@ -102,24 +112,25 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """x: [..., N] -> weight * (x / rms(x)) as HF's LlamaRMSNorm computes it, [..., N] in the dtype
-    PyTorch's promotion of weight and x gives."""
+    PyTorch's promotion of weight and x gives; pdl: a programmatic dependent launch."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n).contiguous()
     y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, n, eps, BLOCK=triton.next_power_of_2(n),
-                                         num_warps=4 if n <= 4096 else 8)
+                                         num_warps=4 if n <= 4096 else 8, **pdl_launch(pdl))
     return y.view(x.shape)
 
 
-def silu_mul(h: torch.Tensor) -> torch.Tensor:
-    """h: [..., 2 I], a fused [gate; up] output -> silu(gate) * up: [..., I]."""
+def silu_mul(h: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """h: [..., 2 I], a fused [gate; up] output -> silu(gate) * up: [..., I]; pdl: a programmatic
+    dependent launch."""
     n = h.shape[-1] // 2
     h2 = h.reshape(-1, 2 * n).contiguous()
     y = torch.empty(h2.shape[0], n, dtype=h.dtype, device=h.device)
     block = min(1024, triton.next_power_of_2(n))
     if h2.shape[0]:
-        _silu_mul_kernel[(h2.shape[0], triton.cdiv(n, block))](h2, y, n, BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(h2.shape[0], triton.cdiv(n, block))](h2, y, n, BLOCK=block, num_warps=4, **pdl_launch(pdl))
     return y.view(*h.shape[:-1], n)

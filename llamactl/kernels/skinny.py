@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.device import interpreted
+from llamactl.kernels.device import interpreted, pdl_launch
+from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
 from llamactl.kernels.int8_inputs import _round
 
 MAX_ROWS = 64
@@ -154,22 +155,50 @@ def _program(M, N, blocks, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: 
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RES: tl.constexpr,
-                GLU: tl.constexpr, W8: tl.constexpr = False, F32: tl.constexpr = False):
+                GLU: tl.constexpr, W8: tl.constexpr = False, PDL: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] of x's dtype -> y: [M, N]; program (n block, k share)
     # W8: w int8 [N, K] (exact in bf16 and fp16) and s [N] its rows' scales: y = (x w^T) s
+    # PDL (programmatic dependent launch, kernels.pdl): the share's first block of weights, which
+    # nothing writes, is loaded before waiting for the kernel before (whose output x is), and its
+    # iteration peeled off; then the next kernel may start launching
     pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, tl.cdiv(K, BLOCK_K), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
-    for b in range(lo, hi):
+    first = lo
+    if PDL:
+        kk = lo * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = (kk < K) & (lo < hi)  # (an empty share adds nothing)
+        w = _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8, F32)  # [BN, BK]
+        gdc_wait()
+        gdc_launch_dependents()
+        acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
+        first = lo + 1
+    for b in range(first, hi):
         kk = b * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)  # [BN, BK]
-        if W8:  # (F32: to float32, the interpreter's int8-to-bf16 conversion is not the GPU's)
-            w = w.to(tl.float32 if F32 else x_ptr.dtype.element_ty)
+        w = _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8, F32)  # [BN, BK]
         acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
     if W8:
         acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     _finish(acc, y_ptr, r_ptr, part_ptr, cnt_ptr, rm, rn, m_ok, n_ok, M, N, pid_n, pid_k, SPLIT, RES)
+
+
+@triton.jit
+def _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8: tl.constexpr, F32: tl.constexpr):
+    # the weights' block [BN, BK] at columns kk, in x's dtype (W8: int8 codes converted, exact;
+    # F32: to float32, the interpreter's int8-to-bf16 conversion is not the GPU's)
+    w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+    if W8:
+        w = w.to(tl.float32 if F32 else x_ptr.dtype.element_ty)
+    return w
+
+
+@triton.jit
+def _wait(PDL: tl.constexpr):
+    # PDL: wait for the kernel before (x is its output), then let the next one start launching
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -210,9 +239,10 @@ def _idot(w, xt, F32: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SPLIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr, GLU: tl.constexpr,
-               F32: tl.constexpr = False):
+               PDL: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] int8, s: [N] its rows' scales -> y: [M, N]; program
     # (n block, k share) of K's 128-column blocks; x in 16-bit fixed point, two int8 dots a block
+    _wait(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, tl.cdiv(K, 128), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
@@ -230,7 +260,8 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SP
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
-               GLU: tl.constexpr, JOIN: tl.constexpr = True, F32: tl.constexpr = False):
+               GLU: tl.constexpr, JOIN: tl.constexpr = True, PDL: tl.constexpr = False,
+               F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 8] int32 (nibble j of word i: column 8 i + j),
     # s: [N, K // G] fp16, z: [N, K // G] uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k
     # share) of K's 128-column blocks (a block lies in one group). Nibbles j and j + 4 of a word come
@@ -239,6 +270,7 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     # group's scale (float32), once a block and row.
     # JOIN: the block's 8 nibble planes joined into one [BN, 128] operand (columns in the joins'
     # order, x loaded in the same order): one dot a block; else one K=16 dot a plane
+    _wait(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
     dt: tl.constexpr = x_ptr.dtype.element_ty
@@ -282,7 +314,7 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
 @triton.jit(do_not_specialize=["M"])  # M: masks only; a new row count compiles nothing
 def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, G: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RES: tl.constexpr,
-                 GLU: tl.constexpr, F32: tl.constexpr = False):
+                 GLU: tl.constexpr, PDL: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]); w: [N, K // 2] uint8, kernels.gemv's int32 words as bytes
     # (byte t: column 2t in its low nibble, 2t + 1 in its high), s: [N, K // G] fp16, z: [N, K // G]
     # uint8 (G % 128 == 0) -> y: [M, N]; program (n block, k share) of K's 128-column blocks.
@@ -292,6 +324,7 @@ def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M,
     # apart). dot(code - zero, v) = dot(c_even, v_even) + dot(16 (c_odd - 8), v_odd) / 16
     # + 8 sum(v_odd) - zero sum(v), exact in int32; then times 2^(e - 13) and the group's scale
     # (float32), once a block and row.
+    _wait(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -334,13 +367,13 @@ def _configs4():
             for sp in (2, 4, 8, 16) for join in (True, False)]
 
 
-_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "W8"],
+_w16_tuned = triton.autotune(configs=_configs16(), key=["BLOCK_M", "N", "K", "RES", "GLU", "W8", "PDL"],
                              cache_results=True)(_w16_kernel)
-_w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU"],
+_w8_tuned = triton.autotune(configs=_configs8(), key=["BLOCK_M", "N", "K", "RES", "GLU", "PDL"],
                             cache_results=True)(_w8_kernel)
-_w4i8_tuned = triton.autotune(configs=_configs8(16), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
+_w4i8_tuned = triton.autotune(configs=_configs8(16), key=["BLOCK_M", "N", "K", "G", "RES", "GLU", "PDL"],
                               cache_results=True)(_w4i8_kernel)
-_w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU"],
+_w4_tuned = triton.autotune(configs=_configs4(), key=["BLOCK_M", "N", "K", "G", "RES", "GLU", "PDL"],
                             cache_results=True)(_w4_kernel)
 
 
@@ -355,7 +388,7 @@ def _rows(x: torch.Tensor, k: int, glu: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
+def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra, pdl=False):
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)
@@ -367,77 +400,80 @@ def _launch(kernel, tuned, x, w_args, n, k, residual, glu, extra):
     if interpreted():  # two shares of K: the workspace and the counters are exercised
         kernel[(triton.cdiv(n, 32), 2)](*args, SPLIT=2, BLOCK_N=32, F32=True, **flags,
                                         **({"BLOCK_K": 32} if kernel is _w16_kernel else {}))
-    else:
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags)
+    else:  # (the interpreter has no PDL: no PTX)
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags, **pdl_launch(pdl))
     return y
 
 
 @torch.library.custom_op("llamactl::skinny_mm", mutates_args=())
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False,
-              scales: torch.Tensor | None = None) -> torch.Tensor:
+              scales: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K], silu(gate) * up multiplied), w: [N, K] of x's dtype, or int8
     with scales [N] (y = (x w^T) scales), residual: [M, N] or None -> x w^T (+ residual): [M, N],
-    M <= MAX_ROWS."""
+    M <= MAX_ROWS; pdl: a programmatic dependent launch (the first weights read before waiting for
+    the kernel before)."""
     n, k = w.shape
     w8 = w.dtype == torch.int8
     if w8 != (scales is not None) or (not w8 and w.dtype != x.dtype):
         raise ValueError(f"skinny_mm: a weight of x's dtype ({x.dtype}), or int8 with scales, not {w.dtype}"
                          f"{' with' if scales is not None else ' without'} scales")
     return _launch(_w16_kernel, _w16_tuned, _rows(x, k, glu), (w, w if scales is None else scales), n, k, residual,
-                   glu, {"W8": w8})
+                   glu, {"W8": w8}, pdl)
 
 
 @torch.library.custom_op("llamactl::skinny_int4", mutates_args=())
 def skinny_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, glu: bool = False, pdl: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K]), the 4-bit layout of kernels.gemv with groups of a multiple of
     128 columns (qweight [N, K // 8] int32, scales [N, K // G] fp16, zeros [N, K // G] uint8) ->
-    x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+    x w^T (+ residual): [M, N], M <= MAX_ROWS; pdl: a programmatic dependent launch."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 128 or k % group_size:
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
     return _launch(_w4_kernel, _w4_tuned, _rows(x, k, glu), (qweight, scales, zeros), n, k, residual, glu,
-                   {"G": group_size})
+                   {"G": group_size}, pdl)
 
 
 @torch.library.custom_op("llamactl::skinny_int8", mutates_args=())
 def skinny_int8(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None = None,
-                glu: bool = False) -> torch.Tensor:
+                glu: bool = False, pdl: bool = False) -> torch.Tensor:
     """x: [M, K] 16-bit (glu: [M, 2K]) in 16-bit fixed point a 128-column block, w: [N, K] int8,
-    scales [N] -> (x w^T) scales (+ residual): [M, N] on the int8 MMA, M <= MAX_ROWS."""
+    scales [N] -> (x w^T) scales (+ residual): [M, N] on the int8 MMA, M <= MAX_ROWS; pdl: a
+    programmatic dependent launch."""
     n, k = w.shape
     if w.dtype != torch.int8:
         raise ValueError(f"skinny_int8: int8 weights, not {w.dtype}")
-    return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {})
+    return _launch(_w8_kernel, _w8_tuned, _rows(x, k, glu), (w, scales), n, k, residual, glu, {}, pdl)
 
 
 @torch.library.custom_op("llamactl::skinny_int4_i8", mutates_args=())
 def skinny_int4_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   group_size: int, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+                   group_size: int, residual: torch.Tensor | None = None, glu: bool = False,
+                   pdl: bool = False) -> torch.Tensor:
     """skinny_int4's product on the int8 MMA: the codes as they are, x in skinny_int8's 16-bit
     fixed point a 128-column block -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 128 or k % group_size:
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
     return _launch(_w4i8_kernel, _w4i8_tuned, _rows(x, k, glu), (qweight.view(torch.uint8), scales, zeros), n, k,
-                   residual, glu, {"G": group_size})
+                   residual, glu, {"G": group_size}, pdl)
 
 
 @skinny_mm.register_fake
-def _(x, w, residual=None, glu=False, scales=None):
+def _(x, w, residual=None, glu=False, scales=None, pdl=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
 @skinny_int8.register_fake
-def _(x, w, scales, residual=None, glu=False):
+def _(x, w, scales, residual=None, glu=False, pdl=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
 @skinny_int4.register_fake
-def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False, pdl=False):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 @skinny_int4_i8.register_fake
-def _(x, qweight, scales, zeros, group_size, residual=None, glu=False):
+def _(x, qweight, scales, zeros, group_size, residual=None, glu=False, pdl=False):
     return x.new_empty(x.shape[0], qweight.shape[0])

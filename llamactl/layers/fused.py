@@ -37,10 +37,10 @@ a kernels.pinned table)."""
     def _unfused_input(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
             x = self.norm(x)
-        return swiglu(x, self.glue_kernels) if self.glu else x
+        return swiglu(x, self.glue_kernels, self.pdl) if self.glu else x
 
     def _unfused_output(self, y: torch.Tensor) -> torch.Tensor:
-        return swiglu(y, self.glue_kernels) if self.glu_out else y
+        return swiglu(y, self.glue_kernels, self.pdl) if self.glu_out else y
 
     def _skinny_takes(self, rows: int) -> bool:
         """Whether kernels.skinny multiplies `rows` rows (2 or more) of this layer."""
@@ -99,7 +99,7 @@ class GemvLinear(nn.Linear, FusedIO):
             from llamactl.kernels.skinny import skinny_mm
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu), x.shape, residual)
+            return self._skinny_out(skinny_mm(x2, self.weight, r2, self.glu, pdl=self.pdl), x.shape, residual)
         y = self._unfused_output(F.linear(self._unfused_input(x), self.weight, self.bias))
         return y if residual is None else residual + y
 

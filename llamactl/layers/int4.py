@@ -270,7 +270,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
             x2, r2 = self._skinny_io(x, rows, residual)
             product = skinny_int4_i8 if self.inputs == "int16" else skinny_int4
-            y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
+            y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu, pdl=self.pdl)
             return self._skinny_out(y, x.shape, residual)
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]
         if self.perm is not None:

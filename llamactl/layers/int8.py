@@ -87,7 +87,8 @@ class Int8Kernel(nn.Module, FusedIO):
             from llamactl.kernels.skinny import skinny_int8
 
             x2, r2 = self._skinny_io(x, rows, residual)
-            return self._skinny_out(skinny_int8(x2, self.weight, self.scales, r2, self.glu), x.shape, residual)
+            y = skinny_int8(x2, self.weight, self.scales, r2, self.glu, pdl=self.pdl)
+            return self._skinny_out(y, x.shape, residual)
         shape, dtype = x.shape, x.dtype
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS

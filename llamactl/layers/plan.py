@@ -144,7 +144,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
         if isinstance(mod, FusedIO):
             mod.pdl, mod.pins, mod.glue_kernels, mod.skinny = pdl, pins.id, on, skinny
         elif isinstance(mod, RMSNorm):
-            mod.kernel = on
+            mod.kernel, mod.pdl = on, pdl
     if on:
         fuse(model, options.swiglu)
     hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
