@@ -1,7 +1,8 @@
 """Where a served request's time to first token goes, per concurrency level: runs `llamactl bench
 --url` at each level against a running server and reads its /metrics before and after, then prints
 the client's TTFT (p50, p95) beside the server's mean (submit to the first token handed out), the prefill forwards
-(count, mean, slowest) and the engine's gather wait in that level.
+(count, mean) and the engine's gather wait in that level, and the CPU time of the server's HTTP
+thread a request.
 
 Usage: python scripts/serve_breakdown.py URL [--concurrency 1,8,32] [--requests 64] [-o OUT.json]
        [bench --url options after --, e.g. -- --prompt-len 128 --gen-len 256]
@@ -20,7 +21,8 @@ import urllib.request
 
 FIELDS = ("llamactl_time_to_first_token_seconds_sum", "llamactl_time_to_first_token_seconds_count",
           "llamactl_engine_prefill_seconds", "llamactl_engine_prefill_forwards", "llamactl_engine_prefill_tokens",
-          "llamactl_engine_gather_seconds", "llamactl_engine_decode_seconds", "llamactl_engine_decode_steps")
+          "llamactl_engine_gather_seconds", "llamactl_engine_decode_seconds", "llamactl_engine_decode_steps",
+          "llamactl_http_thread_cpu_seconds")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -54,6 +56,8 @@ def level(url: str, conc: int, requests: int, extra: list[str]) -> tuple[dict, d
         "prefill_tokens_mean": d["llamactl_engine_prefill_tokens"] / fwd,
         "gather_ms_per_forward": 1000 * d["llamactl_engine_gather_seconds"] / fwd,
         "decode_ms_per_step": 1000 * d["llamactl_engine_decode_seconds"] / max(d["llamactl_engine_decode_steps"], 1),
+        "http_cpu_ms_per_request": 1000 * d.get("llamactl_http_thread_cpu_seconds", float("nan"))
+        / max(client["requests"], 1),
         "output_tok_s": client["output_tok_s"],
     }, bench
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # seconds: from a few ms (an H200 decode step) to the tens of seconds a queued request may wait
@@ -39,6 +41,10 @@ class Metrics:
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests.")):
             name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
             Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
+        # /metrics is answered on the event loop's thread, so this is that thread's CPU: parsing,
+        # routing, detokenizing and writing every request's events (the engine's thread is apart)
+        Gauge("llamactl_http_thread_cpu_seconds", "CPU seconds of the thread serving HTTP (uvicorn's event loop).",
+              registry=r).set_function(time.thread_time)
         self.e2e = Histogram("llamactl_request_latency_seconds", "Arrival to the last token.", buckets=_LATENCY,
                              registry=r)
 

@@ -88,7 +88,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     from llamactl.load import load
     from llamactl.serve.api import Service, build_app
     from llamactl.serve.engine import Engine
-    from llamactl.serve.server import bind, serve as serve_app
+    from llamactl.serve.server import bind, http_stack, serve as serve_app
 
     import sys
 
@@ -131,7 +131,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             tp = f", tensor-parallel over {world.size} ({world.backend})" if world else ""
             log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}, gemv "
                 f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
-                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}"
+                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}"
                 + (", API key required" if serve.api_key else ""))
 
         stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)

@@ -42,6 +42,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_stack() -> tuple[str, str]:
+    """(uvicorn's HTTP parser, its event loop): httptools and uvloop where they are installed (the
+    serve extra), else the pure-Python h11 on asyncio's loop, which cost more CPU a request and a
+    streamed token, taken from the engine's thread under the GIL (docs/bench/README.md)."""
+    import importlib.util
+
+    def have(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a module hidden from imports
+            return False
+
+    return ("httptools" if have("httptools") else "h11"), ("uvloop" if have("uvloop") else "asyncio")
+
+
 def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], None],
           main: Callable[[], None], stop_main: Callable[[], None]) -> str | None:
     """Run the app until SIGTERM or SIGINT, and main() (the step loop) on this thread meanwhile;
@@ -63,7 +78,8 @@ def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], No
                 host, port = sock.getsockname()[:2]
                 on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+    parser, loop = http_stack()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=parser, loop=loop,
                             timeout_graceful_shutdown=max(1, int(drain_s)), timeout_keep_alive=5)
     server = Server(config)
 
