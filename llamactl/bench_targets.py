@@ -55,6 +55,37 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
+def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: bool):
+    """(what quantizes one decoder layer as synthetic.build_synthetic draws it, or None; the bits a
+    weight then takes with its scales, about; the label's words) for --synthetic-quant `quant`:
+    RTN, group 128 (int8: per channel); kernels: layers.plan.linear_kernels."""
+    from llamactl.quantize import rtn
+
+    triton = kernels == "triton"
+    if quant == "none":
+        return None, 16, ""
+    bits = int(quant[3:])
+    if kernels == "cpu":  # every width on llamactl's CPU layers (RTN, as below)
+        from llamactl.layers.cpu import quant_fast
+
+        if quant_fast():
+            group = -1 if bits == 8 else 128
+            return (lambda layer: rtn.quantize_linears_planes(layer, bits, group, False, cpu=True, every=True),
+                    bits + 0.2, quant + ("" if bits == 8 else "-g128"))
+    if quant == "int4":
+        return lambda layer: rtn.quantize_linears_int4(layer, triton, 128, every=True), 4.2, "int4-g128"
+    if quant == "int8":
+        from llamactl.layers.int8 import available
+
+        if not available(device.type, triton):
+            raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
+        return lambda layer: rtn.quantize_linears_int8(layer, triton, every=True), 8.1, "int8"
+    if tp:
+        raise InputError(f"--synthetic-quant {quant} with --tp is not supported", "use int4 or int8 with --tp")
+    return (lambda layer: rtn.quantize_linears_planes(layer, bits, 128, triton, every=True), bits + 0.2,
+            f"{quant}-g128" + ("" if triton else " (dequantized per call)"))
+
+
 def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
                      world=None) -> Target:
     """kernels: layers.plan.linear_kernels ("triton", "cpu" or "torch")."""
@@ -70,41 +101,15 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
         from llamactl.tp import plan_synthetic
 
         shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
-    model = build_synthetic(shape, device, dtype, shard=shard)
+    label = f"synthetic:{shape}"
+    quantize, bits, label_quant = _synthetic_quantizer(quant, device, kernels, world is not None)
+    model = build_synthetic(shape, device, dtype, shard=shard, quantize=quantize, weight_bits=bits)
     if world is not None:
         for layer in model.model.layers:
             layer.self_attn.tp_group = layer.mlp.tp_group = world.group
         model.tp = shard
-    label = f"synthetic:{shape}"
-    triton = kernels == "triton"
-    if kernels == "cpu" and quant != "none":  # every width on llamactl's CPU layers (RTN, as below)
-        from llamactl.layers.cpu import quant_fast
-        from llamactl.quantize.rtn import quantize_linears_planes
-
-        if quant_fast():
-            bits = int(quant[3:])
-            quantize_linears_planes(model, bits, -1 if bits == 8 else 128, False, cpu=True)
-            return Target(label=f"{label} {quant}" + ("" if bits == 8 else "-g128"), model=model, synthetic=shape)
-    if quant == "int4":
-        from llamactl.quantize.rtn import quantize_linears_int4
-
-        quantize_linears_int4(model, triton, 128)
-        label += " int4-g128"
-    elif quant == "int8":
-        from llamactl.layers.int8 import available
-        from llamactl.quantize.rtn import quantize_linears_int8
-
-        if not available(device.type, triton):
-            raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
-        quantize_linears_int8(model, triton)
-        label += " int8"
-    elif quant in ("int3", "int5", "int6"):
-        from llamactl.quantize.rtn import quantize_linears_planes
-
-        if world is not None:
-            raise InputError(f"--synthetic-quant {quant} with --tp is not supported", "use int4 or int8 with --tp")
-        quantize_linears_planes(model, int(quant[3:]), 128, triton)
-        label += f" {quant}-g128" + ("" if triton else " (dequantized per call)")
+    if label_quant:
+        label += f" {label_quant}"
     return Target(label=label, model=model, synthetic=shape)
 
 

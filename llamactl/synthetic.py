@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from llamactl.config import LlamaArgs
@@ -45,9 +47,15 @@ def hf_config(args: LlamaArgs) -> dict:
 
 
 @torch.no_grad()
-def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, shard=None):
+def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, shard=None,
+                    quantize: Callable[[torch.nn.Module], object] | None = None, weight_bits: float = 16):
     """A LlamaModel of shape `name` with N(0, 0.02) weights, allocated on `device` directly;
-    shard: one tensor-parallel rank's part of it (tp.Shard), the rank's seed its own."""
+    shard: one tensor-parallel rank's part of it (tp.Shard), the rank's seed its own.
+    quantize: applied to each decoder layer as soon as its weights are drawn (before the next one
+    is allocated), so a model whose 16-bit weights would not fit the device fits in its quantized
+    size plus one 16-bit layer (llama3-70b in int4 on one H200); weight_bits: what a decoder
+    weight takes after it, with its scales, for the memory check. The weights are the same draws
+    either way (one generator, the parameters in the model's order)."""
     from llamactl.model import LlamaModel
 
     args = synthetic_args(name)
@@ -55,25 +63,39 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
         from llamactl.tp import local_args
 
         args, seed = local_args(args, shard), seed + shard.rank
-    _check_memory(name, args, device, dtype)
+    _check_memory(name, args, device, dtype, weight_bits if quantize else 16)
     with torch.device("meta"):
         model = LlamaModel(args)
-    model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name_, p in model.named_parameters():
-        if name_.endswith("norm.weight") or "layernorm" in name_:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
+    inner = model.model
+    for part in [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]:
+        part.to_empty(device=device).to(dtype)
+        for name_, p in part.named_parameters():
+            if name_.endswith("norm.weight") or "layernorm" in name_ or part is inner.norm:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        if quantize is not None and part not in (inner.embed_tokens, inner.norm, model.lm_head):
+            quantize(part)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise RuntimeError("build_synthetic left tensors unallocated: a module outside embeddings, layers, norm and head")
     return model.eval()
 
 
-def _check_memory(name: str, args: LlamaArgs, device: torch.device, dtype: torch.dtype) -> None:
-    """InputError, before allocating, when the weights would not fit the device's free memory."""
+def peak_weight_bytes(args: LlamaArgs, dtype: torch.dtype, weight_bits: float = 16) -> int:
+    """The most bytes of weights build_synthetic holds: the decoder's at weight_bits each (with one
+    layer in dtype while it is drawn, where they are quantized), the embeddings and head in dtype."""
     a = args
-    params = a.num_hidden_layers * (a.hidden_size * a.head_dim * 2 * (a.num_attention_heads + a.num_key_value_heads)
-                                    + 3 * a.hidden_size * a.intermediate_size) + 2 * a.vocab_size * a.hidden_size
-    need = params * torch.finfo(dtype).bits // 8
+    layer = a.hidden_size * a.head_dim * 2 * (a.num_attention_heads + a.num_key_value_heads) + 3 * a.hidden_size * a.intermediate_size
+    bits = torch.finfo(dtype).bits
+    drawn = layer * bits if weight_bits < bits else 0
+    return int(a.num_hidden_layers * layer * min(weight_bits, bits) + drawn + 2 * a.vocab_size * a.hidden_size * bits) // 8
+
+
+def _check_memory(name: str, args: LlamaArgs, device: torch.device, dtype: torch.dtype,
+                  weight_bits: float = 16) -> None:
+    """InputError, before allocating, when the weights would not fit the device's free memory."""
+    need = peak_weight_bytes(args, dtype, weight_bits)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

@@ -118,6 +118,28 @@ def test_bench_synthetic_int4(tmp_path):
     assert bf16["weight_bytes"] - int4["weight_bytes"] > 0.7 * linear_bytes
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_synthetic_quantized_layer_by_layer_is_the_same_model(kind):
+    """build_synthetic(quantize=...) quantizes each decoder layer as soon as it is drawn (how
+    llama3-70b in int4 fits one GPU): the same weights and codes as drawing the whole model in bf16
+    and quantizing it afterwards; and the memory check counts the quantized bytes."""
+    from llamactl.quantize import rtn
+    from llamactl.synthetic import build_synthetic, peak_weight_bytes, synthetic_args
+
+    quant = {"int4": lambda m, every=False: rtn.quantize_linears_int4(m, False, 128, every=every),
+             "int8": lambda m, every=False: rtn.quantize_linears_int8(m, False, every=every)}[kind]
+    whole = build_synthetic("tiny", torch.device("cpu"), torch.bfloat16)
+    assert quant(whole) == 4 * 7
+    streamed = build_synthetic("tiny", torch.device("cpu"), torch.bfloat16, quantize=lambda layer: quant(layer, True),
+                               weight_bits=4.2 if kind == "int4" else 8.1)
+    a, b = whole.state_dict(), streamed.state_dict()
+    assert a.keys() == b.keys() and type(streamed.model.layers[0].mlp.down_proj) is type(whole.model.layers[0].mlp.down_proj)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    args = synthetic_args("llama3-70b")  # 16-bit: more than 0.9 of an H200's 139 GiB; int4 a third of it
+    assert peak_weight_bytes(args, torch.bfloat16) / 2**30 > 0.9 * 139
+    assert peak_weight_bytes(args, torch.bfloat16, 4.2) / 2**30 < 0.33 * 139
+
+
 @pytest.mark.parametrize("method", ["rtn", pytest.param("int8", marks=pytest.mark.quant)])  # int8: bitsandbytes
 def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path, tmp_path):
     from importlib.util import find_spec

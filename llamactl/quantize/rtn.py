@@ -143,18 +143,23 @@ def gptq_config(opts, quantizer: str, method: str, schemes: dict, planar: bool =
     return q
 
 
-@torch.no_grad()
-def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool = True) -> int:
-    """RTN-quantize every decoder linear of an in-memory model to 4 bits (synthetic benchmarks):
-    llamactl's int4 layers where `triton`, else tinygemm's where its shapes allow."""
+def _decoder_linears(model, every: bool = False) -> list[tuple[str, "torch.nn.Linear"]]:
+    """(name, module) of the plain nn.Linear layers in model's decoder layers (every: all of them)."""
     from torch import nn
 
+    return [(name, mod) for name, mod in model.named_modules()
+            if type(mod) is nn.Linear and (every or ".layers." in f".{name}")]
+
+
+@torch.no_grad()
+def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool = True, every: bool = False) -> int:
+    """RTN-quantize every decoder linear of an in-memory model to 4 bits (synthetic benchmarks):
+    llamactl's int4 layers where `triton`, else tinygemm's where its shapes allow. every: each
+    linear of `model`, which is then one decoder layer (synthetic.build_synthetic's `quantize`)."""
     from llamactl.layers.int4 import int4_linear, supported, triton_supported
 
     n = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or ".layers." not in f".{name}":
-            continue
+    for name, mod in _decoder_linears(model, every):
         fits = triton_supported(mod.in_features, group_size) if triton else supported(
             mod.in_features, mod.out_features, group_size)
         if fits:
@@ -167,10 +172,12 @@ def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool 
 
 
 @torch.no_grad()
-def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu: bool = False) -> int:
+def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu: bool = False,
+                            every: bool = False) -> int:
     """RTN-quantize every decoder linear of an in-memory model to `bits` (synthetic benchmarks):
     the plane kernels' layers (3, 5, 6 bits) where `triton`, llamactl's CPU layers where `cpu`
-    (any bits; group_size -1: one group a row), else GPTQ layers (dequantized per call)."""
+    (any bits; group_size -1: one group a row), else GPTQ layers (dequantized per call). every: as
+    quantize_linears_int4's."""
     from torch import nn
 
     from llamactl.layers.cpu import CpuQuantLinear
@@ -187,25 +194,23 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu
             return CpuQuantLinear.from_gptq(lin) or lin
         return plane_layer(lin) if triton and PlanesLinear.fits(lin) else lin
 
-    names = [name for name, mod in model.named_modules() if type(mod) is nn.Linear and ".layers." in f".{name}"]
+    names = [name for name, _ in _decoder_linears(model, every)]
     swap_linears(model, names, packed)
     return len(names)
 
 
 @torch.no_grad()
-def quantize_linears_int8(model, triton: bool) -> int:
-    """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic benchmarks)."""
-    from torch import nn
-
+def quantize_linears_int8(model, triton: bool, every: bool = False) -> int:
+    """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic
+    benchmarks); every: as quantize_linears_int4's."""
     from llamactl.layers.int8 import Int8Kernel
 
     n = 0
-    for name, mod in list(model.named_modules()):
-        if type(mod) is nn.Linear and ".layers." in f".{name}":
-            w = mod.weight.float()  # [out, in]
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
-            q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias, triton))
-            n += 1
+    for name, mod in _decoder_linears(model, every):
+        w = mod.weight.float()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias, triton))
+        n += 1
     return n
