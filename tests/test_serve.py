@@ -560,6 +560,49 @@ def test_requests_arriving_together_from_idle_are_gathered(embedded, monkeypatch
         assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i + 1], 6)
 
 
+def test_a_lone_request_is_not_held_for_others_after_a_burst_of_one(embedded, monkeypatch):
+    """The gather wait is for bursts: after a burst of one request (from idle, none other before
+    the engine is idle again, within the span) the next request is prefilled at once; a burst of
+    several turns the wait on again, so the burst after it is prefilled in one forward. Each gets
+    the greedy tokens it gets alone."""
+    from llamactl.decode import Decoder
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = []
+    together = Decoder.prefill_slots
+    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
+                        or together(self, ids, slots, valid))
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=0.2)
+    eng.batch_prefill = True
+    eng.start()
+
+    outputs = []  # (prompt, tokens), checked once the engine has stopped (reference() sets the model's caches)
+
+    def burst(prompts, apart=0.02, n=4):
+        got, reqs = [[] for _ in prompts], []
+        for i, p in enumerate(prompts):
+            reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=n, temperature=0),
+                                   (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
+            time.sleep(apart)
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        outputs.extend((p, n, g) for p, g in zip(prompts, got))
+
+    burst(PROMPTS[:1])  # the first request: waited for (no burst seen yet)
+    waited = eng.times.gather_s
+    assert waited >= 0.15
+    burst(PROMPTS[1:2])  # after a burst of one: not held
+    assert eng.times.gather_s - waited < 0.05
+    burst(PROMPTS[1:4], apart=0.03, n=40)  # its first one goes at once, the others join it: the burst counts three
+    assert 3 not in calls
+    burst(PROMPTS[1:4])  # so this one is gathered: one forward
+    eng.stop()
+    assert calls[-1] == 3 and eng.times.gather_s - waited >= 0.04
+    for p, n, got in outputs:
+        assert tok.decode(got, skip_special_tokens=True) == reference(embedded, p, n)
+
+
 def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--serve", "embedded", "--device", "cpu",

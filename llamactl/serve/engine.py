@@ -167,6 +167,9 @@ PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
 # Engine._gather). On a GPU by default; on the CPU prompts are prefilled one at a time anyway. 10 ms:
 # at 32 streams on an H200, 0, 2 and 5 ms split a wave's burst (p95 TTFT 440, 221, 205 ms), 10 and
 # 20 took it whole (195 ms both), 20 costing a lone request 10 ms more (docs/bench/README.md).
+# A burst of one (the requests that arrived within the span of the first, last time the engine
+# went from idle) turns the next wait off: a lone client's request is not held for others that
+# do not come (the window was 9.6 of its 57 ms to the first token at concurrency 1 on an H200).
 GATHER_GPU_S, GATHER_SPAN = 0.010, 10
 
 
@@ -245,6 +248,8 @@ class Engine:
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self.overlap = gpu if overlap is None else overlap
         self.gather_s = (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s
+        self._burst_start = 0.0  # the first arrival since the engine last went from idle
+        self._burst_size = 2  # requests admitted that arrived within the span of it (2: gather the first time)
         self._staging = Staging(max_batch, self.device)
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._last_read = 0.0
@@ -372,8 +377,11 @@ class Engine:
                 self._cv.wait()
             if self._stopping and self._idle():
                 return False
-            if self.gather_s and not any(self._slots) and self._inflight is None:
-                self._gather()
+            if not any(self._slots) and self._inflight is None:  # from idle: a new burst
+                alone = self._burst_size == 1  # the last one was one request
+                self._burst_start, self._burst_size = self._queue[0].arrived, 0
+                if self.gather_s and not alone:
+                    self._gather()
             joined = self._admit()
         for r in joined:
             self._set_sampling(r)
@@ -393,9 +401,9 @@ class Engine:
         return not self._queue and not any(self._slots) and self._inflight is None
 
     def _gather(self) -> None:
-        """Under self._cv, from idle with a request queued: wait while more arrive, each within
-        gather_s of the last, for at most GATHER_SPAN gather_s from the first, or until the slots
-        are full. The closed-loop clients of a load test (and many real ones) come back together
+        """Under self._cv, from idle with a request queued (unless the last burst was one request):
+        wait while more arrive, each within gather_s of the last, for at most GATHER_SPAN gather_s
+        from the first, or until the slots are full. The closed-loop clients of a load test (and many real ones) come back together
         when a batch ends, and their requests reach the engine over a few ms: the first prefilled
         alone (a forward bound by its launches, which also holds the GIL the HTTP side needs to
         take the others in) delayed all the others by that forward (docs/bench/README.md)."""
@@ -422,6 +430,8 @@ class Engine:
             r.slot = free
             self._slots[free] = r
             joined.append(r)
+            if r.arrived <= self._burst_start + GATHER_SPAN * self.gather_s:
+                self._burst_size += 1
         return joined
 
     def _set_sampling(self, r: Request) -> None:
