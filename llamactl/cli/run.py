@@ -161,7 +161,7 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot; more are answered 429 at once.")] = 64,
     max_seq: Annotated[Optional[int], typer.Option("--max-seq", min=2, help="Tokens a slot holds (prompt + output) (default: the model's context, at most 4096).")] = None,
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].")] = None,
-    gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward; 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
+    gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
     model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
