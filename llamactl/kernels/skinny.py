@@ -34,6 +34,10 @@ to 2^-14 of the largest (bf16 itself rounds the largest to 2^-9 of it). v = 256 
 lo int8; the two int32 dots, 256 dot(w, hi) + dot(w, lo), are exact, and one float scale a block
 and row, 2^(e - 13), takes them to float32. The scale blocks are 128 columns whatever the tile.
 
+PDL (programmatic dependent launch, as the batch-1 GEMVs): a product may start while the kernel
+before it runs; it waits for that kernel before reading x (its output) or writing anything, the
+16-bit one after loading its first block of weights, and then lets the next kernel start.
+
 Epilogue: y rounded to x's dtype, then (RES) a residual added and rounded again (PyTorch's
 residual + linear(x)). GLU: x is a fused [gate; up] output [M, 2K], and silu(gate) * up (PyTorch's
 roundings, as kernels.glue) is what multiplies the weights.
@@ -169,8 +173,7 @@ def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, S
         kk = lo * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = (kk < K) & (lo < hi)  # (an empty share adds nothing)
         w = _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8, F32)  # [BN, BK]
-        gdc_wait()
-        gdc_launch_dependents()
+        _wait(PDL)
         acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
         first = lo + 1
     for b in range(first, hi):
@@ -451,7 +454,8 @@ def skinny_int4_i8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    group_size: int, residual: torch.Tensor | None = None, glu: bool = False,
                    pdl: bool = False) -> torch.Tensor:
     """skinny_int4's product on the int8 MMA: the codes as they are, x in skinny_int8's 16-bit
-    fixed point a 128-column block -> x w^T (+ residual): [M, N], M <= MAX_ROWS."""
+    fixed point a 128-column block -> x w^T (+ residual): [M, N], M <= MAX_ROWS; pdl: a programmatic
+    dependent launch."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     if group_size % 128 or k % group_size:
         raise ValueError(f"skinny int4 takes groups of a multiple of 128 dividing {k} columns, not {group_size}")
