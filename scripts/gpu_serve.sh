@@ -46,4 +46,6 @@ for q in ${QUANTS:-none int4}; do
   cat "$srv" >> "$log"
   [ -f "$out/serve-$q.json" ] && md "$out/serve-$q.json"
 done
-[ "$tests" = "-" ] || { timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$tests" > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt"; }
+[ "$tests" = "-" ] || { timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$tests" > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt";
+  # the batched step's dependent launches in a CUDA graph against plain ones (bit for bit)
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_skinny.py -k dependent >> "$out/tests.txt" 2>&1; tail -1 "$out/tests.txt"; }
