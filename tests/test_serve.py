@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
@@ -119,22 +118,6 @@ def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
     eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
     with pytest.raises(QueueFull):
         eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
-
-
-def test_text_stream_holds_back_a_stop_string_and_cuts_before_it():
-    from llamactl.textstream import TextStream
-
-    class Chars:  # one character a token
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(i) for i in ids)
-
-    s = TextStream(Chars(), ["END", "\n\n"])
-    out = "".join(s.add(ord(c)) for c in "abc EN")
-    assert out == "abc " and not s.stopped  # "EN" may begin END: held back
-    out += "".join(s.add(ord(c)) for c in "D more")
-    assert out == "abc " and s.stopped and s.text == "abc "
-    s = TextStream(Chars(), ["END"])
-    assert "".join(s.add(ord(c)) for c in "xEN") + s.finish() == "xEN"  # the end releases what was held
 
 
 # -- real server processes -------------------------------------------------------------------------
