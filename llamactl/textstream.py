@@ -4,11 +4,10 @@ from __future__ import annotations
 
 
 class TextStream:
-    """Decodes each new token beside the few before it (a constant cost a token: decoding all the
-    tokens since some point, as transformers' TextStreamer does, grows with the output: 39 us a
-    token at 256 tokens and 176 at 2,000 on the server's thread, docs/bench/README.md), holds back
-    a partial UTF-8 character, and with stop strings holds back text that may be the start of one
-    and ends the text before the first.
+    """Decodes each new token beside the few before it (a constant cost a token, where decoding all
+    the tokens since some point, as transformers' TextStreamer does, grows with the output on the
+    server's thread: docs/bench/README.md), holds back a partial UTF-8 character, and with stop
+    strings holds back text that may be the start of one and ends the text before the first.
 
     The new text is decode(ids[prefix:]) minus decode(ids[prefix:read]): both begin at the same
     token, so what a tokenizer does at the start of a decode (SentencePiece drops a word's leading

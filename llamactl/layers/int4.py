@@ -270,8 +270,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
             x2, r2 = self._skinny_io(x, rows, residual)
             product = skinny_int4_i8 if self.inputs == "int16" else skinny_int4
-            # not a dependent launch: the int4 decode batches ran 4% (8 rows) and 8% (32 rows) slower
-            # as one on the H200, the 16-bit ones 2% faster at 8 rows (docs/bench/README.md, 2026-12-04)
+            # not a dependent launch: the int4 decode batches ran slower as one on the H200, where
+            # the 16-bit ones gained (docs/bench/README.md, 2026-12-04)
             y = product(x2, self.qweight, self.scales, self.zeros, self.group_size, r2, self.glu)
             return self._skinny_out(y, x.shape, residual)
         x2 = self._unfused_input(x).reshape(-1, self.in_features)  # [M, in]

@@ -169,7 +169,7 @@ PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
 # 20 took it whole (195 ms both), 20 costing a lone request 10 ms more (docs/bench/README.md).
 # A burst of one (the requests that arrived within the span of the first, last time the engine
 # went from idle) turns the next wait off: a lone client's request is not held for others that
-# do not come (the window was 9.6 of its 57 ms to the first token at concurrency 1 on an H200);
+# do not come (the window was a sixth of its time to the first token on an H200, docs/bench);
 # the first burst after it is then split once (its first request goes alone), the next gathered.
 GATHER_GPU_S, GATHER_SPAN = 0.010, 10
 

@@ -45,7 +45,7 @@ def bind(host: str, port: int) -> socket.socket:
 def http_stack() -> tuple[str, str]:
     """(uvicorn's HTTP parser, its event loop): httptools and uvloop where they are installed (the
     serve extra), else the pure-Python h11 on asyncio's loop, which cost more CPU a request and a
-    streamed token, taken from the engine's thread under the GIL (docs/bench/README.md)."""
+    streamed token, under the GIL the engine's thread needs too (docs/bench/README.md)."""
     import importlib.util
 
     def have(name: str) -> bool:
