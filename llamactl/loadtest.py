@@ -202,22 +202,28 @@ async def _levels(client, post, load: Load, on_row: Callable[[dict], None]) -> l
                              "check the server, --model and --api-key")
     rows = []
     for c in load.concurrency:
-        before = await _engine_times(client)
+        before = await _server_metrics(client)
         results, wall = await _level(post, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
-        after = await _engine_times(client)
+        after = await _server_metrics(client)
         row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
                "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
                "url": load.url, **summarize(results, wall)}
-        if before and after:  # llamactl's server: where its step loop spent the level's time
-            row["engine"] = {k: after[k] - before.get(k, 0) if not k.endswith("_max_seconds") else after[k]
-                             for k in after}
+        if before and after:  # llamactl's server: where the level's time went on its side
+            row.update(_server_side(before, after, row["requests"]))
         rows.append(row)
         on_row(row)
     return rows
 
 
-async def _engine_times(client) -> dict[str, float] | None:
-    """llamactl_engine_* values of a llamactl server's /metrics (None for other servers)."""
+# besides llamactl_engine_*: the server's time to first token (submit to the first token handed
+# out) and the CPU time of its HTTP thread
+SERVER_METRICS = ("llamactl_time_to_first_token_seconds_sum", "llamactl_time_to_first_token_seconds_count",
+                  "llamactl_http_thread_cpu_seconds")
+
+
+async def _server_metrics(client) -> dict[str, float] | None:
+    """The values of a llamactl server's /metrics a level reads before and after it:
+    llamactl_engine_* and SERVER_METRICS (None for other servers)."""
     try:
         resp = await client.get("/metrics")
     except Exception:
@@ -226,10 +232,28 @@ async def _engine_times(client) -> dict[str, float] | None:
         return None
     out = {}
     for line in resp.text.splitlines():
-        if line.startswith("llamactl_engine_"):
-            name, _, value = line.partition(" ")
-            out[name.removeprefix("llamactl_engine_")] = float(value)
+        name, _, value = line.partition(" ")
+        if name.startswith("llamactl_engine_") or name in SERVER_METRICS:
+            out[name] = float(value)
     return out or None
+
+
+def _server_side(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, Any]:
+    """A level's rows from the server's side: "engine" (where its step loop spent the level's
+    time: llamactl_engine_* over the level, the slowest forward as it stands) and "server" (its
+    mean time to first token, its HTTP thread's CPU a request)."""
+    d = {k: v if k.endswith("_max_seconds") else v - before.get(k, 0.0) for k, v in after.items()}
+    out: dict[str, Any] = {"engine": {k.removeprefix("llamactl_engine_"): v for k, v in d.items()
+                                      if k.startswith("llamactl_engine_")}}
+    server = {}
+    count = d.get("llamactl_time_to_first_token_seconds_count", 0.0)
+    if count:
+        server["ttft_ms_mean"] = 1000 * d["llamactl_time_to_first_token_seconds_sum"] / count
+    if "llamactl_http_thread_cpu_seconds" in d and requests:
+        server["http_cpu_ms_per_request"] = 1000 * d["llamactl_http_thread_cpu_seconds"] / requests
+    if server:
+        out["server"] = server
+    return out
 
 
 async def _first_model(client, url: str) -> str:

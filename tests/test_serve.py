@@ -325,6 +325,8 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
         eng = row["engine"]  # the level's share of the step loop's time, from the server's /metrics
         assert eng["decode_rows"] == 3 * 5 and eng["decode_steps"] >= 5 and eng["prefill_tokens"] == 3 * row["prompt_tokens_mean"]
         assert 0 < eng["prefill_seconds"] and 0 < eng["decode_seconds"] < row["duration_s"]
+        side = row["server"]  # its mean time to first token (from submit: under the client's), its HTTP thread's CPU
+        assert 0 < side["ttft_ms_mean"] <= row["ttft_ms_p95"] and 0 < side["http_cpu_ms_per_request"]
     from llamactl.report import compare, load_report
 
     diffs, _ = compare(load_report(out), load_report(out), 0.05)  # --compare gates load tests too
