@@ -92,3 +92,13 @@ def tiny_llama3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_model() -> Path:
     return trained_model_path()
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """(artifact, model, tokenizer) of the embedded trained model on the CPU in float32, a copy a
+    module (the serving tests' engines set up its caches)."""
+    from llamactl.load import load
+
+    art, model, tok, _ = load(None, "cpu", "float32")
+    return art, model, tok

@@ -1,0 +1,253 @@
+"""The serving engine on its own (no HTTP): continuous batching over the slotted cache on the
+embedded trained model (CPU float32), each request's tokens against `llamactl generate`'s; the
+GPU's ways (a step ahead, padded chunks, prompts prefilled together, the gather wait) forced on
+the CPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llamactl import generate as gen
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Hello", "In 1905, Albert Einstein",
+           "A list of fruits: apple,", "The quick brown fox", "Water boils at"]
+
+
+def reference(embedded, prompt: str, n: int) -> str:
+    """What `llamactl generate --temperature 0 -n N` prints for the prompt (the same core)."""
+    art, model, tok = embedded
+    events = gen.generate(model, tok, tok(prompt).input_ids, n, gen.Sampling(temperature=0), gen.eos_ids(model, tok, art))
+    return next(e for e in events if isinstance(e, gen.Result)).text
+
+
+@pytest.fixture
+def prefills_together(monkeypatch) -> list[int]:
+    """The prompts of each forward that prefills several at once (Decoder.prefill_slots), in order."""
+    from llamactl.decode import Decoder
+
+    calls, together = [], Decoder.prefill_slots
+    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
+                        or together(self, ids, slots, valid))
+    return calls
+
+
+def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None):
+    """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason)."""
+    from llamactl.serve.engine import Engine
+
+    eng = Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk,
+                 overlap=overlap).start()
+    out = [([], None) for _ in requests]
+
+    def cb(i):
+        def on(ev):
+            if ev.kind == "token":
+                out[i][0].append(ev.token)
+            else:
+                out[i] = (out[i][0], ev.reason)
+        return on
+
+    reqs = [eng.submit(ids, p, cb(i)) for i, (ids, p) in enumerate(requests)]
+    deadline = time.time() + 120
+    while not all(r.finished for r in reqs) and time.time() < deadline:
+        time.sleep(0.01)
+    eng.stop()
+    return out
+
+
+def test_engine_rows_give_the_tokens_they_give_alone(embedded):
+    """Rows of different prompt lengths, greedy and sampled with seeds, joining a batch in chunks
+    of 4 prompt tokens, each produce exactly the tokens they produce alone (CPU float32)."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    reqs = [(tok(p).input_ids, Params(max_tokens=6 + 2 * i, temperature=0.0 if i % 2 == 0 else 0.9,
+                                      top_k=0 if i % 3 else 40, top_p=1.0 if i % 4 else 0.9, seed=i))
+            for i, p in enumerate(PROMPTS[:6])]
+    together = _run_engine(model, eos, reqs, max_batch=3, prefill_chunk=4)  # 6 requests, 3 slots: some wait
+    for i, r in enumerate(reqs):
+        alone = _run_engine(model, eos, [r], max_batch=3)[0]
+        assert together[i] == alone, (i, together[i], alone)
+        assert alone[1] in ("length", "stop") and len(alone[0]) <= r[1].max_tokens
+    for i in (0, 2, 4):  # greedy rows: the text `llamactl generate` prints
+        assert tok.decode(together[i][0], skip_special_tokens=True) == reference(embedded, PROMPTS[i], reqs[i][1].max_tokens)
+    sampled = _run_engine(model, eos, [(reqs[1][0], Params(max_tokens=7, temperature=0.9, seed=12345))])[0]
+    assert sampled != together[1]  # another seed, other tokens
+
+
+def test_an_engine_a_step_ahead_gives_the_same_tokens(embedded):
+    """The GPU's loop (each step launched before the last one's tokens are read), forced on the
+    CPU: the same tokens and finish reasons as one step at a time, with a row that meets EOS while
+    its next step is in flight (that token dropped) and its slot taken by a waiting request."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    reqs = [(tok(p).input_ids, Params(max_tokens=9, temperature=0.0 if i % 2 == 0 else 0.8, seed=i))
+            for i, p in enumerate(PROMPTS[:5])]
+    plain = _run_engine(model, set(), reqs[:1], max_batch=2, overlap=False)[0][0]
+    eos = {plain[3]}  # the first row stops at its 4th token (or before, if it came earlier)
+    one = _run_engine(model, eos, reqs, max_batch=2, prefill_chunk=4, overlap=False)
+    ahead = _run_engine(model, eos, reqs, max_batch=2, prefill_chunk=4, overlap=True)
+    assert ahead == one
+    assert one[0] == (plain[: plain.index(plain[3])], "stop")
+    assert all(reason == "length" and len(t) == 9 for t, reason in one[1:] if plain[3] not in t)
+
+
+def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
+    from llamactl.serve.engine import Engine, Params, QueueFull, Rejected
+
+    art, model, tok = embedded
+    eng = Engine(model, set(), max_batch=1, max_queue=1, max_seq=64)  # not started: nothing leaves the queue
+    with pytest.raises(Rejected, match="exceed this server's context of 64"):
+        eng.submit([1] * 10, Params(max_tokens=60), lambda ev: None)
+    with pytest.raises(Rejected, match="the prompt has 64 tokens"):
+        eng.submit([1] * 64, Params(max_tokens=1), lambda ev: None)
+    eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+    with pytest.raises(QueueFull):
+        eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+
+
+def test_padded_prompt_chunks_give_the_same_tokens(embedded):
+    """On a GPU the engine pads prompt chunks to a multiple of 64 (fewer shapes to plan): the
+    padding changes no token (forced here on the CPU, float32)."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    out = {}
+    for pad in (1, 64):
+        eng = Engine(model, set(), max_batch=2, max_queue=4, max_seq=96, prefill_chunk=8)
+        eng.pad_to = pad
+        eng.start()
+        got = [[], []]
+        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0),
+                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
+                for i, p in enumerate(PROMPTS[4:6])]
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        eng.stop()
+        out[pad] = got
+    assert out[1] == out[64] and all(len(g) == 10 for g in out[1])
+
+
+def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_together):
+    """Where the engine prefills the prompts that joined at once in one padded forward (the GPU's
+    way; forced here on the CPU), every request gets the tokens it gets prefilled alone."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = prefills_together
+    out = {}
+    for batched in (False, True):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
+        eng.batch_prefill, eng.pad_to = batched, 16
+        got = [[] for _ in range(4)]
+        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
+                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
+                for i, p in enumerate(PROMPTS[:4])]
+        eng.start()  # all four are queued before the loop starts: they join together
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        eng.stop()
+        out[batched] = got
+    assert calls == [4] and out[True] == out[False]
+
+
+def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefills_together):
+    """Three prompts arriving while one row decodes (more starting than decoding) go through one
+    forward on the GPU's path (forced on the CPU), not prefill_chunk tokens a step, and each one
+    gets the greedy tokens it gets alone."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = prefills_together
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=4)
+    eng.batch_prefill = True
+    got = [[] for _ in range(4)]
+
+    def on(i):
+        return lambda ev: ev.kind == "token" and got[i].append(ev.token)
+
+    eng.start()
+    first = eng.submit(tok(PROMPTS[0]).input_ids, Params(max_tokens=30, temperature=0), on(0))
+    while len(got[0]) < 2:
+        time.sleep(0.005)
+    with eng._cv:  # the loop admits all three at its next step boundary
+        burst = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0), on(i + 1))
+                 for i, p in enumerate(PROMPTS[1:4])]
+    while not all(r.finished for r in [first, *burst]):
+        time.sleep(0.01)
+    eng.stop()
+    assert calls == [3]
+    for i in range(1, 4):
+        assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i], 8)
+
+
+@pytest.mark.parametrize("gather_s", [0.0, 0.2])
+def test_requests_arriving_together_from_idle_are_gathered(embedded, prefills_together, gather_s):
+    """From idle, the engine waits while requests keep arriving (each within gather_s of the last)
+    and prefills them in one forward (the GPU's path, forced on the CPU); without the wait the first
+    is prefilled alone. Either way each gets the greedy tokens it gets alone."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = prefills_together
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=gather_s)
+    eng.batch_prefill = True
+    got = [[] for _ in range(3)]
+    eng.start()
+    reqs = []
+    for i, p in enumerate(PROMPTS[1:4]):  # 20 ms apart: within the 200 ms window, not at once
+        reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=6, temperature=0),
+                               (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
+        time.sleep(0.02)
+    while not all(r.finished for r in reqs):
+        time.sleep(0.01)
+    eng.stop()
+    if gather_s:
+        assert calls == [3] and eng.times.gather_s >= 0.04
+    else:
+        assert 3 not in calls and eng.times.gather_s == 0.0
+    for i in range(3):
+        assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i + 1], 6)
+
+
+def test_a_lone_request_is_not_held_for_others_after_a_burst_of_one(embedded, prefills_together):
+    """The gather wait is for bursts: after a burst of one request (from idle, none other before
+    the engine is idle again, within the span) the next request is prefilled at once; a burst of
+    several turns the wait on again, so the burst after it is prefilled in one forward. Each gets
+    the greedy tokens it gets alone."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    calls = prefills_together
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=0.2)
+    eng.batch_prefill = True
+    eng.start()
+
+    outputs = []  # (prompt, tokens), checked once the engine has stopped (reference() sets the model's caches)
+
+    def burst(prompts, apart=0.02, n=4):
+        got, reqs = [[] for _ in prompts], []
+        for i, p in enumerate(prompts):
+            reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=n, temperature=0),
+                                   (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
+            time.sleep(apart)
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        outputs.extend((p, n, g) for p, g in zip(prompts, got))
+
+    burst(PROMPTS[:1])  # the first request: waited for (no burst seen yet)
+    waited = eng.times.gather_s
+    assert waited >= 0.15
+    burst(PROMPTS[1:2])  # after a burst of one: not held
+    assert eng.times.gather_s - waited < 0.05
+    burst(PROMPTS[1:4], apart=0.03, n=40)  # its first one goes at once, the others join it: the burst counts three
+    assert 3 not in calls
+    burst(PROMPTS[1:4])  # so this one is gathered: one forward
+    eng.stop()
+    assert calls[-1] == 3 and eng.times.gather_s - waited >= 0.04
+    for p, n, got in outputs:
+        assert tok.decode(got, skip_special_tokens=True) == reference(embedded, p, n)
