@@ -1,0 +1,72 @@
+"""Host buffers between the serving engine's step loop and the device: each decode step's
+positions go in and its tokens come out through pinned buffers on a GPU, copied without a stream
+sync, so the loop can launch a step before it reads the last one's tokens (serve.engine)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Launched:
+    """A decode step in flight: its rows (serve.engine.Request, in their slots), its tokens on
+    their way to the host."""
+
+    def __init__(self, rows: list, host: torch.Tensor, ready: "torch.cuda.Event | None", launched: float):
+        self.rows, self._host, self._ready, self.launched = rows, host, ready, launched
+
+    def tokens(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()  # (without the GIL)
+        return self._host.tolist()
+
+
+class _Ring:
+    """RING host buffers of max_batch int64s, pinned on a GPU; one is handed out again only after
+    the copy that last used it has run (its event), so the host may run a step ahead."""
+
+    RING = 2
+
+    def __init__(self, max_batch: int, gpu: bool):
+        self.gpu = gpu
+        self._bufs = [torch.zeros(max_batch, dtype=torch.long, pin_memory=gpu) for _ in range(self.RING)]
+        self._done: list["torch.cuda.Event | None"] = [None] * self.RING
+        self._i = 0
+
+    def take(self, n: int) -> tuple[int, torch.Tensor]:
+        """(its index, the next buffer's first n), once its last copy has run."""
+        i, self._i = self._i, (self._i + 1) % self.RING
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+        return i, self._bufs[i][:n]
+
+    def copied(self, i: int) -> "torch.cuda.Event | None":
+        """Mark buffer i's copy as queued now (on a GPU: its event, returned)."""
+        if not self.gpu:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        self._done[i] = ev
+        return ev
+
+
+class Staging:
+    """Host buffers for the decode step's positions and tokens: on a GPU pinned and copied without
+    a stream sync, each in a _Ring."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device, self.gpu = device, device.type == "cuda"
+        self._pos, self._tok = _Ring(max_batch, self.gpu), _Ring(max_batch, self.gpu)
+
+    def positions(self, pos: list[int]) -> torch.Tensor:
+        """pos -> [len(pos)] on the device."""
+        i, host = self._pos.take(len(pos))
+        host.copy_(torch.tensor(pos, dtype=torch.long))
+        dev = host.to(self.device, non_blocking=True)
+        self._pos.copied(i)
+        return dev
+
+    def read_later(self, out: torch.Tensor, rows: list, launched: float) -> Launched:
+        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
+        i, host = self._tok.take(out.numel())
+        host.copy_(out, non_blocking=self.gpu)
+        return Launched(rows, host, self._tok.copied(i), launched)
