@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import index, pdl_launch
-from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+from llamactl.kernels.gdc import wait_for_previous
 
 MAX_SPLITS = 64
 MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not bytes, bounds them)
@@ -54,9 +54,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # apart) into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
     # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b = bh // HKV
@@ -113,9 +111,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
 def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     # one program per (bh, query row r): o[bh, r] = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     i = tl.arange(0, SPLITS)

@@ -25,7 +25,7 @@ import triton.language as tl
 from llamactl.kernels import pinned
 from llamactl.kernels.arith import switches
 from llamactl.kernels.device import interpreted, pdl_launch
-from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+from llamactl.kernels.gdc import wait_for_previous
 from llamactl.kernels.half_math import _int8_h16_dot
 from llamactl.kernels.int8_inputs import _int8_a8_dot
 from llamactl.kernels.int16_inputs import _int8_i16_dot
@@ -72,14 +72,10 @@ def _block(row_ptrs, idx, row_ok, limit):
 
 @triton.jit
 def _wait_for_previous_kernel(PDL: tl.constexpr, USE_ASM: tl.constexpr):
-    """Programmatic dependent launch (PDL, Hopper on): the program may have started while the
-    kernel before it in the stream was still running, and has loaded its first weights, which
-    nothing writes. Here it waits for that kernel to finish (and its writes to show) before it
-    reads x or the residual or stores anything, then lets the next kernel start launching (not
-    before: one kernel waits at a time). No-op without PDL and under the interpreter (no PTX)."""
-    if PDL and USE_ASM:
-        gdc_wait()
-        gdc_launch_dependents()
+    """kernels.gdc.wait_for_previous, after the first weights are loaded and before x or the
+    residual is read; no-op under the interpreter (no PTX)."""
+    if USE_ASM:
+        wait_for_previous(PDL)
 
 
 @triton.jit

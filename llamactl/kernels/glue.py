@@ -22,16 +22,13 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import pdl_launch
-from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+from llamactl.kernels.gdc import wait_for_previous
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    # x, y: [rows, N], w: [N]; one program a row; PDL (programmatic dependent launch, kernels.pdl):
-    # wait for the kernel before, then let the next one start launching
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    # x, y: [rows, N], w: [N]; one program a row; PDL: a programmatic dependent launch (kernels.gdc)
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < N
@@ -46,9 +43,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.c
 @triton.jit
 def _silu_mul_kernel(h_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # h: [rows, 2N] ([gate; up] a row), y: [rows, N]; program (row, block of N); PDL: as _rms_norm_kernel's
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = i < N

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import interpreted, pdl_launch
-from llamactl.kernels.gdc import gdc_launch_dependents, gdc_wait
+from llamactl.kernels.gdc import wait_for_previous
 from llamactl.kernels.int8_inputs import _round
 
 MAX_ROWS = 64
@@ -173,7 +173,7 @@ def _w16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, S
         kk = lo * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = (kk < K) & (lo < hi)  # (an empty share adds nothing)
         w = _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8, F32)  # [BN, BK]
-        _wait(PDL)
+        wait_for_previous(PDL)
         acc = _dot(w, _x_tile(x_ptr, rm, m_ok, kk, k_ok, K, GLU), acc, F32)  # [BN, BM]
         first = lo + 1
     for b in range(first, hi):
@@ -194,14 +194,6 @@ def _w16_block(w_rows, kk, n_ok, k_ok, x_ptr, W8: tl.constexpr, F32: tl.constexp
     if W8:
         w = w.to(tl.float32 if F32 else x_ptr.dtype.element_ty)
     return w
-
-
-@triton.jit
-def _wait(PDL: tl.constexpr):
-    # PDL: wait for the kernel before (x is its output), then let the next one start launching
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -245,7 +237,7 @@ def _w8_kernel(x_ptr, w_ptr, s_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, SP
                PDL: tl.constexpr = False, F32: tl.constexpr = False):
     # x: [M, K] 16-bit (GLU: [M, 2K]), w: [N, K] int8, s: [N] its rows' scales -> y: [M, N]; program
     # (n block, k share) of K's 128-column blocks; x in 16-bit fixed point, two int8 dots a block
-    _wait(PDL)
+    wait_for_previous(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, tl.cdiv(K, 128), SPLIT, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K  # [BN, 1]
@@ -273,7 +265,7 @@ def _w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     # group's scale (float32), once a block and row.
     # JOIN: the block's 8 nibble planes joined into one [BN, 128] operand (columns in the joins'
     # order, x loaded in the same order): one dot a block; else one K=16 dot a plane
-    _wait(PDL)
+    wait_for_previous(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, lo, hi = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 8)  # [BN, 1]
     dt: tl.constexpr = x_ptr.dtype.element_ty
@@ -327,7 +319,7 @@ def _w4i8_kernel(x_ptr, w_ptr, s_ptr, z_ptr, r_ptr, part_ptr, cnt_ptr, y_ptr, M,
     # apart). dot(code - zero, v) = dot(c_even, v_even) + dot(16 (c_odd - 8), v_odd) / 16
     # + 8 sum(v_odd) - zero sum(v), exact in int32; then times 2^(e - 13) and the group's scale
     # (float32), once a block and row.
-    _wait(PDL)
+    wait_for_previous(PDL)
     pid_n, pid_k, rm, rn, m_ok, n_ok, first, end = _program(M, N, K // 128, SPLIT, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2)  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
