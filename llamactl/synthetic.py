@@ -56,7 +56,7 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
     size plus one 16-bit layer (llama3-70b in int4 on one H200); weight_bits: what a decoder
     weight takes after it, with its scales, for the memory check. The weights are the same draws
     either way (one generator, the parameters in the model's order)."""
-    from llamactl.model import LlamaModel
+    from llamactl.model import LlamaModel, RMSNorm
 
     args = synthetic_args(name)
     if shard is not None:
@@ -67,16 +67,24 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
     with torch.device("meta"):
         model = LlamaModel(args)
     gen = torch.Generator(device=device).manual_seed(seed)
-    inner = model.model
-    for part in [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]:
+
+    def draw(part: torch.nn.Module) -> None:  # allocated, then its weights drawn in order (norms: ones)
         part.to_empty(device=device).to(dtype)
-        for name_, p in part.named_parameters():
-            if name_.endswith("norm.weight") or "layernorm" in name_ or part is inner.norm:
+        norms = {id(m.weight) for m in part.modules() if isinstance(m, RMSNorm)}
+        for p in part.parameters():
+            if id(p) in norms:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-        if quantize is not None and part not in (inner.embed_tokens, inner.norm, model.lm_head):
-            quantize(part)
+
+    inner = model.model
+    draw(inner.embed_tokens)
+    for layer in inner.layers:
+        draw(layer)
+        if quantize is not None:
+            quantize(layer)
+    draw(inner.norm)
+    draw(model.lm_head)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise RuntimeError("build_synthetic left tensors unallocated: a module outside embeddings, layers, norm and head")
     return model.eval()
