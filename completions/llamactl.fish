@@ -156,6 +156,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from serve' -l api-key -r -d 'Re
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l served-model-name -r -d 'The name clients pass as `model` (default: the folders name).'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l drain-timeout -r -d 'Seconds SIGTERM waits for the streams in flight to end.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l mode -r -d 'The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).'
+complete -c llamactl -n '__fish_seen_subcommand_from serve' -l prefill-graphs -l no-prefill-graphs -d 'With graphs or compile: prefills of at most 2,048 tokens (whole prompts joining) replay CUDA graphs captured at start, instead of eager launches.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l synthetic -x -a 'tiny llama2-7b llama2-13b llama3-8b llama3-70b' -d 'Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l synthetic-quant -x -a 'none int4 int8' -d 'With --synthetic: int3, int4, int5, int6 (RTN, group 128), int8 (per channel) or none.'
 complete -c llamactl -n '__fish_seen_subcommand_from serve' -l device -x -a 'auto cpu cuda' -d 'auto, cpu, cuda or cuda:N.'

@@ -21,6 +21,7 @@ import torch
 
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
+from llamactl.prefill_graphs import PrefillGraphs, capture
 
 MODES = ("eager", "graphs", "compile", "aot")
 
@@ -87,12 +88,15 @@ class Decoder:
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  buckets: list[int] | None = None, compile_mode: str = "default",
-                 options: RuntimeOptions | None = None, rows: "RowSampling | None" = None):
+                 options: RuntimeOptions | None = None, rows: "RowSampling | None" = None,
+                 prefill_graphs: bool = False):
         """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
         max_seq up to, so one compiled step serves many prompt lengths. options: what the step
         runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does.
-        rows: sampling settings per row (llamactl.sampling.RowSampling), instead of `sample`."""
+        rows: sampling settings per row (llamactl.sampling.RowSampling), instead of `sample`.
+        prefill_graphs: whole prompts of few tokens (a server's joins) replay CUDA graphs where
+        steps do (llamactl.prefill_graphs)."""
         from llamactl.layers.plan import prepare, unfold_cache_writes
 
         if mode not in MODES:
@@ -137,6 +141,11 @@ class Decoder:
         self.use_graph = self.use_graph and self.device.type == "cuda"
         # per (kind of position ("shared": [1], "rows": [B, 1]), rows): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None  # every graph's memory
+        self.prefill_graphs = None
+        if prefill_graphs and self.use_graph:
+            self.prefill_graphs = PrefillGraphs(self._prefill_slots, batch, self.max_seq, self.device,
+                                                pool=lambda: self._pool)
         # Kinds of step this Decoder has run compiled (guards checked). A compiled CPU step of one
         # shape runs its later calls of a kind without Dynamo's guards (they cost 2.3 ms of a
         # 30-layer step): torch.compiler.set_stance(skip_guard_eval_unsafe=True) then checks only
@@ -185,6 +194,9 @@ class Decoder:
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
         if not 0 <= start <= self.max_seq - s:
             raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
+        if slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s):
+            return self.prefill_slots(ids, [slot], [n])  # a whole prompt, or its first chunk: a graph
+        ids = ids.to(self.device)
         logits = self.model(ids, torch.arange(start, start + s, device=self.device), last_only=True, slot=slot,
                             kv_len=start + s, last_at=None if valid is None else valid - 1)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
@@ -197,19 +209,28 @@ class Decoder:
     @torch.inference_mode()
     def prefill_slots(self, ids: torch.Tensor, slots: list[int], valid: list[int]) -> torch.Tensor:
         """Several prompts joining at once, in one forward: ids: [B, S] (row i: a prompt of valid[i]
-        tokens, then padding) into cache rows `slots`, at positions 0..S-1 -> each one's next token
-        [B] (with `rows`' settings of its slot)."""
+        tokens, then padding; on any device) into cache rows `slots`, at positions 0..S-1 -> each
+        one's next token [B] (with `rows`' settings of its slot). Short ones replay a CUDA graph
+        (prefill_graphs) where the Decoder has them."""
         b, s = ids.shape
         if not (len(slots) == len(valid) == b and s <= self.max_seq and all(0 < n <= s for n in valid)):
             raise ValueError(f"prefill_slots: {b} prompts of {s} for slots {slots}, lengths {valid}")
-        at = torch.tensor(slots, device=self.device)
-        n = torch.tensor(valid, device=self.device)
-        pos = torch.arange(s, device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)
-        logits = self.model(ids, pos, last_only=True, slot=at, kv_len=s, last_at=n - 1)[:, -1]  # [B, V]
-        self.prefill_finite = torch.isfinite(logits).all()
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None:
+            toks, self.prefill_finite = self.prefill_graphs.run(ids, slots, valid)
+            return toks
+        ids = ids.to(self.device)
+        at, n = torch.tensor(slots, device=self.device), torch.tensor(valid, device=self.device)
+        toks, self.prefill_finite = self._prefill_slots(ids, at, n)
+        return toks
+
+    def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []
+        pos = torch.arange(ids.shape[1], device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)
+        logits = self.model(ids, pos, last_only=True, slot=at, kv_len=ids.shape[1], last_at=n - 1)[:, -1]  # [B, V]
+        finite = torch.isfinite(logits).all()
         if self.rows is None:
-            return self.sample(logits)
-        return self.rows.sample(logits, n, at)
+            return self.sample(logits), finite
+        return self.rows.sample(logits, n, at), finite
 
     @torch.inference_mode()
     def step(self, tok: torch.Tensor, pos: int | torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
@@ -253,18 +274,8 @@ class Decoder:
         return tok, pos
 
     def _capture(self, kind: tuple, tok: torch.Tensor, pos: torch.Tensor) -> None:
-        # Warm up on a side stream (compilation, cuBLAS handles), then capture one step. The
-        # warm-up steps run this step's own token and position: they write the K/V the step
-        # writes, so the cache is as if they had not run.
+        # The warm-up runs (capture) run this step's own token and position: they write the K/V
+        # the step writes, so the cache is as if they had not run.
         static_tok, static_pos = self._rows_dynamic(tok.clone(), pos.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._step(static_tok, static_pos)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        first = next(iter(self._graphs.values()), None)  # the graphs share one memory pool
-        with torch.cuda.graph(graph, pool=first[2].pool() if first else None):
-            out = self._step(static_tok, static_pos)
+        graph, out = capture(self._step, (static_tok, static_pos), self._pool)
         self._graphs[kind] = (static_tok, static_pos, graph, out)

@@ -8,7 +8,8 @@
 # (scripts/attention_probe.py --variants splits, the bench's cache and the server's). Each load
 # test goes through scripts/serve_breakdown.py: the server's /metrics beside each level (its TTFT,
 # prefill forwards, gather wait). Files: gpu.txt, batch.json, [prof.json,] [attn.json,]
-# serve-QUANT.json, log.txt, tests.txt.
+# serve-QUANT[-FLAG].json, log.txt, tests.txt. A QUANTS item QUANT:--FLAG serves with that flag
+# too (none:--no-prefill-graphs: serve-none-no-prefill-graphs.json).
 # Usage: [REQUESTS=64] [PROFILE=1] [ATTN=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
 #        [MAX_SEQ=512] bash scripts/gpu_serve.sh OUTDIR [pytest -k expression | -]
 # (MAX_SEQ: a slot's tokens, as `bench --serve` sizes them for 128 + 256: 2 x 128 + 256)
@@ -32,19 +33,21 @@ if [ "${ATTN:-0}" = 1 ]; then  # the bench's cache (320, rows near 256), then th
   python -c "import json, sys; json.dump([json.load(open(f)) for f in sys.argv[2:]], open(sys.argv[1], 'w'), indent=1)" \
     "$out/attn.json" /tmp/attn-bench.json /tmp/attn-serve.json
 fi
-for q in ${QUANTS:-none int4}; do
-  srv="/tmp/srv-$q.err"
-  python -m llamactl serve $common --synthetic-quant $q --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
+for item in ${QUANTS:-none int4}; do
+  q=${item%%:*}; flag=""; [ "$item" = "$q" ] || flag=${item#*:}
+  name=$q${flag:+-${flag#--}}
+  srv="/tmp/srv-$name.err"
+  python -m llamactl serve $common --synthetic-quant $q $flag --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
   pid=$!
   url=$(served_url "$srv")
-  compiled > /tmp/ready-$q.txt
-  echo "$q: $url (ready at ${SECONDS}s of the script)" | tee -a "$log"
+  compiled > /tmp/ready-$name.txt
+  echo "$name: $url (ready at ${SECONDS}s of the script)" | tee -a "$log"
   timeout 200 python scripts/serve_breakdown.py "$url" --concurrency 1,8,32 --requests "${REQUESTS:-64}" \
-    -o "$out/serve-$q.json" -- $load 2>> "$log" | tee -a "$log" || tail -5 "$log"
-  compiled | comm -13 /tmp/ready-$q.txt - | sed "s/^/$q: compiled while serving: /" | tee -a "$log"
+    -o "$out/serve-$name.json" -- $load 2>> "$log" | tee -a "$log" || tail -5 "$log"
+  compiled | comm -13 /tmp/ready-$name.txt - | sed "s/^/$name: compiled while serving: /" | tee -a "$log"
   kill -TERM $pid; wait $pid
   cat "$srv" >> "$log"
-  [ -f "$out/serve-$q.json" ] && md "$out/serve-$q.json"
+  [ -f "$out/serve-$name.json" ] && md "$out/serve-$name.json"
 done
 [ "$tests" = "-" ] || { timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$tests" > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt";
   # the batched step's dependent launches in a CUDA graph against plain ones (bit for bit)

@@ -251,3 +251,83 @@ def test_a_lone_request_is_not_held_for_others_after_a_burst_of_one(embedded, pr
     assert calls[-1] == 3 and eng.times.gather_s - waited >= 0.04
     for p, n, got in outputs:
         assert tok.decode(got, skip_special_tokens=True) == reference(embedded, p, n)
+
+
+class _EagerGraph:
+    """A CUDA graph's stand-in on the CPU: replay() runs the captured function again, into the
+    tensors its first run returned (as a graph's replay rewrites its outputs)."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args, self.replays = fn, args, 0
+        self.out = fn(*args)
+
+    def replay(self):
+        self.replays += 1
+        for o, n in zip(self.out, self.fn(*self.args)):
+            o.copy_(n)
+
+
+def _eager_capture(fn, args, pool=None):
+    g = _EagerGraph(fn, args)
+    return g, g.out
+
+
+def test_prefill_graph_buckets():
+    """Rows pad to a power of two, lengths to the next of LENGTHS, within the token budget."""
+    from llamactl.prefill_graphs import PrefillGraphs
+
+    g = PrefillGraphs(None, max_rows=32, max_seq=512, device=None, tokens=2048)
+    assert g.bucket(1, 1) == (1, 64) and g.bucket(3, 17) == (4, 64) and g.bucket(5, 130) == (8, 192)
+    assert g.bucket(32, 64) == (32, 64) and g.bucket(33, 16) is None  # more rows than the cache's
+    assert g.bucket(16, 129) is None and g.bucket(1, 513) is None  # over the budget, over max_seq
+    assert all(k * s <= 2048 and s <= 512 for k, s in g.shapes()) and (8, 256) in g.shapes()
+
+
+def test_prefill_graphs_are_captured_for_a_cache_of_any_rows(embedded):
+    """A cache of 3 rows: the bucket of 4 rows is captured too (its last row written twice)."""
+    import torch
+
+    from llamactl.decode import Decoder
+    from llamactl.prefill_graphs import PrefillGraphs
+
+    art, model, tok = embedded
+    d = Decoder(model, 3, 64)
+    d.prefill_graphs = PrefillGraphs(d._prefill_slots, 3, d.max_seq, d.device, capture=_eager_capture)
+    assert d.prefill_graphs.capture_all() == 3 and sorted(d.prefill_graphs._graphs) == [(1, 64), (2, 64), (4, 64)]
+    assert d.prefill_slots(torch.tensor([[5, 6, 7]] * 3), [2, 0, 1], [3, 2, 3]).tolist() == \
+        d._prefill_slots(torch.tensor([[5, 6, 7]] * 3), torch.tensor([2, 0, 1]), torch.tensor([3, 2, 3]))[0].tolist()
+
+
+def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_together):
+    """Prompts joining together (padded to a bucket of rows: the last one repeated into its slot)
+    and lone prompts (Decoder.prefill at position 0) through the prefill graphs' path, each
+    graph run by an eager stand-in on the CPU: every request gets the tokens of eager prefills,
+    greedy and sampled."""
+    from llamactl.prefill_graphs import PrefillGraphs
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    out, replays = {}, {}
+    for graphs in (False, True):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
+        eng.batch_prefill, eng.pad_to, eng.burst_pad_to = True, 16, 16
+        if graphs:
+            d = eng.decoder
+            d.prefill_graphs = PrefillGraphs(d._prefill_slots, 4, d.max_seq, d.device, capture=_eager_capture)
+        got = [[] for _ in range(4)]
+        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
+                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
+                for i, p in enumerate(PROMPTS[:3])]
+        eng.start()  # three queued before the loop starts: one forward of three rows (a bucket of 4)
+        while not all(r.finished for r in reqs):
+            time.sleep(0.01)
+        late = eng.submit(tok(PROMPTS[3]).input_ids, Params(max_tokens=8, temperature=0),  # alone: one row
+                          lambda ev: ev.kind == "token" and got[3].append(ev.token))
+        while not late.finished:
+            time.sleep(0.01)
+        eng.stop()
+        out[graphs] = got
+        if graphs:
+            replays = {k: g.replays for k, (_, g, _) in eng.decoder.prefill_graphs._graphs.items()}
+    assert out[True] == out[False] and all(len(g) == 8 for g in out[True])
+    assert replays == {(4, 64): 1, (1, 64): 1}

@@ -259,6 +259,43 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
     assert sum(agree(together[i], want[i]) for i in range(4)) / 4 >= 0.6
 
 
+def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_model):
+    """The serving engine's short prefills replayed from CUDA graphs (rows padded to a bucket by
+    repeating the last prompt, lengths padded to 64) against eager prefills (other padding, so
+    other bf16 rounding): greedy tokens agree up to the first near-tie (printed), and the graphs
+    ran."""
+    import time
+
+    from llamactl.serve.engine import Engine, Params
+
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+    prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313)), list(range(7, 40))]
+    n = 12
+
+    def run(graphs):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, prefill_graphs=graphs)
+        eng.warm_up()
+        eng.start()
+        out = {i: [] for i in range(4)}
+        on = lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token)  # noqa: E731
+        reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0), on(i)) for i in range(3)]
+        deadline = time.time() + 120
+        while not all(r.finished for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        reqs.append(eng.submit(prompts[3], Params(max_tokens=n, temperature=0), on(3)))  # alone
+        while not reqs[-1].finished and time.time() < deadline:
+            time.sleep(0.01)
+        eng.stop()
+        return out, eng.decoder.prefill_graphs
+
+    eager, none = run(False)
+    graphed, graphs = run(True)
+    assert none is None and len(graphs) == len(graphs.shapes()) == 6  # rows 1, 2, 4 x lengths 64, 128
+    agree = [sum(a == b for a, b in zip(graphed[i], eager[i])) / n for i in range(4)]
+    print("prefill graphs vs eager prefills:", agree)
+    assert all(graphed[i][:3] == eager[i][:3] for i in range(4)) and sum(agree) / 4 >= 0.6
+
+
 def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
     """192-wide layers in groups of 128 (a short last group, issue 26): the Triton int4 layers pad
     it, at one row (GEMV), a few (multirow) and a prefill (dequantize + cuBLAS)."""

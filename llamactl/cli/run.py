@@ -166,6 +166,7 @@ def serve(
     model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
     mode: Annotated[str, typer.Option(help="The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).")] = "auto",
+    prefill_graphs: Annotated[bool, typer.Option("--prefill-graphs/--no-prefill-graphs", help="With graphs or compile: prefills of at most 2,048 tokens (whole prompts joining) replay CUDA graphs captured at start, instead of eager launches.")] = True,
     synthetic: Annotated[Optional[str], typer.Option(help="Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-13b, llama3-8b, llama3-70b.")] = None,
     synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int3, int4, int5, int6 (RTN, group 128), int8 (per channel) or none.")] = None,
     device: DeviceOpt = "auto",
@@ -182,7 +183,7 @@ def serve(
 
     opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
-                        model_name=model_name, mode=serve_mode(mode))
+                        model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs)
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")

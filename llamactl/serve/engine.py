@@ -150,14 +150,16 @@ class Engine:
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
                  prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
-                 gather_s: float | None = None):
+                 gather_s: float | None = None, prefill_graphs: bool = True):
         """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
         on a GPU, 0 on the CPU).
         overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules and sends each model
         action to the other ranks, whose engines only follow() them (every rank computes the same
-        tokens: the head is replicated)."""
+        tokens: the head is replicated).
+        prefill_graphs: a whole prompt of few tokens, or a few joining together, replays a CUDA
+        graph where the steps do (not under tensor parallelism: untried there)."""
         self.device = model.device
         self.eos_ids = set(eos_ids)
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -165,7 +167,8 @@ class Engine:
         ctx = model.args.max_position_embeddings
         mode = mode or ("graphs" if self.device.type == "cuda" else "eager")
         self.rows = RowSampling.make([{}] * max_batch, self.device)
-        self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows)
+        self.decoder = Decoder(model, max_batch, min(max_seq or ctx, ctx), mode, options=options, rows=self.rows,
+                               prefill_graphs=prefill_graphs and world is None)
         self.max_seq = self.decoder.max_seq
         self.mode = mode
         # A prompt chunk is padded to a multiple of pad_to on a GPU, so that few shapes meet the
@@ -259,6 +262,8 @@ class Engine:
             self.rows.greedy = greedy
             for b in self.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        if self.decoder.prefill_graphs is not None:  # the short prefills' graphs, into free rows
+            self.decoder.prefill_graphs.capture_all()
         if self.device.type == "cuda":
             # prefills into free rows too: each padded length of one prompt chunk, and two prompts
             # together, so that the libraries' first calls with a shape (cuBLAS's plans, Triton's
@@ -392,13 +397,13 @@ class Engine:
             self.rows.temperature[i], self.rows.top_k[i], self.rows.top_p[i], self.rows.seed[i] = t, k, p, seed
         elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
             ids, slot, start, valid, last = a
-            tok = self.decoder.prefill(torch.tensor([ids], device=self.device), slot=slot, start=start, valid=valid)
+            tok = self.decoder.prefill(torch.tensor([ids]), slot=slot, start=start, valid=valid)  # ids from the host
             if last:
                 self._tok[slot] = tok[0]
             return tok  # [1]
         elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
             ids, slots, lens = a
-            toks = self.decoder.prefill_slots(torch.tensor(ids, device=self.device), slots, lens)  # [k]
+            toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]
             self._tok[torch.tensor(slots, device=self.device)] = toks
             return toks
         elif kind == "step":  # one decode step of the first b rows

@@ -22,6 +22,7 @@ class ServeOptions:
     api_key: str | None = None
     model_name: str | None = None  # None: the model folder's name
     mode: str | None = None  # the decode step (decode.MODES); None: graphs on CUDA, eager on the CPU
+    prefill_graphs: bool = True  # short prefills replay CUDA graphs where the steps do
 
 
 DEFAULT_MAX_SEQ = 4096  # cache positions a slot holds by default: memory grows with max_batch x this
@@ -109,7 +110,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                              f"use --max-seq {ctx} or less")
         engine = Engine(m, eos, serve.max_batch, serve.max_queue,
                         serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world,
-                        gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000)
+                        gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000,
+                        prefill_graphs=serve.prefill_graphs)
         for w in engine.decoder.plan.warnings:
             warn(w)
         _warm_up(engine)
@@ -129,7 +131,9 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             from llamactl.ui import human_bytes
 
             tp = f", tensor-parallel over {world.size} ({world.backend})" if world else ""
-            log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}, gemv "
+            graphs = engine.decoder.prefill_graphs
+            prefills = f", {len(graphs)} prefill graphs" if graphs is not None else ""
+            log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}{prefills}, gemv "
                 f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
                 f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}"
                 + (", API key required" if serve.api_key else ""))

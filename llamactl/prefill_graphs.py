@@ -1,0 +1,106 @@
+"""Short prefills as CUDA graphs: whole prompts joining a server's batch, without their launches.
+
+A prefill of one 128-token prompt of llama2-7b is a few ms of kernels behind 25-47 ms of launches
+on an H200 (docs/bench/README.md): hundreds of eager PyTorch ops, each a few tens of us of host
+time. That host time is most of a lone request's time to its first token, and of a small burst's.
+So prompts that join at position 0 with at most `tokens` tokens in all are prefilled by replaying a
+graph captured for a bucket of rows and a padded length: rows padded to a power of two (a padding
+row repeats the last prompt: the same tokens written into the same slot, so the cache is as if
+it were not there), lengths padded to the next of LENGTHS (padding past a prompt writes K/V at
+positions that a later token overwrites before anything reads them). Longer prefills are bound by
+the GPU's arithmetic, where launches hide behind the kernels, and stay eager.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# Padded prompt lengths (tokens): every 64 up to 256, then every half power of two. The padding is
+# arithmetic done for nothing, cheap while a prefill is bound by its launches.
+LENGTHS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+GRAPH_TOKENS = 2048  # rows x padded length of the largest captured prefill
+
+
+def capture(fn: Callable[..., object], args: tuple, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn(*args) captured in a CUDA graph after three runs on a side stream (compiles, library
+    plans and handles happen there, not in the graph); returns the graph and fn's output, whose
+    memory the graph's replays rewrite. pool: another graph's memory pool, shared."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(*args)
+    return graph, out
+
+
+class PrefillGraphs:
+    """Graphs of forward(ids [K, S], slots [K], valid [K]) -> (tokens [K], finite []) for K rows of
+    whole prompts (at positions 0..S-1) written into cache rows `slots`, one per (K, S) bucket,
+    captured on first use (or by capture_all)."""
+
+    def __init__(self, forward: Callable, max_rows: int, max_seq: int, device: torch.device,
+                 tokens: int = GRAPH_TOKENS, pool: Callable[[], object] = lambda: None, capture=capture):
+        """forward: the eager prefill (the Decoder's); max_rows: the most prompts joining at once
+        (the cache's rows); tokens: the most rows x padded length captured; pool: the memory pool
+        to share (the decode graphs'); capture: how a graph is made (`capture`, or the CPU tests'
+        eager stand-in)."""
+        self.forward, self.device, self.tokens, self._pool = forward, device, tokens, pool
+        self.max_rows = max_rows
+        self._capture = capture
+        self.rows = [1 << i for i in range(max(max_rows, 1).bit_length() + 1) if 1 << i < 2 * max_rows]
+        self.lengths = [s for s in LENGTHS if s <= max_seq]
+        # (K, S) -> static input [K, S + 2] (ids, then the slot and the valid length of each row),
+        # graph, its outputs
+        self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, tuple]] = {}
+
+    def bucket(self, k: int, s: int) -> tuple[int, int] | None:
+        """The (rows, length) graph that takes k prompts padded to s tokens, or None (eager)."""
+        kb = next((r for r in self.rows if r >= k), None)
+        sb = next((n for n in self.lengths if n >= s), None)
+        if kb is None or sb is None or kb * sb > self.tokens:
+            return None
+        return kb, sb
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every bucket, the shortest first."""
+        return [(k, s) for s in self.lengths for k in self.rows if k * s <= self.tokens]
+
+    def capture_all(self) -> int:
+        """Capture every bucket now (into the cache's rows, which must be free: a bucket of more
+        rows than the cache has writes the last one again); returns how many."""
+        for k, s in self.shapes():
+            if (k, s) not in self._graphs:
+                self.run(torch.zeros(k, s, dtype=torch.long), [min(i, self.max_rows - 1) for i in range(k)], [s] * k)
+        return len(self._graphs)
+
+    def run(self, ids: torch.Tensor, slots: list[int], valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: [k, s] (a bucket must take it: see bucket) -> tokens [k], finite []: views of the
+        graph's outputs, valid until its next replay."""
+        k, s = ids.shape
+        kb, sb = self.bucket(k, s)
+        host = torch.zeros(kb, sb + 2, dtype=torch.long)  # [K, S + 2]: ids, slot, valid
+        host[:k, :s] = ids.cpu() if ids.device.type != "cpu" else ids
+        host[k:, :s] = host[k - 1, :s]  # padding rows repeat the last prompt, into its slot
+        host[:, sb] = torch.tensor(slots + [slots[-1]] * (kb - k))
+        host[:, sb + 1] = torch.tensor(valid + [valid[-1]] * (kb - k))
+        if (kb, sb) not in self._graphs:
+            static = host.to(self.device)
+            graph, out = self._capture(self._forward, (static, sb), self._pool())
+            self._graphs[(kb, sb)] = (static, graph, out)
+        static, graph, (tokens, finite) = self._graphs[(kb, sb)]
+        static.copy_(host, non_blocking=False)
+        graph.replay()
+        return tokens[:k], finite
+
+    def _forward(self, inp: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # inp: [K, S + 2] -> ids [K, S], slots [K], valid [K]
+        return self.forward(inp[:, :s], inp[:, s], inp[:, s + 1])
+
+    def __len__(self) -> int:
+        return len(self._graphs)
