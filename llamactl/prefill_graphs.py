@@ -24,18 +24,19 @@ GRAPH_TOKENS = 2048  # rows x padded length of the largest captured prefill
 
 
 def capture(fn: Callable[..., object], args: tuple, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """fn(*args) captured in a CUDA graph after three runs on a side stream (compiles, library
-    plans and handles happen there, not in the graph); returns the graph and fn's output, whose
-    memory the graph's replays rewrite. pool: another graph's memory pool, shared."""
+    """fn(*args) captured in a CUDA graph after three runs on the stream that captures it
+    (compiles, library plans, handles and workspaces happen there, not in the graph); returns the
+    graph and fn's output, whose memory the graph's replays rewrite. pool: another graph's memory
+    pool, shared. Raises RuntimeError where the capture failed."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):  # synchronizes first
         out = fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
 
@@ -58,12 +59,13 @@ class PrefillGraphs:
         # (K, S) -> static input [K, S + 2] (ids, then the slot and the valid length of each row),
         # graph, its outputs
         self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph, tuple]] = {}
+        self.failed: dict[tuple[int, int], str] = {}  # buckets whose capture failed (eager), and why
 
     def bucket(self, k: int, s: int) -> tuple[int, int] | None:
         """The (rows, length) graph that takes k prompts padded to s tokens, or None (eager)."""
         kb = next((r for r in self.rows if r >= k), None)
         sb = next((n for n in self.lengths if n >= s), None)
-        if kb is None or sb is None or kb * sb > self.tokens:
+        if kb is None or sb is None or kb * sb > self.tokens or (kb, sb) in self.failed:
             return None
         return kb, sb
 
@@ -73,9 +75,9 @@ class PrefillGraphs:
 
     def capture_all(self) -> int:
         """Capture every bucket now (into the cache's rows, which must be free: a bucket of more
-        rows than the cache has writes the last one again); returns how many."""
+        rows than the cache has writes the last one again); returns how many are captured."""
         for k, s in self.shapes():
-            if (k, s) not in self._graphs:
+            if (k, s) not in self._graphs and (k, s) not in self.failed:
                 self.run(torch.zeros(k, s, dtype=torch.long), [min(i, self.max_rows - 1) for i in range(k)], [s] * k)
         return len(self._graphs)
 
@@ -91,7 +93,12 @@ class PrefillGraphs:
         host[:, sb + 1] = torch.tensor(valid + [valid[-1]] * (kb - k))
         if (kb, sb) not in self._graphs:
             static = host.to(self.device)
-            graph, out = self._capture(self._forward, (static, sb), self._pool())
+            try:
+                graph, out = self._capture(self._forward, (static, sb), self._pool())
+            except RuntimeError as e:  # this bucket prefills eagerly from now on; `failed` says why
+                self.failed[(kb, sb)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                tokens, finite = self._forward(static, sb)
+                return tokens[:k], finite
             self._graphs[(kb, sb)] = (static, graph, out)
         static, graph, (tokens, finite) = self._graphs[(kb, sb)]
         static.copy_(host, non_blocking=False)
@@ -104,3 +111,8 @@ class PrefillGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def summary(self) -> str:
+        """For the serving line: how many graphs, and the buckets left eager after a failed capture."""
+        failed = "".join(f"; {k} x {s} eager ({why})" for (k, s), why in self.failed.items())
+        return f"{len(self)} prefill graphs{failed}"

@@ -294,6 +294,7 @@ def test_prefill_graphs_are_captured_for_a_cache_of_any_rows(embedded):
     d = Decoder(model, 3, 64)
     d.prefill_graphs = PrefillGraphs(d._prefill_slots, 3, d.max_seq, d.device, capture=_eager_capture)
     assert d.prefill_graphs.capture_all() == 3 and sorted(d.prefill_graphs._graphs) == [(1, 64), (2, 64), (4, 64)]
+    assert d.prefill_graphs.summary() == "3 prefill graphs"
     assert d.prefill_slots(torch.tensor([[5, 6, 7]] * 3), [2, 0, 1], [3, 2, 3]).tolist() == \
         d._prefill_slots(torch.tensor([[5, 6, 7]] * 3), torch.tensor([2, 0, 1]), torch.tensor([3, 2, 3]))[0].tolist()
 
@@ -331,3 +332,27 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_tog
             replays = {k: g.replays for k, (_, g, _) in eng.decoder.prefill_graphs._graphs.items()}
     assert out[True] == out[False] and all(len(g) == 8 for g in out[True])
     assert replays == {(4, 64): 1, (1, 64): 1}
+
+
+def test_a_failed_prefill_capture_leaves_its_bucket_eager(embedded):
+    """A bucket whose capture raises is prefilled eagerly from then on (the same tokens), and the
+    serving line's summary names it."""
+    import torch
+
+    from llamactl.decode import Decoder
+    from llamactl.prefill_graphs import PrefillGraphs
+
+    def capture(fn, args, pool=None):
+        if args[0].shape[0] == 2:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")
+        return _eager_capture(fn, args, pool)
+
+    art, model, tok = embedded
+    d = Decoder(model, 3, 64)
+    d.prefill_graphs = PrefillGraphs(d._prefill_slots, 3, d.max_seq, d.device, capture=capture)
+    assert d.prefill_graphs.capture_all() == 2 and d.prefill_graphs.bucket(2, 10) is None
+    ids, at, n = torch.tensor([[5, 6, 7], [9, 3, 1]]), [1, 2], [3, 2]
+    want = d._prefill_slots(ids, torch.tensor(at), torch.tensor(n))[0].tolist()
+    assert d.prefill_slots(ids, at, n).tolist() == want and list(d.prefill_graphs.failed) == [(2, 64)]
+    assert d.prefill_graphs.summary() == ("2 prefill graphs; 2 x 64 eager (RuntimeError: CUDA error: operation "
+                                          "failed due to a previous error during capture)")

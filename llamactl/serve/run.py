@@ -132,7 +132,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
 
             tp = f", tensor-parallel over {world.size} ({world.backend})" if world else ""
             graphs = engine.decoder.prefill_graphs
-            prefills = f", {len(graphs)} prefill graphs" if graphs is not None else ""
+            prefills = f", {graphs.summary()}" if graphs is not None else ""
             log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}{prefills}, gemv "
                 f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
                 f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}"
