@@ -9,8 +9,9 @@
 # test goes through scripts/serve_breakdown.py: the server's /metrics beside each level (its TTFT,
 # prefill forwards, gather wait). Files: gpu.txt, batch.json, [prof.json,] [attn.json,]
 # serve-QUANT[-FLAG].json, log.txt, tests.txt. A QUANTS item QUANT:--FLAG serves with that flag
-# too (none:--no-prefill-graphs: serve-none-no-prefill-graphs.json).
-# Usage: [REQUESTS=64] [PROFILE=1] [ATTN=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
+# too (none:--no-prefill-graphs: serve-none-no-prefill-graphs.json; none:--gather-ms=3:
+# serve-none-gather-ms3.json). CONC: the load test's levels.
+# Usage: [REQUESTS=64] [CONC=1,8,32] [PROFILE=1] [ATTN=1] [BATCH_QUANT=none,int4,int8] [BATCH=1,8,32] [QUANTS="none int4"]
 #        [MAX_SEQ=512] bash scripts/gpu_serve.sh OUTDIR [pytest -k expression | -]
 # (MAX_SEQ: a slot's tokens, as `bench --serve` sizes them for 128 + 256: 2 x 128 + 256)
 # Needs starlette and uvicorn there: carry .whl (see scripts/README.md).
@@ -35,14 +36,14 @@ if [ "${ATTN:-0}" = 1 ]; then  # the bench's cache (320, rows near 256), then th
 fi
 for item in ${QUANTS:-none int4}; do
   q=${item%%:*}; flag=""; [ "$item" = "$q" ] || flag=${item#*:}
-  name=$q${flag:+-${flag#--}}
+  name=$q${flag:+-${flag#--}}; name=${name//=/}
   srv="/tmp/srv-$name.err"
   python -m llamactl serve $common --synthetic-quant $q $flag --max-batch 32 --max-seq "${MAX_SEQ:-512}" --port 0 > /dev/null 2> "$srv" &
   pid=$!
   url=$(served_url "$srv")
   compiled > /tmp/ready-$name.txt
   echo "$name: $url (ready at ${SECONDS}s of the script)" | tee -a "$log"
-  timeout 200 python scripts/serve_breakdown.py "$url" --concurrency 1,8,32 --requests "${REQUESTS:-64}" \
+  timeout 200 python scripts/serve_breakdown.py "$url" --concurrency "${CONC:-1,8,32}" --requests "${REQUESTS:-64}" \
     -o "$out/serve-$name.json" -- $load 2>> "$log" | tee -a "$log" || tail -5 "$log"
   compiled | comm -13 /tmp/ready-$name.txt - | sed "s/^/$name: compiled while serving: /" | tee -a "$log"
   kill -TERM $pid; wait $pid
