@@ -144,8 +144,7 @@ class Decoder:
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None  # every graph's memory
         self.prefill_graphs = None
         if prefill_graphs and self.use_graph:
-            self.prefill_graphs = PrefillGraphs(self._prefill_slots, batch, self.max_seq, self.device,
-                                                pool=lambda: self._pool)
+            self.prefill_graphs = PrefillGraphs(self._prefill_slots, batch, self.max_seq, self.device, pool=self._pool)
         # Kinds of step this Decoder has run compiled (guards checked). A compiled CPU step of one
         # shape runs its later calls of a kind without Dynamo's guards (they cost 2.3 ms of a
         # 30-layer step): torch.compiler.set_stance(skip_guard_eval_unsafe=True) then checks only

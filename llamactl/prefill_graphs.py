@@ -1,8 +1,8 @@
 """Short prefills as CUDA graphs: whole prompts joining a server's batch, without their launches.
 
-A prefill of one 128-token prompt of llama2-7b is a few ms of kernels behind 25-47 ms of launches
-on an H200 (docs/bench/README.md): hundreds of eager PyTorch ops, each a few tens of us of host
-time. That host time is most of a lone request's time to its first token, and of a small burst's.
+A short prefill is hundreds of eager PyTorch ops whose host time exceeds their kernels' (measured
+in docs/bench/README.md): it is bound by its launches, and is most of a lone request's time to its
+first token, and of a small burst's.
 So prompts that join at position 0 with at most `tokens` tokens in all are prefilled by replaying a
 graph captured for a bucket of rows and a padded length: rows padded to a power of two (a padding
 row repeats the last prompt: the same tokens written into the same slot, so the cache is as if
@@ -46,7 +46,7 @@ class PrefillGraphs:
     captured on first use (or by capture_all)."""
 
     def __init__(self, forward: Callable, max_rows: int, max_seq: int, device: torch.device,
-                 tokens: int = GRAPH_TOKENS, pool: Callable[[], object] = lambda: None, capture=capture):
+                 tokens: int = GRAPH_TOKENS, pool=None, capture=capture):
         """forward: the eager prefill (the Decoder's); max_rows: the most prompts joining at once
         (the cache's rows); tokens: the most rows x padded length captured; pool: the memory pool
         to share (the decode graphs'); capture: how a graph is made (`capture`, or the CPU tests'
@@ -87,14 +87,14 @@ class PrefillGraphs:
         k, s = ids.shape
         kb, sb = self.bucket(k, s)
         host = torch.zeros(kb, sb + 2, dtype=torch.long)  # [K, S + 2]: ids, slot, valid
-        host[:k, :s] = ids.cpu() if ids.device.type != "cpu" else ids
+        host[:k, :s] = ids.cpu()
         host[k:, :s] = host[k - 1, :s]  # padding rows repeat the last prompt, into its slot
         host[:, sb] = torch.tensor(slots + [slots[-1]] * (kb - k))
         host[:, sb + 1] = torch.tensor(valid + [valid[-1]] * (kb - k))
         if (kb, sb) not in self._graphs:
             static = host.to(self.device)
             try:
-                graph, out = self._capture(self._forward, (static, sb), self._pool())
+                graph, out = self._capture(self._forward, (static, sb), self._pool)
             except RuntimeError as e:  # this bucket prefills eagerly from now on; `failed` says why
                 self.failed[(kb, sb)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 tokens, finite = self._forward(static, sb)
