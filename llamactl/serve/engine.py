@@ -262,23 +262,29 @@ class Engine:
             self.rows.greedy = greedy
             for b in self.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
-        if self.decoder.prefill_graphs is not None:  # the short prefills' graphs, into free rows
-            self.decoder.prefill_graphs.capture_all()
+        graphs = self.decoder.prefill_graphs
+        if graphs is not None:  # the short prefills' graphs, into free rows
+            graphs.capture_all()
         if self.device.type == "cuda":
-            # prefills into free rows too: each padded length of one prompt chunk, and two prompts
-            # together, so that the libraries' first calls with a shape (cuBLAS's plans, Triton's
-            # compiles) land here and not in a request's time to its first token
+            # eager prefills into free rows too: each padded length of one prompt chunk, and two
+            # prompts together, so that the libraries' first calls with a shape (cuBLAS's plans,
+            # Triton's compiles) land here and not in a request's time to its first token. Where a
+            # graph takes a whole prompt of that length, the eager ones left are a later chunk's
+            # (at a position past 0; none where the length fills the cache)
             for s in range(self.pad_to, min(self.prefill_chunk, self.max_seq) + 1, self.pad_to):
-                self.decoder.prefill(torch.zeros(1, s, dtype=torch.long, device=self.device), slot=0, valid=s)
+                start = 0 if graphs is None or graphs.bucket(1, s) is None else min(self.pad_to, self.max_seq - s)
+                self.decoder.prefill(torch.zeros(1, s, dtype=torch.long), slot=0, start=start, valid=s)
             if self.batch_prefill and self.max_batch > 1:
-                # two short prompts, and a burst of every slot (2 x pad_to tokens each, at most
-                # BATCH_PREFILL_TOKENS): its first time through the burst's kernels at thousands of
-                # tokens cost the first burst of 32 streams 240 ms (docs/bench/README.md, 2026-12-04)
+                # two short prompts (eager where no graph takes them), and a burst of every slot
+                # (2 x pad_to tokens each, at most BATCH_PREFILL_TOKENS): its first time through the
+                # burst's kernels at thousands of tokens cost the first burst of 32 streams 240 ms
+                # (docs/bench/README.md, 2026-12-04)
                 s = min(self.pad_to, self.max_seq)
-                self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long, device=self.device), [0, 1], [s, s])
+                if graphs is None or graphs.bucket(2, s) is None:
+                    self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long), [0, 1], [s, s])
                 s = min(2 * self.pad_to, self.max_seq)
                 k = max(2, min(self.max_batch, BATCH_PREFILL_TOKENS // s))
-                self.decoder.prefill_slots(torch.zeros(k, s, dtype=torch.long, device=self.device), list(range(k)), [s] * k)
+                self.decoder.prefill_slots(torch.zeros(k, s, dtype=torch.long), list(range(k)), [s] * k)
             torch.cuda.synchronize(self.device)
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
@@ -346,8 +352,8 @@ class Engine:
     def _gather(self) -> None:
         """Under self._cv, from idle with a request queued (unless the last burst was one request):
         wait while more arrive, each within gather_s of the last, for at most GATHER_SPAN gather_s
-        from the first, or until the slots are full. The closed-loop clients of a load test (and many real ones) come back together
-        when a batch ends, and their requests reach the engine over a few ms: the first prefilled
+        from the first, or until the slots are full. The closed-loop clients of a load test (and
+        many real ones) come back together when a batch ends, and their requests reach the engine over a few ms: the first prefilled
         alone (a forward bound by its launches, which also holds the GIL the HTTP side needs to
         take the others in) delayed all the others by that forward (docs/bench/README.md)."""
         t0 = time.perf_counter()
