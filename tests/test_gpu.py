@@ -72,15 +72,15 @@ def test_int4_checkpoint_decodes_through_the_triton_kernel(trained_model, tmp_pa
     assert isinstance(model.model.layers[0].mlp.down_proj, TritonInt4Linear)
     ref = load_model(open_artifact(out), torch.device("cuda"), torch.float32)  # the dequantizing path
     assert not isinstance(ref.model.layers[0].mlp.down_proj, TritonInt4Linear)
-    ids = torch.randint(0, 8192, (1, 40), device="cuda")
+    ids = torch.randint(0, 8192, (1, 80), device="cuda")
     for m in (model, ref):
-        m.setup_caches(1, 64)
-    a = model(ids, torch.arange(40, device="cuda"))[:, -1].float()  # prefill: dequantize + cuBLAS
-    b = ref(ids, torch.arange(40, device="cuda"))[:, -1]
+        m.setup_caches(1, 128)
+    a = model(ids, torch.arange(80, device="cuda"))[:, -1].float()  # prefill: kernels.int4_gemm
+    b = ref(ids, torch.arange(80, device="cuda"))[:, -1]
     assert ((a - b).norm() / b.norm()) < 3e-2
     nxt = a.argmax(-1, keepdim=True)
-    a1 = model(nxt, torch.tensor([40], device="cuda"))[:, -1].float()  # decode: the int4 GEMV
-    b1 = ref(nxt, torch.tensor([40], device="cuda"))[:, -1]
+    a1 = model(nxt, torch.tensor([80], device="cuda"))[:, -1].float()  # decode: the int4 GEMV
+    b1 = ref(nxt, torch.tensor([80], device="cuda"))[:, -1]
     assert ((a1 - b1).norm() / b1.norm()) < 3e-2
 
 
@@ -299,7 +299,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_mod
 
 def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
     """192-wide layers in groups of 128 (a short last group, issue 26): the Triton int4 layers pad
-    it, at one row (GEMV), a few (multirow) and a prefill (dequantize + cuBLAS)."""
+    it, at one row (GEMV), a few (multirow) and a prefill (kernels.int4_gemm)."""
     from typer.testing import CliRunner
 
     from conftest import make_hf_model
@@ -314,7 +314,7 @@ def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
     fast = load_model(open_artifact(out), torch.device("cuda"), torch.bfloat16)
     ref = load_model(open_artifact(out), torch.device("cuda"), torch.float32)
     assert any(isinstance(m, TritonInt4Linear) and m.pad for m in fast.modules())
-    for rows in (1, 4, 40):
+    for rows in (1, 4, 40, 100):
         x = torch.randn(rows, 192, device="cuda")
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             a = fast.model.layers[0].get_submodule(name)

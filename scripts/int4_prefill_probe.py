@@ -1,0 +1,72 @@
+"""Which product a prefill's rows should take with 4-bit weights: llama2-7b layer shapes on the GPU.
+
+Usage: python scripts/int4_prefill_probe.py OUT.json [--rows 144,256,...] [--layers qkv,o].
+For each shape (N, K) and rows M, device time in us (calls in a CUDA graph) of:
+  cublas_bf16     the 16-bit product alone (what bf16 layers run)
+  int4_gemm       kernels.int4_gemm.int4_mm: the codes dequantized in registers (autotuned; its
+                  pick is in the row)
+  dequant_cublas  dequantize the layer to bf16 (Triton), then cuBLAS (what int4 layers ran before)
+  dequant         the dequantization alone
+with the relative error of int4_gemm and dequant_cublas against float64 (at the first M).
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from multirow_probe import timed  # scripts/ is this script's import path
+
+from llamactl.kernels import int4_gemm
+from llamactl.kernels.int4_layout import dequantize_int4, pack_int4
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
+ROWS = [144, 256, 512, 1024, 2048, 4608]
+G = 128
+
+
+def _pick(m: int, n: int, k: int) -> str:
+    """The autotuner's config for this shape (its cache key starts with the kernel's key args)."""
+    for key, cfg in int4_gemm._tuned.cache.items():
+        if tuple(key[:4]) == (int4_gemm._rows_key(m), n, k, G):
+            return str(cfg)
+    return "?"
+
+
+def main(out, rows_probed, layers=None):
+    torch.manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        if layers and name not in layers:
+            continue
+        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
+        q = pack_int4(codes)
+        s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
+        z = torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq = dequantize_int4(q, s, z, G, torch.float32).double()  # [n, k]
+        for i, m in enumerate(rows_probed):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            r = {"layer": name, "N": n, "K": k, "M": m}
+            if i == 0:
+                ref = x.double() @ wq.t()
+                r["errors"] = {key: ((y.double() - ref).norm() / ref.norm()).item() for key, y in (
+                    ("int4_gemm", int4_gemm.int4_mm(x, q, s, z, G)),
+                    ("dequant_cublas", F.linear(x, dequantize_int4(q, s, z, G, torch.bfloat16))))}
+            r.update(cublas_bf16=timed(lambda: F.linear(x, w16)),
+                     int4_gemm=timed(lambda: int4_gemm.int4_mm(x, q, s, z, G)),
+                     dequant_cublas=timed(lambda: F.linear(x, dequantize_int4(q, s, z, G, torch.bfloat16))),
+                     dequant=timed(lambda: dequantize_int4(q, s, z, G, torch.bfloat16)))
+            r["pick"] = _pick(m, n, k)
+            r["tflops_int4_gemm"] = 2 * m * n * k / r["int4_gemm"] / 1e6
+            rows.append(r)
+            print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in r.items()}), flush=True)
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "rows": rows}, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    rows_arg = sys.argv[sys.argv.index("--rows") + 1] if "--rows" in sys.argv else None
+    layers_arg = sys.argv[sys.argv.index("--layers") + 1].split(",") if "--layers" in sys.argv else None
+    main(sys.argv[1], [int(r) for r in rows_arg.split(",")] if rows_arg else ROWS, layers_arg)
