@@ -24,8 +24,9 @@ import triton.language as tl
 from llamactl.kernels.device import interpreted
 from llamactl.kernels.high_bits import column_high
 
-# rows up to which prefill_product runs this kernel (past it: dequantize + cuBLAS)
-GEMM_ROWS = 2048
+# rows up to which prefill_product runs this kernel (past it: dequantize + cuBLAS); 0: never, as
+# measured on the H100 (docs/bench/README.md, 2026-12-05)
+GEMM_ROWS = 0
 
 
 @triton.jit

@@ -12,30 +12,27 @@ from llamactl.kernels.high_bits import column_high
 
 
 @triton.jit
-def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WORDS: tl.constexpr, HI: tl.constexpr = 0):
-    # q: [N, K // 8] int32 -> w: [N, K] in w's dtype; one program per [BLOCK_N, 8 * WORDS] tile
-    # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits, h: [N, K // 8] uint8 / int16 (given as
+def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, words, KW, G: tl.constexpr, BLOCK: tl.constexpr,
+                         HI: tl.constexpr = 0):
+    # q: [N, KW] int32 (KW = K // 8) -> w: [N, K] in w's dtype, both read flat: one program per
+    # BLOCK consecutive words and the 8 BLOCK weights they hold, which lie side by side in w (each
+    # thread stores its words' 16-byte runs; tiles of rows x columns stored 2 bytes a lane)
+    # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits, h: [N, KW] uint8 / int16 (given as
     # int32) the high ones, bits HI j .. of word i's entry for column 8 i + j (kernels.high_bits)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
-    kw = tl.multiple_of(K // 8, G // 8)  # words a row (K % G == 0): 16-byte loads, as in _gemv_int4_kernel
-    ok = (rows < N)[:, None] & (words < kw)[None, :]
-    rows64 = rows.to(tl.int64)
-    p = tl.load(q_ptr + rows64[:, None] * kw + words[None, :], mask=ok, other=0)  # [BN, W]
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] flat word indices
+    ok = i < words
+    p = tl.load(q_ptr + i, mask=ok, other=0)  # [B]
     j = tl.arange(0, 8)
-    codes = (p[:, :, None] >> (j * 4)[None, None, :]) & 0xF  # [BN, W, 8]
+    codes = (p[:, None] >> (j * 4)[None, :]) & 0xF  # [B, 8]
     if HI > 0:
         h_ty: tl.constexpr = tl.uint8 if HI == 1 else tl.int16
-        h = tl.load(h_ptr.to(tl.pointer_type(h_ty)) + rows64[:, None] * kw + words[None, :], mask=ok,
-                    other=0).to(tl.int32)  # [BN, W]
-        codes = codes | column_high(h[:, :, None], j[None, None, :], HI)
-    g_off = rows64[:, None] * (K // G) + (words * 8 // G)[None, :]  # [BN, W]
-    s = tl.load(s_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g_off, mask=ok, other=0).to(tl.float32)
-    w = (codes.to(tl.float32) - z[:, :, None]) * s[:, :, None]  # [BN, W, 8]
-    cols = words[:, None] * 8 + j[None, :]  # [W, 8]
-    tl.store(w_ptr + rows64[:, None, None] * K + cols[None, :, :], w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
+        h = tl.load(h_ptr.to(tl.pointer_type(h_ty)) + i, mask=ok, other=0).to(tl.int32)  # [B]
+        codes = codes | column_high(h[:, None], j[None, :], HI)
+    g = (i // KW) * (KW * 8 // G) + (i % KW) * 8 // G  # [B]: the word's row and group (K % G == 0)
+    s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g, mask=ok, other=0).to(tl.float32)
+    w = (codes.to(tl.float32) - z[:, None]) * s[:, None]  # [B, 8]
+    tl.store(w_ptr + i[:, None] * 8 + j[None, :], w.to(w_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def _whole_groups(k: int, group_size: int) -> None:
@@ -45,16 +42,18 @@ def _whole_groups(k: int, group_size: int) -> None:
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype, high: torch.Tensor | None = None, high_bits: int = 0) -> torch.Tensor:
+                    dtype: torch.dtype, high: torch.Tensor | None = None, high_bits: int = 0, block: int = 1024,
+                    warps: int = 4) -> torch.Tensor:
     """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it); high,
-    high_bits: the high plane of 5- or 6-bit codes (kernels.gemv_int4.gemv_int4)."""
+    high_bits: the high plane of 5- or 6-bit codes (kernels.gemv_int4.gemv_int4); block, warps:
+    words a program and its warps (scripts/int4_prefill_probe.py sweeps them)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    block_n, words = 32, 32
-    _dequant_int4_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 8, words))](
-        qweight, qweight if high is None else high, scales, zeros, w, n, k, group_size, BLOCK_N=block_n, WORDS=words,
-        HI=high_bits)
+    words = n * (k // 8)
+    _dequant_int4_kernel[(triton.cdiv(words, block),)](qweight, qweight if high is None else high, scales, zeros, w,
+                                                       words, k // 8, group_size, BLOCK=block, HI=high_bits,
+                                                       num_warps=warps)
     return w
 
 
