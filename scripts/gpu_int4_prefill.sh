@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# int4 prefills on the GPU machine, repository root, one call: kernels.int4_gemm against dequantize +
-# cuBLAS per llama2-7b layer and rows (scripts/int4_prefill_probe.py), then bench's time to the
+# int4 prefills on the GPU machine, repository root, one call: the dequantizing kernels and
+# dequantize + cuBLAS per llama2-7b layer and rows (scripts/int4_prefill_probe.py), then bench's time to the
 # first token for bf16 and int4 at 128-, 512- and 2,048-token prompts (batch 1, graphs), then the
 # int4 GPU tests. Files: gpu.txt, probe.json, ttft.json, log.txt, tests.txt.
 # Usage: [ROWS=144,...] [PROMPTS=128,512,2048] bash scripts/gpu_int4_prefill.sh OUTDIR

@@ -3,11 +3,10 @@
 Usage: python scripts/int4_prefill_probe.py OUT.json [--rows 144,256,...] [--layers qkv,o].
 For each shape (N, K) and rows M, device time in us (calls in a CUDA graph) of:
   cublas_bf16     the 16-bit product alone (what bf16 layers run)
-  int4_gemm       kernels.int4_gemm.int4_mm: the codes dequantized in registers (autotuned; its
-                  pick is in the row)
-  dequant_cublas  dequantize the layer to bf16 (Triton), then cuBLAS (what int4 layers ran before)
+  dequant_cublas  dequantize the layer to bf16 (Triton), then cuBLAS (what int4 layers run)
   dequant         the dequantization alone
-with the relative error of int4_gemm and dequant_cublas against float64 (at the first M).
+with the relative error of dequant_cublas against float64 (at the first M). (Commit 034da32 had
+an int4 GEMM dequantizing in registers, kernels/int4_gemm.py, timed here too: docs/bench/README.md.)
 --dequant: first the dequantization alone per layer, GB/s of int4 read and 16-bit written: the
 tiled kernel before 2026-12-05 (32 rows x 256 columns a program, copied here) against the flat one
 at each BLOCK words and warps, and a copy of the 16-bit layer (torch) as the bandwidth reference.
@@ -22,7 +21,6 @@ import triton
 import triton.language as tl
 from multirow_probe import timed  # scripts/ is this script's import path
 
-from llamactl.kernels import int4_gemm
 from llamactl.kernels.int4_layout import dequantize_int4, pack_int4
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
@@ -80,14 +78,6 @@ def dequant_sweep(layers=None):
     return rows
 
 
-def _pick(m: int, n: int, k: int) -> str:
-    """The autotuner's config for this shape (its cache key starts with the kernel's key args)."""
-    for key, cfg in int4_gemm._tuned.cache.items():
-        if tuple(key[:4]) == (int4_gemm._rows_key(m), n, k, G):
-            return str(cfg)
-    return "?"
-
-
 def main(out, rows_probed, layers=None, dequant=False):
     torch.manual_seed(0)
     sweep = dequant_sweep(layers) if dequant else []
@@ -106,15 +96,11 @@ def main(out, rows_probed, layers=None, dequant=False):
             r = {"layer": name, "N": n, "K": k, "M": m}
             if i == 0:
                 ref = x.double() @ wq.t()
-                r["errors"] = {key: ((y.double() - ref).norm() / ref.norm()).item() for key, y in (
-                    ("int4_gemm", int4_gemm.int4_mm(x, q, s, z, G)),
-                    ("dequant_cublas", F.linear(x, dequantize_int4(q, s, z, G, torch.bfloat16))))}
+                y = F.linear(x, dequantize_int4(q, s, z, G, torch.bfloat16))
+                r["errors"] = {"dequant_cublas": ((y.double() - ref).norm() / ref.norm()).item()}
             r.update(cublas_bf16=timed(lambda: F.linear(x, w16)),
-                     int4_gemm=timed(lambda: int4_gemm.int4_mm(x, q, s, z, G)),
                      dequant_cublas=timed(lambda: F.linear(x, dequantize_int4(q, s, z, G, torch.bfloat16))),
                      dequant=timed(lambda: dequantize_int4(q, s, z, G, torch.bfloat16)))
-            r["pick"] = _pick(m, n, k)
-            r["tflops_int4_gemm"] = 2 * m * n * k / r["int4_gemm"] / 1e6
             rows.append(r)
             print(json.dumps({k_: (round(v, 1) if isinstance(v, float) else v) for k_, v in r.items()}), flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -75,7 +75,7 @@ def test_int4_checkpoint_decodes_through_the_triton_kernel(trained_model, tmp_pa
     ids = torch.randint(0, 8192, (1, 80), device="cuda")
     for m in (model, ref):
         m.setup_caches(1, 128)
-    a = model(ids, torch.arange(80, device="cuda"))[:, -1].float()  # prefill: kernels.int4_gemm
+    a = model(ids, torch.arange(80, device="cuda"))[:, -1].float()  # prefill: dequantize + cuBLAS
     b = ref(ids, torch.arange(80, device="cuda"))[:, -1]
     assert ((a - b).norm() / b.norm()) < 3e-2
     nxt = a.argmax(-1, keepdim=True)
@@ -299,7 +299,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_mod
 
 def test_int4_layers_with_a_short_last_group_run_the_triton_kernels(tmp_path):
     """192-wide layers in groups of 128 (a short last group, issue 26): the Triton int4 layers pad
-    it, at one row (GEMV), a few (multirow) and a prefill (kernels.int4_gemm)."""
+    it, at one row (GEMV), a few (multirow) and a prefill (dequantize + cuBLAS)."""
     from typer.testing import CliRunner
 
     from conftest import make_hf_model

@@ -42,7 +42,7 @@ def _whole_groups(k: int, group_size: int) -> None:
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype, high: torch.Tensor | None = None, high_bits: int = 0, block: int = 1024,
+                    dtype: torch.dtype, high: torch.Tensor | None = None, high_bits: int = 0, block: int = 512,
                     warps: int = 4) -> torch.Tensor:
     """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it); high,
     high_bits: the high plane of 5- or 6-bit codes (kernels.gemv_int4.gemv_int4); block, warps:

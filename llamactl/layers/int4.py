@@ -205,8 +205,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
     on kernels.skinny (the norm before, SwiGLU and the residual folded in; with int16 inputs, the
     GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
-    batches, prefill) take kernels.int4_gemm (the codes dequantized in registers), and past its
-    GEMM_ROWS the layer dequantized to 16 bits for cuBLAS.
+    batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
     """
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
@@ -257,8 +256,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
-        from llamactl.kernels.gemv_int4 import gemv_int4
-        from llamactl.kernels.int4_gemm import prefill_product
+        from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
         from llamactl.kernels.multirow import int4_rows, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():
@@ -286,8 +284,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
         elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
-        else:  # a prefill
-            y = prefill_product(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
@@ -295,7 +293,6 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
-        from llamactl.kernels.int4_gemm import prefill_name
         from llamactl.kernels.multirow import int4_rows, splitk_takes
 
         if rows == 1:
@@ -304,4 +301,4 @@ class TritonInt4Linear(nn.Module, FusedIO):
             return "int4 skinny int8 MMA" if self.inputs == "int16" else "int4 skinny"
         if rows <= int4_rows(self.group_size):
             return "int4 split-K" if splitk_takes(self.group_size) else "int4 multirow"
-        return prefill_name(4, rows)
+        return "int4 dequantize + cuBLAS"

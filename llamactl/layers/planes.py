@@ -117,8 +117,7 @@ class Int4PlanesLinear(TritonInt4Linear):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
-        from llamactl.kernels.gemv_int4 import gemv_int4
-        from llamactl.kernels.int4_gemm import prefill_product
+        from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
         from llamactl.kernels.multirow import MAX_ROWS, multirow_int4
 
         inputs, high = "float" if self.inputs == "fp16" else self.inputs, SPLITS[self.bits][1]
@@ -135,8 +134,9 @@ class Int4PlanesLinear(TritonInt4Linear):
                           pdl=self.pdl, pins=self.pins, high=self.hi, high_bits=high)[None]
         elif x2.shape[0] <= MAX_ROWS:  # a decode batch: the split-K kernel (groups of 128 k) or the planes
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size, self.hi, high)
-        else:  # a prefill: kernels.int4_gemm
-            y = prefill_product(x2, self.qweight, self.scales, self.zeros, self.group_size, self.hi, high)
+        else:  # a prefill: dequantized in Triton for cuBLAS
+            y = F.linear(x2, dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, x2.dtype, self.hi,
+                                             high))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         y = self._unfused_output(y.view(*x.shape[:-1], self.out_features))
@@ -144,13 +144,10 @@ class Int4PlanesLinear(TritonInt4Linear):
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""
-        from llamactl.kernels.int4_gemm import prefill_name
         from llamactl.kernels.multirow import MAX_ROWS, splitk_takes
 
-        if rows > MAX_ROWS:
-            return prefill_name(self.bits, rows)
         kernel = "split-K" if splitk_takes(self.group_size) else "planes"
-        return f"int{self.bits} " + ("GEMV" if rows == 1 else kernel)
+        return f"int{self.bits} " + ("GEMV" if rows == 1 else kernel if rows <= MAX_ROWS else "dequantize + cuBLAS")
 
 
 def plane_layer(lin: GPTQLinear) -> nn.Module:
