@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,13 @@ def test_health_models_and_a_completion(server):
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == len(gen.encode_prompt(_tok(), PROMPTS[0], False)[0])
+
+    # before the warm-up (minutes on a GPU's first start) the server says what it runs, and the
+    # serving line how long it took
+    warm = next(i for i, line in enumerate(server.lines) if line.startswith("warming up: "))
+    serving = next(i for i, line in enumerate(server.lines) if " on http://" in line)
+    assert warm < serving and "6 decode steps (1, 2, 4 rows, greedy and sampled)" in server.lines[warm]
+    assert re.search(r"warmed up in \d+ s", server.lines[serving]), server.lines[serving]
 
 
 def _tok():

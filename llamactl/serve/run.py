@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,6 +67,21 @@ def _rank_device(device: str):
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
 
 
+def _warm_up_line(engine) -> str:
+    """What the warm-up is about to do, said before it starts (on a GPU's first start: minutes)."""
+    steps = f"{2 * len(engine.buckets)} decode steps ({', '.join(map(str, engine.buckets))} rows, greedy and sampled)"
+    if engine.device.type != "cuda":
+        return f"warming up: {steps}"
+    if engine.mode == "eager":
+        what = f"running {steps} once"
+    else:
+        graphs = engine.decoder.prefill_graphs
+        prefills = f" and {len(graphs.shapes())} short prefills" if graphs is not None else ""
+        what = f"capturing {steps}{prefills} as CUDA graphs"
+    return (f"warming up: {what}; the first start on a GPU also compiles and tunes its kernels (minutes; "
+            "later starts reuse the compiler caches)")
+
+
 def _warm_up(engine) -> None:
     """Capture (and with --mode compile, compile) every batch bucket's step before serving; a
     failed compile is one line that names the way out."""
@@ -114,7 +130,11 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                         prefill_graphs=serve.prefill_graphs)
         for w in engine.decoder.plan.warnings:
             warn(w)
+        if leader:
+            log(_warm_up_line(engine))
+        started = time.perf_counter()
         _warm_up(engine)
+        warm_s = time.perf_counter() - started
         if not leader:
             import signal
 
@@ -135,8 +155,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             prefills = f", {graphs.summary()}" if graphs is not None else ""
             log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}{prefills}, gemv "
                 f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
-                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}"
-                + (", API key required" if serve.api_key else ""))
+                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}, "
+                f"warmed up in {warm_s:.0f} s" + (", API key required" if serve.api_key else ""))
 
         stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)
     finally:
