@@ -54,15 +54,20 @@ def _tiles(q, s, z):
     return w
 
 
+def _layer(n: int, k: int):
+    """Random int4 g128 codes in kernels.gemv's layout: (qweight, scales, zeros)."""
+    q = pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32))
+    s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
+    return q, s, torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+
+
 def dequant_sweep(layers=None):
     """The dequantization alone, per layer: the tiled kernel, the flat one per (block, warps), a copy."""
     rows = []
     for name, (n, k) in SHAPES.items():
         if layers and name not in layers:
             continue
-        q = pack_int4(torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32))
-        s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
-        z = torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+        q, s, z = _layer(n, k)
         ref = _tiles(q, s, z)
         gb = (n * k // 2 + n * k * 2) / 1e3  # int4 read, bf16 written: GB/s from us
         w16 = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
@@ -85,10 +90,7 @@ def main(out, rows_probed, layers=None, dequant=False):
     for name, (n, k) in SHAPES.items():
         if layers and name not in layers:
             continue
-        codes = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.int32)
-        q = pack_int4(codes)
-        s = (torch.rand(n, k // G, device="cuda") * 0.01).half()
-        z = torch.randint(0, 16, (n, k // G), device="cuda").to(torch.uint8)
+        q, s, z = _layer(n, k)
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq = dequantize_int4(q, s, z, G, torch.float32).double()  # [n, k]
         for i, m in enumerate(rows_probed):
