@@ -15,8 +15,8 @@ from llamactl.kernels.high_bits import column_high
 def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, words, KW, G: tl.constexpr, BLOCK: tl.constexpr,
                          HI: tl.constexpr = 0):
     # q: [N, KW] int32 (KW = K // 8) -> w: [N, K] in w's dtype, both read flat: one program per
-    # BLOCK consecutive words and the 8 BLOCK weights they hold, which lie side by side in w (each
-    # thread stores its words' 16-byte runs; tiles of rows x columns stored 2 bytes a lane)
+    # BLOCK consecutive words and the 8 BLOCK weights they hold, one contiguous run of w (each
+    # thread stores its words' 16-byte pieces)
     # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits, h: [N, KW] uint8 / int16 (given as
     # int32) the high ones, bits HI j .. of word i's entry for column 8 i + j (kernels.high_bits)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] flat word indices
