@@ -96,8 +96,8 @@ def cases():
                     PREFETCH=False, PDL=True, HI=hi, **({arith: True} if arith else {})))
     for hi in (0, 1, 2):
         yield (f"dequantize int{4 + hi}", int4_layout._dequant_int4_kernel,
-               {"q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "words": "i32",
-                "KW": "i32"}, dict(G=128, BLOCK=512, HI=hi))
+               {"q_ptr": "*i32", "h_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "w_ptr": "*bf16", "words": "i32"},
+               dict(G=128, BLOCK=512, HI=hi))
     for rope, (r, d), pdl, splits in itertools.product([False, True], [(1, 128), (4, 128), (8, 64)], [False, True],
                                                        [8, 1]):  # one split: the output stored in the kernel
         yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,

@@ -12,12 +12,12 @@ from llamactl.kernels.high_bits import column_high
 
 
 @triton.jit
-def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, words, KW, G: tl.constexpr, BLOCK: tl.constexpr,
+def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, words, G: tl.constexpr, BLOCK: tl.constexpr,
                          HI: tl.constexpr = 0):
-    # q: [N, KW] int32 (KW = K // 8) -> w: [N, K] in w's dtype, both read flat: one program per
-    # BLOCK consecutive words and the 8 BLOCK weights they hold, one contiguous run of w (each
-    # thread stores its words' 16-byte pieces)
-    # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits, h: [N, KW] uint8 / int16 (given as
+    # q: [N, K // 8] int32 -> w: [N, K] in w's dtype, both read flat: one program per BLOCK
+    # consecutive words and the 8 BLOCK weights they hold, one contiguous run of w (each thread
+    # stores its words' 16-byte pieces)
+    # HI = 1 or 2: 5- or 6-bit codes, q their low 4 bits, h: [N, K // 8] uint8 / int16 (given as
     # int32) the high ones, bits HI j .. of word i's entry for column 8 i + j (kernels.high_bits)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B] flat word indices
     ok = i < words
@@ -28,7 +28,7 @@ def _dequant_int4_kernel(q_ptr, h_ptr, s_ptr, z_ptr, w_ptr, words, KW, G: tl.con
         h_ty: tl.constexpr = tl.uint8 if HI == 1 else tl.int16
         h = tl.load(h_ptr.to(tl.pointer_type(h_ty)) + i, mask=ok, other=0).to(tl.int32)  # [B]
         codes = codes | column_high(h[:, None], j[None, :], HI)
-    g = (i // KW) * (KW * 8 // G) + (i % KW) * 8 // G  # [B]: the word's row and group (K % G == 0)
+    g = i * 8 // G  # [B]: the word's group in s and z [N, K // G], read flat too (K % G == 0)
     s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + g, mask=ok, other=0).to(tl.float32)
     w = (codes.to(tl.float32) - z[:, None]) * s[:, None]  # [B, 8]
@@ -52,7 +52,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     words = n * (k // 8)
     _dequant_int4_kernel[(triton.cdiv(words, block),)](qweight, qweight if high is None else high, scales, zeros, w,
-                                                       words, k // 8, group_size, BLOCK=block, HI=high_bits,
+                                                       words, group_size, BLOCK=block, HI=high_bits,
                                                        num_warps=warps)
     return w
 
