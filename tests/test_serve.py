@@ -91,8 +91,10 @@ def test_health_models_and_a_completion(server):
     assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == len(gen.encode_prompt(_tok(), PROMPTS[0], False)[0])
 
-    # before the warm-up (minutes on a GPU's first start) the server says what it runs, and the
-    # serving line how long it took
+
+def test_the_server_says_what_its_warm_up_runs_and_how_long_it_took(server):
+    """Before the warm-up (minutes on a GPU's first start) the server says what it runs; the
+    serving line says how long it took."""
     warm = next(i for i, line in enumerate(server.lines) if line.startswith("warming up: "))
     serving = next(i for i, line in enumerate(server.lines) if " on http://" in line)
     assert warm < serving and "6 decode steps (1, 2, 4 rows, greedy and sampled)" in server.lines[warm]

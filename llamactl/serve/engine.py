@@ -254,6 +254,20 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def warm_up_plan(self) -> str:
+        """What warm_up runs, said before it starts (on a GPU's first start it takes minutes)."""
+        steps = f"{2 * len(self.buckets)} decode steps ({', '.join(map(str, self.buckets))} rows, greedy and sampled)"
+        if self.device.type != "cuda":
+            return steps
+        if self.mode == "eager":
+            what = f"running {steps} once"
+        else:
+            graphs = self.decoder.prefill_graphs
+            prefills = f" and {len(graphs.shapes())} short prefills" if graphs is not None else ""
+            what = f"capturing {steps}{prefills} as CUDA graphs"
+        return (f"{what}; the first start on a GPU also compiles and tunes its kernels (minutes; later starts reuse "
+                "the compiler caches)")
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """One decode step per batch bucket with every row free (captures the CUDA graphs before

@@ -67,21 +67,6 @@ def _rank_device(device: str):
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
 
 
-def _warm_up_line(engine) -> str:
-    """What the warm-up is about to do, said before it starts (on a GPU's first start: minutes)."""
-    steps = f"{2 * len(engine.buckets)} decode steps ({', '.join(map(str, engine.buckets))} rows, greedy and sampled)"
-    if engine.device.type != "cuda":
-        return f"warming up: {steps}"
-    if engine.mode == "eager":
-        what = f"running {steps} once"
-    else:
-        graphs = engine.decoder.prefill_graphs
-        prefills = f" and {len(graphs.shapes())} short prefills" if graphs is not None else ""
-        what = f"capturing {steps}{prefills} as CUDA graphs"
-    return (f"warming up: {what}; the first start on a GPU also compiles and tunes its kernels (minutes; "
-            "later starts reuse the compiler caches)")
-
-
 def _warm_up(engine) -> None:
     """Capture (and with --mode compile, compile) every batch bucket's step before serving; a
     failed compile is one line that names the way out."""
@@ -131,7 +116,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         for w in engine.decoder.plan.warnings:
             warn(w)
         if leader:
-            log(_warm_up_line(engine))
+            log(f"warming up: {engine.warm_up_plan()}")
         started = time.perf_counter()
         _warm_up(engine)
         warm_s = time.perf_counter() - started
