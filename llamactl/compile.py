@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from llamactl.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
+from llamactl.folder.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
-from llamactl.signing import signing_key
+from llamactl.folder.signing import signing_key
 
 CACHE_DIR = "compile-cache"
 MODES = ("default", "reduce-overhead", "max-autotune")
@@ -184,7 +184,7 @@ def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]
 def warm(model, buckets: list[int], mode: str, progress, options: RuntimeOptions | None = None):
     """Compile and run the decode step once per bucket; returns seconds per bucket and the plan
     that ran (layers.plan.Plan: which kernels, PDL, inputs)."""
-    from llamactl.decode import Decoder, sync
+    from llamactl.runtime.step import Decoder, sync
 
     timings = []
     with progress("compile buckets", len(buckets)) as advance:
@@ -206,7 +206,7 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
                   log: Callable[[str], None] = lambda m: None, options: RuntimeOptions | None = None) -> dict[str, Any]:
     """Write `out`: the model (hard-linked where possible) plus compile cache artifacts, compiled
     for `options` (the GEMVs' inputs among them; RuntimeOptions()'s defaults when None)."""
-    from llamactl.load import load_model, resolve_device, resolve_dtype
+    from llamactl.runtime.load import load_model, resolve_device, resolve_dtype
 
     if mode not in MODES:
         raise InputError(f"--mode {mode!r} is not known", f"use one of {', '.join(MODES)}")

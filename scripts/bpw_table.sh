@@ -12,8 +12,8 @@ name, bpw_src, quality = sys.argv[1:4]
 q = json.load(open(quality))
 q = q["results"][0]["quality"] if "results" in q else q["quality"]  # bench's JSON, or quantize --json's
 if bpw_src.endswith(".gguf"):  # the whole file over the parent's parameters, as quantize counts them
-    from llamactl.artifact import open_artifact, resolve_model_path
-    from llamactl.info import params_from_config
+    from llamactl.folder.artifact import open_artifact, resolve_model_path
+    from llamactl.folder.describe import params_from_config
     bpw = 8 * os.path.getsize(bpw_src) / params_from_config(open_artifact(resolve_model_path(None)).args)
 else:
     bpw = json.load(open(bpw_src))["metrics"]["file_bpw"]

@@ -19,7 +19,7 @@ import torch
 from llamactl.layers import cpu as lcpu
 from llamactl.layers.gptq import GPTQLinear, pack_gptq
 from llamactl.quantize.rtn import rtn_quantize
-from llamactl.synthetic import SHAPES
+from llamactl.runtime.synthetic import SHAPES
 
 
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:

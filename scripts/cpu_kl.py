@@ -15,12 +15,12 @@ from dataclasses import asdict
 
 import torch
 
-from llamactl.artifact import open_artifact, resolve_model_path
-from llamactl.checkpoint import load_tokenizer
+from llamactl.folder.artifact import open_artifact, resolve_model_path
+from llamactl.folder.checkpoint import load_tokenizer
 from llamactl.layers.plan import prepare
-from llamactl.load import load_model
+from llamactl.runtime.load import load_model
 from llamactl.options import RuntimeOptions
-from llamactl.quality import compare, decode_logits, eval_windows
+from llamactl.bench.quality import compare, decode_logits, eval_windows
 
 
 def main() -> None:

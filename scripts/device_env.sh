@@ -16,4 +16,4 @@ served_url() {
   grep -o "http://[0-9.:]*" "$1" | head -1
 }
 # A bench JSON as bench's markdown table.
-md() { python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }
+md() { python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$1'))))"; }

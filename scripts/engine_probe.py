@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from llamactl.bench_targets import load_targets
+from llamactl.bench.targets import load_targets
 from llamactl.serve.engine import Engine, Params
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     for spacing in (float(x) for x in a.spacing.split(",")) if "burst" in parts else ():
         out["bursts"].append(burst(model, 32, spacing, a.max_seq))
         print({k: v for k, v in out["bursts"][-1].items() if k != "ttft_ms"}, flush=True)
-    from llamactl import model as model_mod
+    from llamactl.runtime import model as model_mod
 
     for rope_tokens in [int(x) for x in a.rope_tokens.split(",") if x] or [model_mod.ROPE_KERNEL_TOKENS]:
         model_mod.ROPE_KERNEL_TOKENS = rope_tokens

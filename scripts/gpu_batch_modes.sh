@@ -16,5 +16,5 @@ for run in "${runs[@]}"; do
   python -m llamactl bench $common --synthetic-quant "$q" --mode "$mode" --batch "$batches" \
     --format json -o "$out/$name.json" > /dev/null 2> "$out/$name.err" || tail -20 "$out/$name.err"
   echo "$name $(( $(date +%s) - t0 )) s" | tee -a "$out/times.txt"
-  [ -f "$out/$name.json" ] && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" | tee "$out/$name.md"
+  [ -f "$out/$name.json" ] && python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/$name.json'))))" | tee "$out/$name.md"
 done

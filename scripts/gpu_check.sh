@@ -11,7 +11,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch
 python -m llamactl bench --synthetic llama2-7b --synthetic-quant none,int4,int8 --dtype bfloat16 --mode compile \
   --prompt-len 128 --gen-len 256 --warmup 2 --repeat 5 --format json -o "$out/llama2-7b.json" > /dev/null 2> "$out/bench.err" \
   || tail -20 "$out/bench.err"
-python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/llama2-7b.json'))))" \
+python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/llama2-7b.json'))))" \
   | tee "$out/llama2-7b.md"
 python -m llamactl bench --compare docs/bench/baselines/h200-llama2-7b.json "$out/llama2-7b.json" --max-slowdown 3% \
   | tee "$out/compare.txt"

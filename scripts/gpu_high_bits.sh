@@ -14,7 +14,7 @@ echo "tests $(( $(date +%s) - t0 )) s" | tee -a "$out/times.txt"
 summary() {  # $1: a bench JSON
   python -c "
 import json
-from llamactl import report
+from llamactl.bench import report
 d = json.load(open('$1'))
 print(report.to_markdown(d))
 rows = {(r['model'].split()[-1], r['batch']): r for r in d['results']}

@@ -14,4 +14,4 @@ timeout 170 python scripts/skinny_probe.py "$out/probe.json" --kinds int4i8,int8
 TRITON_PRINT_AUTOTUNING=1 timeout 290 python -m llamactl bench --synthetic llama2-7b --synthetic-quant none,int4,int8 \
   --quant-inputs float,int16 --dtype bfloat16 --mode graphs --batch 1,8,32 --prompt-len 128 --gen-len 256 \
   --warmup 1 --repeat 3 --format json -o "$out/batch.json" > "$out/batch.log" 2>&1 || tail -5 "$out/batch.log"
-python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/batch.json'))))"
+python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/batch.json'))))"

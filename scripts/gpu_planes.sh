@@ -10,4 +10,4 @@ python -m llamactl bench --synthetic llama2-7b --synthetic-quant none,int4,int5,
   --batch 1,8 --prompt-len 128 --gen-len 128 --format json -o "$out/planes.json" 2> "$out/planes.err" > /dev/null \
   || tail -20 "$out/planes.err"
 echo "planes $(( $(date +%s) - t0 )) s" | tee -a "$out/times.txt"
-[ -f "$out/planes.json" ] && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/planes.json'))))"
+[ -f "$out/planes.json" ] && python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/planes.json'))))"

@@ -28,4 +28,4 @@ serve_run() {  # name tree chunk
 }
 serve_run old "$old" 512
 for c in "${chunks[@]}"; do serve_run "new-$c" "$new" "$c"; done
-python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/batch.json'))))"
+python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/batch.json'))))"

@@ -16,5 +16,5 @@ for run in "${runs[@]}"; do
     --format json -o "$out/serve-$q-$mode.json" > /dev/null 2> "$out/serve-$q-$mode.err" || tail -20 "$out/serve-$q-$mode.err"
   echo "serve-$q-$mode $(( $(date +%s) - t0 )) s" | tee -a "$out/times.txt"
   grep -i "compiled\|serving" "$out/serve-$q-$mode.err" | head -3
-  [ -f "$out/serve-$q-$mode.json" ] && python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/serve-$q-$mode.json'))))"
+  [ -f "$out/serve-$q-$mode.json" ] && python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/serve-$q-$mode.json'))))"
 done

@@ -19,7 +19,7 @@ bench() {  # name dir quant
   (cd "$2" && PYTHONPATH=$site:$2 TRITON_PRINT_AUTOTUNING=1 timeout 330 python -m llamactl bench --synthetic llama2-7b \
      --synthetic-quant "$3" --dtype bfloat16 --mode graphs --batch 1,8,32 --prompt-len 128 --gen-len 256 \
      --warmup 1 --repeat 3 --format json -o "$out/batch-$1.json" > "$out/batch-$1.log" 2>&1) || tail -5 "$out/batch-$1.log"
-  python -c "from llamactl import report; import json; print(report.to_markdown(json.load(open('$out/batch-$1.json'))))"
+  python -c "from llamactl.bench import report; import json; print(report.to_markdown(json.load(open('$out/batch-$1.json'))))"
 }
 bench new "$new" "${QUANT:-none,int4}"
 [ -f /tmp/old/llamactl/__init__.py ] && bench old /tmp/old "${OLD_QUANT:-${QUANT:-none,int4}}"

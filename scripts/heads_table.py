@@ -12,7 +12,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from llamactl.convert import HeadsOptions, convert_heads
+from llamactl.gqa.stage import HeadsOptions, convert_heads
 
 
 def main() -> None:

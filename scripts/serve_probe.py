@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from llamactl.decode import Decoder
-from llamactl.sampling import RowSampling
-from llamactl.synthetic import build_synthetic
+from llamactl.runtime.step import Decoder
+from llamactl.runtime.sampling import RowSampling
+from llamactl.runtime.synthetic import build_synthetic
 
 
 def timed(fn) -> float:

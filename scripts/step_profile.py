@@ -16,8 +16,8 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from llamactl.bench_targets import load_targets
-from llamactl.decode import Decoder
+from llamactl.bench.targets import load_targets
+from llamactl.runtime.step import Decoder
 from llamactl.options import RuntimeOptions
 
 REPLAYS = 20

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from llamactl.artifact import DEFAULT_MODEL, save_weights
-from llamactl.synthetic import build_synthetic, hf_config, synthetic_args
+from llamactl.folder.artifact import DEFAULT_MODEL, save_weights
+from llamactl.runtime.synthetic import build_synthetic, hf_config, synthetic_args
 
 
 def main(shape: str, out: str) -> None:

@@ -12,9 +12,9 @@ import torch
 if not torch.cuda.is_available():  # llamactl's Triton kernels run on the CPU through Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from llamactl.load import DEFAULT_MODEL
+from llamactl.runtime.load import DEFAULT_MODEL
 
-# the compile caches' signing key (llamactl.signing.signing_key) of this test session, not the user's
+# the compile caches' signing key (llamactl.folder.signing.signing_key) of this test session, not the user's
 if "LLAMACTL_TEST_CONFIG" not in os.environ:
     import atexit
     import tempfile
@@ -31,7 +31,7 @@ SHARED_MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" 
 def greedy_alone(model, ids: torch.Tensor, n: int, mode: str = "eager") -> list[int]:
     """The first n greedy tokens after prompt ids [S], decoded at batch 1 (the reference a batched
     row must match)."""
-    from llamactl.decode import Decoder
+    from llamactl.runtime.step import Decoder
 
     dec = Decoder(model, 1, max(40, ids.numel() + n + 1), mode)  # the batched tests' cache length
     tok, out = dec.prefill(ids.view(1, -1)), []
@@ -98,7 +98,7 @@ def trained_model() -> Path:
 def embedded():
     """(artifact, model, tokenizer) of the embedded trained model on the CPU in float32, a copy a
     module (the serving tests' engines set up its caches)."""
-    from llamactl.load import load
+    from llamactl.runtime.load import load
 
     art, model, tok, _ = load(None, "cpu", "float32")
     return art, model, tok

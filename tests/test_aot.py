@@ -1,4 +1,4 @@
-"""The greedy CPU decode step compiled ahead of time (llamactl.aot, Decoder mode "aot")."""
+"""The greedy CPU decode step compiled ahead of time (llamactl.runtime.aot, Decoder mode "aot")."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
     """Two rows of a GQA model whose decoder layers run llamactl's CPU int4 layers (when they load
     here) and its head torch's: the prefill (PyTorch) writes the cache the compiled steps read, and
     the steps give the eager steps' tokens (float32)."""
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
     from llamactl.layers.cpu import quant_fast
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.quantize.rtn import quantize_linears_planes
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
@@ -36,10 +36,10 @@ def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
 
 
 def test_aot_is_for_greedy_cpu_steps_of_one_batch(tiny_gqa):
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
-    from llamactl.sampling import RowSampling
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
+    from llamactl.runtime.sampling import RowSampling
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     with pytest.raises(InputError, match="greedy decoding on the CPU"):
@@ -70,10 +70,10 @@ def test_the_built_step_is_cached_and_signed(tiny_gqa, tmp_path, monkeypatch):
     """A second step of the same structure (another process would be the same) loads the library
     from the user's cache and gives the same tokens; a library whose signature does not match is
     not loaded."""
-    from llamactl import aot
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
+    from llamactl.runtime import aot
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)

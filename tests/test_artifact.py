@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from llamactl.artifact import (MANIFEST, check_output, copy_side_files, lineage, open_artifact, save_weights,
+from llamactl.folder.artifact import (MANIFEST, check_output, copy_side_files, lineage, open_artifact, save_weights,
                                sha256_file, staged_output, write_manifest)
 from llamactl.errors import CheckpointError, InputError, OutputExistsError
 
@@ -146,7 +146,7 @@ def test_pickled_weights_need_the_flag(tmp_path, tiny_gqa):
     art = open_artifact(folder, allow_pickle=True)
     assert art.weight_format == "pickle"
 
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
 
     model = load_model(art, torch.device("cpu"), torch.float32)
     ref = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)

@@ -56,7 +56,7 @@ def test_plan_covers_the_cache_with_few_power_of_two_splits():
 def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_steps(min_chunk):
     """The decode step's attention (RoPE and the cache write folded in), with the default plan and
     with one split over the cache (the split kernel stores the output; no merge)."""
-    from llamactl.model import apply_rope
+    from llamactl.runtime.model import apply_rope
 
     torch.manual_seed(5)
     b, kv, rep, d, max_seq = 2, 2, 4, 64, 300
@@ -84,7 +84,7 @@ def test_decode_attention_with_rope_writes_the_cache_and_matches_the_unfused_ste
 def test_decode_attention_reads_each_row_to_its_own_position(min_chunk):
     """pos: [B]: every row attends to its own cache prefix, and with RoPE each row is rotated at,
     and writes its new key and value to, its own position (the rows of a served batch)."""
-    from llamactl.model import apply_rope
+    from llamactl.runtime.model import apply_rope
 
     torch.manual_seed(6)
     b, kv, rep, d, max_seq = 3, 2, 4, 64, 300
@@ -143,9 +143,9 @@ def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_g
     """A decode step of rows at different positions (pos [B, 1]) goes through llamactl's attention
     kernel (RoPE and the cache write folded in) and gives the logits SDPA gives over each row's
     own prefix."""
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.plan import prepare
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
 
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)

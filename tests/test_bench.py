@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llamactl.cli.app import app
-from llamactl.stats import median, percentile, spread
+from llamactl.bench.stats import median, percentile, spread
 
 runner = CliRunner()
 RESULT_KEYS = ("model", "device", "batch", "prompt_len", "gen_len", "ttft_s", "prefill_tok_s", "decode_tok_s",
@@ -141,9 +141,9 @@ def test_decode_scoring_matches_prefill_scoring(trained_model):
     rows with it on a GPU) gives the logits of one prefill over the window."""
     import torch
 
-    from llamactl.artifact import open_artifact
-    from llamactl.load import load_model
-    from llamactl.quality import decode_logits, prefill_logits
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
+    from llamactl.bench.quality import decode_logits, prefill_logits
 
     model = load_model(open_artifact(trained_model), torch.device("cpu"), torch.float32)
     ids = torch.arange(100, 164).view(1, -1)
@@ -165,7 +165,7 @@ def test_pdl_variants_are_timed_only_where_they_change_something():
     is an options object (no environment variable is set)."""
     import torch
 
-    from llamactl import bench as core
+    from llamactl.bench import trials as core
     from llamactl.options import RuntimeOptions
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")

@@ -84,7 +84,7 @@ def stats_file(tiny_gqa, tmp_path_factory):
 
 
 def test_calibrate_measures_every_quantizable_tensor(tiny_gqa, stats_file):
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.quantize.sensitivity import load_stats
 
     art = open_artifact(tiny_gqa)
@@ -112,9 +112,9 @@ def test_stats_of_another_model_are_refused(tiny_mha, stats_file, tmp_path):
 
 
 def test_target_bpw_writes_a_mixed_file_within_the_budget_that_loads(tiny_gqa, stats_file, tmp_path):
-    from llamactl.artifact import open_artifact
-    from llamactl.info import describe, params_from_config
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.folder.describe import describe, params_from_config
+    from llamactl.runtime.load import load_model
 
     out = tmp_path / "q"
     r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(out), "--method", "rtn", "--target-bpw", "7",

@@ -143,8 +143,8 @@ def test_cuda_requested_without_gpu():
 
 
 def test_streamed_text_equals_the_decoded_tokens():
-    from llamactl.generate import Result, Sampling, Step, generate
-    from llamactl.load import load
+    from llamactl.runtime.generate import Result, Sampling, Step, generate
+    from llamactl.runtime.load import load
 
     _, model, tok, _ = load(None, "cpu", "float32")
     events = list(generate(model, tok, tok("Usage:\n").input_ids, 120, Sampling(temperature=1.0, seed=5), set(),

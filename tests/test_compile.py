@@ -52,7 +52,7 @@ def test_a_warm_cpu_start_finds_the_carried_builds(compiled, tmp_path, monkeypat
     import shutil
 
     from llamactl import compile as comp
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
 
     out, entry = compiled
     names = sorted(entry["cpu_build_sha256"])
@@ -85,7 +85,7 @@ def test_a_cache_from_elsewhere_is_not_loaded_without_trust(compiled, tmp_path, 
     import shutil
 
     from llamactl import compile as comp
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
 
     out, entry = compiled
     copy = tmp_path / "c"
@@ -208,7 +208,7 @@ def test_bad_compile_options(trained_model, tmp_path, args):
 def test_regional_compilation_defaults_and_override():
     import torch
 
-    from llamactl.decode import compile_regions
+    from llamactl.runtime.step import compile_regions
     from llamactl.options import RuntimeOptions
 
     default = RuntimeOptions()

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from conftest import make_hf_model, trained_model_path
 from llamactl.cli.app import app
-from llamactl.interop.meta import LAYER_TENSORS, unpermute_rotary
+from llamactl.convert.meta import LAYER_TENSORS, unpermute_rotary
 
 runner = CliRunner()
 needs_gguf = pytest.mark.skipif(find_spec("gguf") is None, reason="pip install -e '.[convert]'")
@@ -91,8 +91,8 @@ def meta_reference_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 
 def llamactl_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    from llamactl.artifact import open_artifact
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(folder), torch.device("cpu"), torch.float32)
     model.setup_caches(1, ids.numel())
@@ -175,7 +175,7 @@ def test_tiktoken_tokenizer_model(tmp_path):
     tiktoken = pytest.importorskip("tiktoken")
     import base64
 
-    from llamactl.interop.tokenizer import LLAMA3_SPECIAL, convert_meta_tokenizer
+    from llamactl.convert.tokenizer import LLAMA3_SPECIAL, convert_meta_tokenizer
 
     pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ranks = {bytes([i]): i for i in range(256)}
@@ -300,8 +300,8 @@ def test_asymmetric_and_act_order_layers(tmp_path):
     r = convert(q, "-o", tmp_path / "a.gguf", "--json")
     facts = json.loads(r.stdout)["metrics"]
     assert facts["tensor_types"]["Q4_1"] == 42 and facts["q4_1_offsets_rounded_to_fp16"]
-    from llamactl.artifact import open_artifact
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
 
     lin = load_model(open_artifact(q), torch.device("cpu"), torch.float32).model.layers[0].mlp.down_proj
     t = next(t for t in GGUFReader(str(tmp_path / "a.gguf")).tensors if t.name == "blk.0.ffn_down.weight")

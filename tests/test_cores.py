@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from llamactl import cores
+from llamactl.runtime import cores
 
 
 def test_a_v2_quota_caps_the_affinity(tmp_path):

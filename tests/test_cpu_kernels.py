@@ -218,10 +218,10 @@ def test_decode_attention_is_planned_where_it_fits(tmp_path, heads, kv_heads, wa
     """A model whose KV heads serve more query heads than the kernel takes (32 to 1) keeps SDPA;
     either way greedy decoding gives the tokens of torch's own path (float32)."""
     from conftest import make_hf_model
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
     from llamactl.layers.plan import prepare
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
 
     folder = make_hf_model(tmp_path / "m", heads=heads, kv_heads=kv_heads, hidden=256, layers=2, seed=4)

@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_hf_model
-from llamactl.artifact import open_artifact
+from llamactl.folder.artifact import open_artifact
 from llamactl.cli.app import app
 from llamactl.layers.embedding import QuantEmbedding
 from llamactl.layers.gptq import GPTQLinear, dequantize_gptq
-from llamactl.load import load_model, resolve_dtype
+from llamactl.runtime.load import load_model, resolve_dtype
 from llamactl.quantize.rtn import quantize_embedding
 from llamactl.options import RuntimeOptions
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llamactl import generate as gen
+from llamactl.runtime import generate as gen
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Hello", "In 1905, Albert Einstein",
            "A list of fruits: apple,", "The quick brown fox", "Water boils at"]
@@ -25,7 +25,7 @@ def reference(embedded, prompt: str, n: int) -> str:
 @pytest.fixture
 def prefills_together(monkeypatch) -> list[int]:
     """The prompts of each forward that prefills several at once (Decoder.prefill_slots), in order."""
-    from llamactl.decode import Decoder
+    from llamactl.runtime.step import Decoder
 
     calls, together = [], Decoder.prefill_slots
     monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
@@ -274,7 +274,7 @@ def _eager_capture(fn, args, pool=None):
 
 def test_prefill_graph_buckets():
     """Rows pad to a power of two, lengths to the next of LENGTHS, within the token budget."""
-    from llamactl.prefill_graphs import PrefillGraphs
+    from llamactl.runtime.graphs import PrefillGraphs
 
     g = PrefillGraphs(None, max_rows=32, max_seq=512, device=None, tokens=2048)
     assert g.bucket(1, 1) == (1, 64) and g.bucket(3, 17) == (4, 64) and g.bucket(5, 130) == (8, 192)
@@ -287,8 +287,8 @@ def test_prefill_graphs_are_captured_for_a_cache_of_any_rows(embedded):
     """A cache of 3 rows: the bucket of 4 rows is captured too (its last row written twice)."""
     import torch
 
-    from llamactl.decode import Decoder
-    from llamactl.prefill_graphs import PrefillGraphs
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.graphs import PrefillGraphs
 
     art, model, tok = embedded
     d = Decoder(model, 3, 64)
@@ -304,7 +304,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_tog
     and lone prompts (Decoder.prefill at position 0) through the prefill graphs' path, each
     graph run by an eager stand-in on the CPU: every request gets the tokens of eager prefills,
     greedy and sampled."""
-    from llamactl.prefill_graphs import PrefillGraphs
+    from llamactl.runtime.graphs import PrefillGraphs
     from llamactl.serve.engine import Engine, Params
 
     art, model, tok = embedded
@@ -339,8 +339,8 @@ def test_a_failed_prefill_capture_leaves_its_bucket_eager(embedded):
     serving line's summary names it."""
     import torch
 
-    from llamactl.decode import Decoder
-    from llamactl.prefill_graphs import PrefillGraphs
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.graphs import PrefillGraphs
 
     def capture(fn, args, pool=None):
         if args[0].shape[0] == 2:

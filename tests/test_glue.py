@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from llamactl.kernels import glue  # noqa: E402
-from llamactl.model import RMSNorm  # noqa: E402
+from llamactl.runtime.model import RMSNorm  # noqa: E402
 from test_kernels import DEV  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def test_silu_mul_is_silu_gate_times_up(dtype, i):
 def test_rope_is_apply_rope_bit_for_bit(dtype, d, rows):
     """q as a view of a fused projection's output ([B, S, H, D] with the qkv row's stride), cos/sin
     shared or one per row, head widths that are not a power of two: the bits of model.apply_rope."""
-    from llamactl.model import apply_rope
+    from llamactl.runtime.model import apply_rope
 
     torch.manual_seed(d)
     b, s, h = 2, 5, 3
@@ -69,8 +69,8 @@ def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined, monkeypatc
     """A bf16 model's prefill with RoPE as the kernel (Attention.rope_kernel, here from the first
     token) against PyTorch's ops: one prompt, and two prompts joining in their cache rows at once
     (Decoder.prefill_slots' path: the cache written and not read back)."""
-    from llamactl import model as model_mod
-    from llamactl.synthetic import build_synthetic
+    from llamactl.runtime import model as model_mod
+    from llamactl.runtime.synthetic import build_synthetic
 
     monkeypatch.setattr(model_mod, "ROPE_KERNEL_TOKENS", 1)
     model = build_synthetic("tiny", torch.device(DEV), torch.bfloat16)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamactl.artifact import open_artifact
-from llamactl.decode import Decoder
-from llamactl.load import load_model
+from llamactl.folder.artifact import open_artifact
+from llamactl.runtime.step import Decoder
+from llamactl.runtime.load import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -96,8 +96,8 @@ def test_runtime_matches_transformers_on_cuda(trained_model):
 
 
 def test_sampling_inside_cuda_graphs_draws_fresh_tokens_each_replay(trained_model):
-    from llamactl.generate import Sampling, generate
-    from llamactl.load import load_tokenizer
+    from llamactl.runtime.generate import Sampling, generate
+    from llamactl.runtime.load import load_tokenizer
 
     art = open_artifact(trained_model)
     model = load_model(art, torch.device("cuda"), torch.bfloat16)
@@ -115,8 +115,8 @@ def test_sampling_inside_cuda_graphs_draws_fresh_tokens_each_replay(trained_mode
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
 def test_pipelined_streaming_gives_the_decoders_tokens(trained_model, mode):
     """generate reads token n while the step for token n+1 runs: the tokens must be the Decoder's."""
-    from llamactl.generate import Sampling, generate
-    from llamactl.load import load_tokenizer
+    from llamactl.runtime.generate import Sampling, generate
+    from llamactl.runtime.load import load_tokenizer
 
     art = open_artifact(trained_model)
     model = load_model(art, torch.device("cuda"), torch.bfloat16)

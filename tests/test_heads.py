@@ -10,10 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_hf_model
-from llamactl.artifact import MANIFEST, open_artifact
+from llamactl.folder.artifact import MANIFEST, open_artifact
 from llamactl.cli.app import app
-from llamactl.heads import permute_units
-from llamactl.load import iter_checkpoint, load_model
+from llamactl.gqa.heads import permute_units
+from llamactl.runtime.load import iter_checkpoint, load_model
 
 runner = CliRunner()
 
@@ -36,7 +36,7 @@ def mha(tmp_path_factory):
 
 
 def test_permuting_whole_heads_leaves_logits_unchanged(mha, tmp_path):
-    from llamactl.artifact import save_weights
+    from llamactl.folder.artifact import save_weights
 
     art = open_artifact(mha)
     state = dict(iter_checkpoint(art))
@@ -83,7 +83,7 @@ def test_mean_merge_averages_groups_and_loads_in_transformers(mha, tmp_path):
 def test_fit_is_exact_when_a_group_shares_keys_up_to_rope_phase(tmp_path):
     """Head 1's key pairs are head 0's multiplied per frequency by a complex number, and both
     heads read the same values: then one KV head represents both exactly, at every position."""
-    from llamactl.artifact import save_weights
+    from llamactl.folder.artifact import save_weights
 
     src = make_hf_model(tmp_path / "src", heads=2, kv_heads=2, hidden=64, seed=3, head_dim=32, layers=1)
     art = open_artifact(src)

@@ -60,7 +60,7 @@ def test_int4_planes_layer_computes_the_dequantized_product(bits, inputs, group)
 def test_a_short_last_group_and_layers_of_other_widths_do_not_concatenate():
     from llamactl.layers.int4 import TritonInt4Linear
     from llamactl.layers.planes import Int4PlanesLinear, plane_layer
-    from llamactl.model import _concat
+    from llamactl.runtime.model import _concat
 
     short = plane_layer(_layer(5, out_f=32, in_f=96, group=64))  # groups of 64 over 96 columns: one of 32
     assert isinstance(short, Int4PlanesLinear) and short.pad == 32
@@ -81,10 +81,10 @@ def test_planes_model_with_fused_kernels_matches_the_unfused_path(tmp_path, bits
     folded into the GEMV, decodes like the same layers unfused."""
     from conftest import make_hf_model
 
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.plan import prepare, products
     from llamactl.layers.planes import Int4PlanesLinear
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
     from llamactl.quantize.rtn import quantize_linears_planes
 

@@ -1,4 +1,4 @@
-"""bench --url's streaming client (llamactl/httpstream.py) against raw HTTP/1.1 servers on
+"""bench --url's streaming client (llamactl/bench/httpstream.py) against raw HTTP/1.1 servers on
 127.0.0.1: chunked and sized bodies, lines split across chunks, kept-alive connections reused,
 one closed by the server meanwhile, Connection: close, bodies that run to the connection's end,
 answers that are not HTTP, and the load test's time limit on an exchange."""
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from llamactl import httpstream, loadtest
+from llamactl.bench import httpstream, loadtest
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
            b"9\r\ndata: {\"a\r\n"  # a line split across chunks

@@ -68,9 +68,9 @@ def _logits_of_both(fast, plain, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bf16_load_of_a_4bit_checkpoint_uses_the_int4_kernel(trained_model, tmp_path):
     from typer.testing import CliRunner
 
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.cli.app import app
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
 
     out = tmp_path / "q"
     assert CliRunner().invoke(app, ["quantize", str(trained_model), "-o", str(out), "--method", "rtn",
@@ -124,7 +124,7 @@ def test_synthetic_quantized_layer_by_layer_is_the_same_model(kind):
     llama3-70b in int4 fits one GPU): the same weights and codes as drawing the whole model in bf16
     and quantizing it afterwards; and the memory check counts the quantized bytes."""
     from llamactl.quantize import rtn
-    from llamactl.synthetic import build_synthetic, peak_weight_bytes, synthetic_args
+    from llamactl.runtime.synthetic import build_synthetic, peak_weight_bytes, synthetic_args
 
     quant = {"int4": lambda m, every=False: rtn.quantize_linears_int4(m, False, 128, every=every),
              "int8": lambda m, every=False: rtn.quantize_linears_int8(m, False, every=every)}[kind]
@@ -146,9 +146,9 @@ def test_bf16_load_of_per_channel_int8_uses_the_int8_kernel(method, tiny128_path
 
     from typer.testing import CliRunner
 
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.cli.app import app
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.layers.int8 import Int8Kernel, available
 
     if method == "int8" and find_spec("bitsandbytes") is None:

@@ -324,10 +324,10 @@ def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
 def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
     """The whole model through layers.prepare (GEMV linears + decode attention) against cuBLAS/SDPA,
     with SwiGLU folded into down_proj's kernel or into gate_up_proj's (None: the default, gate_up's)."""
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.fused import GemvLinear
     from llamactl.layers.plan import prepare
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
 
     options = RuntimeOptions().replace(swiglu=swiglu)
@@ -375,7 +375,7 @@ def test_quantized_projections_fuse_side_by_side():
     from test_int4 import gptq_layer
 
     from llamactl.layers.int4 import TritonInt4Linear, _gptq_codes, sort_by_group
-    from llamactl.model import _concat
+    from llamactl.runtime.model import _concat
     from llamactl.layers.int8 import Int8Kernel
 
     def int4(seed, act_order=False):
@@ -412,11 +412,11 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     int16 inputs the decode steps' logits within 2e-2 (prefill unchanged)."""
     from conftest import make_hf_model
 
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.kernels import check
     from llamactl.layers.int4 import TritonInt4Linear
     from llamactl.layers.plan import prepare
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
     from llamactl.quantize.rtn import quantize_linears_int4
 
@@ -472,9 +472,9 @@ def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
     compilation, which cannot take a mutating op, the model falls back to the plain attention op.
     SwiGLU folded into either kernel traces too (the ops' fake shapes)."""
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.plan import prepare, unfold_cache_writes
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
 
     torch._dynamo.reset()

@@ -84,7 +84,7 @@ def test_kernels_are_a_leaf_and_layers_sit_on_them():
             assert outside <= allowed, (m, outside)
         if m.startswith("llamactl.layers"):
             assert not {d for d in deps if d.startswith(("llamactl.quantize", "llamactl.ui", "llamactl.cli",
-                                                         "llamactl.load", "llamactl.decode"))}, m
+                                                         "llamactl.runtime.load", "llamactl.runtime.step"))}, m
 
 
 def test_only_options_reads_llamactl_variables():
@@ -99,9 +99,9 @@ def test_building_a_decoder_changes_no_inductor_setting(tiny_gqa):
     import torch._inductor.config as inductor_config
     import torch
 
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
 
     before = dict(inductor_config.get_config_copy())
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llamactl.artifact import open_artifact
-from llamactl.config import LlamaArgs
-from llamactl.generate import Sampling, generate, sample
-from llamactl.load import load, load_model
-from llamactl.model import rope_inv_freq
+from llamactl.folder.artifact import open_artifact
+from llamactl.folder.config import LlamaArgs
+from llamactl.runtime.generate import Sampling, generate, sample
+from llamactl.runtime.load import load, load_model
+from llamactl.runtime.model import rope_inv_freq
 
 # float32 on both sides: the only differences are summation order (measured max |diff| ~1e-5
 # on logits of magnitude ~20).
@@ -145,8 +145,8 @@ def test_rows_at_their_own_positions_decode_as_each_alone(which, request):
 
     from conftest import greedy_alone
 
-    from llamactl.artifact import open_artifact
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(request.getfixturevalue(which)), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]  # 5, 9, 13 tokens
@@ -161,7 +161,7 @@ def test_rows_at_their_own_positions_decode_as_each_alone(which, request):
 def _batched(model, prompts, n):
     import torch
 
-    from llamactl.decode import Decoder
+    from llamactl.runtime.step import Decoder
 
     dec = Decoder(model, 3, 40)
     toks = torch.zeros(3, dtype=torch.long)
@@ -187,9 +187,9 @@ def test_a_batch_bucket_steps_the_first_rows_alone(tiny_gqa):
     are those of the full step, and the rows above keep their cache."""
     import torch
 
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313), torch.arange(7, 11)]
@@ -213,10 +213,10 @@ def test_a_compiled_step_serves_its_batch_buckets_with_one_compile(tiny_gqa):
     import torch
     from torch._dynamo.utils import counters
 
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
-    from llamactl.sampling import RowSampling
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
+    from llamactl.runtime.sampling import RowSampling
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]
@@ -242,9 +242,9 @@ def test_compiled_cpu_steps_skip_guards_only_where_checked(tiny_gqa):
     compile, and both give the eager steps' tokens."""
     import torch
 
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     prompt = torch.arange(10, 17).view(1, -1)

@@ -81,7 +81,7 @@ def test_tune_turns_the_autotuners_picks_into_pins(monkeypatch):
     """bench --tune: the autotuner's cache (its key: the key arguments, then the tensors' dtypes)
     becomes pins rows keyed as kernels.pinned reads them."""
     pytest.importorskip("triton")
-    from llamactl import tune
+    from llamactl.bench import tune
     from llamactl.kernels import gemv, gemv_int4
 
     config = gemv._bf16_configs()[0]

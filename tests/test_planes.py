@@ -86,9 +86,9 @@ def test_layers_the_planes_cannot_take_stay_portable():
 def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, bits):
     """Uniform RTN at 3, 5 and 6 bits: the file loads (Triton layers through the interpreter in
     bf16, the portable layer in float32, the same logits)."""
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.planes import Int4PlanesLinear, PlanesLinear, use_plane_kernels
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
 
     out = tmp_path / f"q{bits}"
     r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(out), "--method", "rtn", "--bits", str(bits),

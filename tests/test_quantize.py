@@ -11,9 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_hf_model
-from llamactl.artifact import MANIFEST, open_artifact
+from llamactl.folder.artifact import MANIFEST, open_artifact
 from llamactl.cli.app import app
-from llamactl.load import load_model
+from llamactl.runtime.load import load_model
 from llamactl.layers.gptq import dequantize_gptq, pack_gptq, pack_rows, unpack_rows
 from llamactl.quantize.rtn import rtn_quantize
 
@@ -322,8 +322,8 @@ def test_input_is_never_modified(tiny128, tmp_path):
 
 
 def test_calib_specs_and_packing(tmp_path):
-    from llamactl.calib import available_specs, build_samples, resolve_spec
-    from llamactl.load import DEFAULT_MODEL, load_tokenizer
+    from llamactl.quantize.calib import available_specs, build_samples, resolve_spec
+    from llamactl.runtime.load import DEFAULT_MODEL, load_tokenizer
 
     assert {"docs", "wikitext2", "c4"} <= set(available_specs())
     tok = load_tokenizer(open_artifact(DEFAULT_MODEL))

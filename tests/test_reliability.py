@@ -195,7 +195,7 @@ def test_bench_quality_refuses_a_changed_or_self_naming_parent(tmp_path, tiny_gq
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_gqa, monkeypatch):
     import errno
 
-    from llamactl import artifact
+    from llamactl.folder import artifact
 
     def full(state, folder, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
@@ -207,7 +207,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_gqa, monkeypa
 
 
 def test_compile_of_the_embedded_model_never_writes_into_the_package(tmp_path, monkeypatch):
-    from llamactl.artifact import DEFAULT_MODEL
+    from llamactl.folder.artifact import DEFAULT_MODEL
 
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(app, ["compile", "--buckets", "64", "--device", "cpu", "--json"])

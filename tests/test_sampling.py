@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamactl.sampling import RowSampling, uniforms
+from llamactl.runtime.sampling import RowSampling, uniforms
 
 
 def test_uniforms_are_uniform_and_independent_of_the_batch():
@@ -38,9 +38,9 @@ def test_row_settings_sample_as_asked():
 def test_a_sampled_row_draws_the_same_tokens_alone_and_in_a_batch(which, request):
     """Rows with their own temperature/top-k/top-p/seed, decoded together at their own positions,
     give each the tokens it gives alone (float32 CPU): batched serving keeps seeds reproducible."""
-    from llamactl.artifact import open_artifact
-    from llamactl.decode import Decoder
-    from llamactl.load import load_model
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.step import Decoder
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(request.getfixturevalue(which)), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]

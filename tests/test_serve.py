@@ -21,7 +21,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from llamactl import generate as gen  # noqa: E402
+from llamactl.runtime import generate as gen  # noqa: E402
 from test_engine import PROMPTS, reference  # noqa: E402
 
 # -- real server processes -------------------------------------------------------------------------
@@ -102,8 +102,8 @@ def test_the_server_says_what_its_warm_up_runs_and_how_long_it_took(server):
 
 
 def _tok():
-    from llamactl.artifact import open_artifact, resolve_model_path
-    from llamactl.checkpoint import load_tokenizer
+    from llamactl.folder.artifact import open_artifact, resolve_model_path
+    from llamactl.folder.checkpoint import load_tokenizer
 
     return load_tokenizer(open_artifact(resolve_model_path(None)))
 
@@ -240,7 +240,7 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
         assert 0 < eng["prefill_seconds"] and 0 < eng["decode_seconds"] < row["duration_s"]
         side = row["server"]  # its mean time to first token (from submit: under the client's), its HTTP thread's CPU
         assert 0 < side["ttft_ms_mean"] <= row["ttft_ms_p95"] and 0 < side["http_cpu_ms_per_request"]
-    from llamactl.report import compare, load_report
+    from llamactl.bench.report import compare, load_report
 
     diffs, _ = compare(load_report(out), load_report(out), 0.05)  # --compare gates load tests too
     assert len(diffs) == 2

@@ -217,9 +217,9 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
     the norm before, SwiGLU at either site and the residual folded in) and gives the logits of the
     same step with the kernels off (cuBLAS/torch), within the products' rounding."""
     from conftest import make_hf_model
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.plan import prepare, products
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
     from llamactl.quantize.rtn import quantize_linears_int4, quantize_linears_int8
 
@@ -250,9 +250,9 @@ def test_a_float32_model_keeps_its_exact_products(tmp_path):
     """float32 rows would multiply in TF32 on the skinny kernels: a float32 model's batches stay on
     torch's products, and the bench rows say so."""
     from conftest import make_hf_model
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.layers.plan import prepare, products
-    from llamactl.load import load_model
+    from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(make_hf_model(tmp_path / "m", vocab=512)), torch.device(DEV), torch.float32)
     prepare(model, interpreter=True)

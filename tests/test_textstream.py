@@ -41,14 +41,14 @@ def sentencepiece_style():
 @pytest.fixture(scope="module", params=["byte-level", "sentencepiece-style"])
 def tokenizer(request):
     if request.param == "byte-level":
-        from llamactl.load import load
+        from llamactl.runtime.load import load
 
         return load(None, "cpu", "float32")[2]
     return sentencepiece_style()
 
 
 def streamed(tok, ids: list[int]) -> tuple[str, str]:
-    from llamactl.textstream import TextStream
+    from llamactl.runtime.textstream import TextStream
 
     s = TextStream(tok)
     pieces = "".join(s.add(i) for i in ids)
@@ -78,7 +78,7 @@ def test_random_ids_too(tokenizer):
 
 
 def test_text_stream_holds_back_a_stop_string_and_cuts_before_it():
-    from llamactl.textstream import TextStream
+    from llamactl.runtime.textstream import TextStream
 
     class Chars:  # one character a token
         def decode(self, ids, skip_special_tokens=True):

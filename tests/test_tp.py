@@ -12,10 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import make_hf_model
-from llamactl.artifact import open_artifact
+from llamactl.folder.artifact import open_artifact
 from llamactl.cli.app import app
-from llamactl.load import load_model, load_shard
-from llamactl.tp import plan_shard
+from llamactl.runtime.load import load_model, load_shard
+from llamactl.runtime.tp import plan_shard
 
 PROMPT = ["-p", "The kernel schedules", "-n", "10", "--device", "cpu", "--dtype", "float32", "--json"]
 
@@ -95,7 +95,7 @@ def test_each_rank_reads_only_its_slices(gqa_bf16):
 
 
 def test_shard_plans_and_their_refusals():
-    from llamactl.config import LlamaArgs
+    from llamactl.folder.config import LlamaArgs
     from llamactl.errors import InputError
 
     args = LlamaArgs.from_hf({"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,

@@ -96,7 +96,7 @@ for command, name in [(run.generate, None), (run.serve, None), (models.inspect, 
 def main() -> None:
     import signal
 
-    from llamactl.cores import set_torch_threads
+    from llamactl.runtime.cores import set_torch_threads
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     set_torch_threads()  # the cores this process may use, not the machine's

@@ -65,7 +65,7 @@ def bench(
     tp: TpOpt = 1,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
-    from llamactl import report
+    from llamactl.bench import report
 
     if fmt not in ("table", "json", "csv", "markdown"):
         raise typer.BadParameter(f"--format {fmt!r}: use table, json, csv or markdown")
@@ -75,7 +75,7 @@ def bench(
         prompt = prompt_len[0] if len(prompt_len) == 1 else None
         if prompt is None:
             raise typer.BadParameter("a load test takes one --prompt-len")
-        from llamactl import loadtest
+        from llamactl.bench import loadtest
         from llamactl.options import api_key as key_from_env
 
         load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=prompt,
@@ -93,9 +93,9 @@ def bench(
         if not ok:
             raise typer.Exit(1)
         return
-    from llamactl import bench as core  # torch: only for measuring
-    from llamactl import bench_targets as bt
-    from llamactl.load import resolve_device
+    from llamactl.bench import trials as core  # torch: only for measuring
+    from llamactl.bench import targets as bt
+    from llamactl.runtime.load import resolve_device
 
     if tp > 1 and (quality or stages or tune or profile or len(models or []) > 1):
         raise InputError("--tp times one model's decode", "drop --quality, --stages, --tune, --profile and extra models")
@@ -121,11 +121,11 @@ def bench(
     inputs_list = comma_choices("--quant-inputs", quant_inputs, {k: k for k in QUANT_INPUTS},
                                  f"{', '.join(QUANT_INPUTS)} or a comma list of them")
     if output:
-        from llamactl.artifact import check_writable_file
+        from llamactl.folder.artifact import check_writable_file
 
         check_writable_file(Path(output), "--output")
     if quality and eval_tokens > 0:
-        from llamactl.quality import check_eval_file
+        from llamactl.bench.quality import check_eval_file
 
         check_eval_file(eval_file)
     if world and "compile" in modes:
@@ -151,7 +151,7 @@ def bench(
                           profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
                           inputs=inputs_list, options=options, warn=ui.warn)
     if tune:
-        from llamactl.tune import write_pins
+        from llamactl.bench.tune import write_pins
 
         n = write_pins(Path(tune), dev, " ".join(["llamactl", "bench", *sys.argv[2:]]))
         ui.log(f"wrote {n} pinned configs to {tune} (run them with --pins-file {tune}, or copy them into "
@@ -168,11 +168,11 @@ def bench(
 
 def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None:
     """A bench result on stdout in --format (a table titled `title`), and in -o's file too."""
-    from llamactl import report
+    from llamactl.bench import report
 
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
-        from llamactl.artifact import atomic_write_text
+        from llamactl.folder.artifact import atomic_write_text
 
         atomic_write_text(Path(output), (text or report.to_markdown)(result))
     if text:
@@ -185,10 +185,10 @@ def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None
 def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
                dtype: str, mode: str | None, fmt: str, output: str | None) -> None:
     """bench --url / --serve: run the load test (starting and stopping a server for --serve)."""
-    from llamactl import loadtest, report
+    from llamactl.bench import loadtest, report
 
     if output:
-        from llamactl.artifact import check_writable_file
+        from llamactl.folder.artifact import check_writable_file
 
         check_writable_file(Path(output), "--output")
     with ui.progress("load test", len(load.concurrency)) as advance:

@@ -17,11 +17,11 @@ LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.
 
 def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: PickleOpt = False):
     """Architecture, sizes, KV-cache cost, quantization and lineage of a model folder."""
-    from llamactl.artifact import open_artifact, resolve_model_path
-    from llamactl.info import describe
+    from llamactl.folder.artifact import open_artifact, resolve_model_path
+    from llamactl.folder.describe import describe
 
     art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
-    from llamactl.load import check_tensors  # torch: only for a folder that opened
+    from llamactl.runtime.load import check_tensors  # torch: only for a folder that opened
 
     check_tensors(art)  # inspect accepts only what the loaders accept
     info = describe(art)
@@ -144,7 +144,7 @@ def convert_heads(
     json_out: JsonOpt = False,
 ):
     """Convert multi-head attention to grouped-query attention with fewer KV heads."""
-    from llamactl.convert import HeadsOptions, convert_heads as run
+    from llamactl.gqa.stage import HeadsOptions, convert_heads as run
 
     opts = HeadsOptions(kv_heads=kv_heads, grouping=grouping, merge=merge, calib=calib, n_samples=n_samples,
                         seq_len=seq_len, distill_steps=distill_steps, distill_lr=distill_lr)
@@ -192,7 +192,7 @@ def convert(
     json_out: JsonOpt = False,
 ):
     """Convert between Meta checkpoints, GGUF files and Hugging Face folders."""
-    from llamactl.interop.stage import ConvertOptions, convert as run
+    from llamactl.convert.stage import ConvertOptions, convert as run
 
     opts = ConvertOptions(to=to, type=gguf_type, dtype=dtype, tokenizer=tokenizer, context=context,
                           keep_quantized=not dequantize, allow_pickle=allow_pickle, eval_tokens=eval_tokens)
@@ -230,10 +230,10 @@ def compile_cmd(
 ):
     """Compile and warm the decode step per bucket; keep the compile cache in an artifact folder."""
     from llamactl.compile import compile_model
-    from llamactl.load import resolve_model_path
+    from llamactl.runtime.load import resolve_model_path
 
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
-    from llamactl.artifact import DEFAULT_MODEL
+    from llamactl.folder.artifact import DEFAULT_MODEL
 
     src = resolve_model_path(model)
     # beside the model, but never inside the installed package: the embedded model's goes to ./

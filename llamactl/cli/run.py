@@ -36,9 +36,9 @@ def generate(
     tp: TpOpt = 1,
 ):
     """Generate text, streamed to stdout; timing goes to stderr."""
-    from llamactl import generate as gen
+    from llamactl.runtime import generate as gen
     from llamactl.layers.plan import Plan
-    from llamactl.load import load
+    from llamactl.runtime.load import load
 
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     world = tensor_parallel(tp, model, device, allow_pickle)
@@ -66,7 +66,7 @@ def generate(
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
     if world and temperature > 0 and seed is None:
-        from llamactl.tp import shared_seed
+        from llamactl.runtime.tp import shared_seed
 
         seed = shared_seed()  # every rank must draw the same tokens
     sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -113,19 +113,19 @@ def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool,
     None for --tp 1. Rank 0 prints; the others only their errors."""
     if tp == 1:
         return None
-    from llamactl import tp as tpm
-    from llamactl.load import resolve_device
+    from llamactl.runtime import tp as tpm
+    from llamactl.runtime.load import resolve_device
 
     dev = resolve_device(device)
     if not tpm.under_launcher():
         if synthetic:
-            from llamactl.synthetic import synthetic_args
+            from llamactl.runtime.synthetic import synthetic_args
 
             for q in (synthetic_quant or "none").split(","):
                 for rank in range(tp):
                     tpm.plan_synthetic(synthetic_args(synthetic), q.strip(), rank, tp)
         else:
-            from llamactl.artifact import open_artifact, resolve_model_path
+            from llamactl.folder.artifact import open_artifact, resolve_model_path
 
             tpm.check_shard_fits(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle), tp)
         if dev.type == "cuda" and torch_cuda_count() < tp:
@@ -141,7 +141,7 @@ def rank_device(device: str):
     """This rank's device: its own GPU (tp.join chose it), or the CPU."""
     import torch
 
-    from llamactl.load import resolve_device
+    from llamactl.runtime.load import resolve_device
 
     dev = resolve_device(device)
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
@@ -196,7 +196,7 @@ def serve(
 
 
 def serve_mode(mode: str) -> str | None:
-    from llamactl.decode import MODES
+    from llamactl.runtime.step import MODES
 
     if mode != "auto" and mode not in MODES:
         raise typer.BadParameter(f"--mode {mode}: use auto, {', '.join(MODES)}")

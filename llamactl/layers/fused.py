@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamactl.model import swiglu
+from llamactl.runtime.model import swiglu
 
 
 class FusedIO:

@@ -21,7 +21,7 @@ from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
 from llamactl.layers.gptq import GPTQLinear
 from llamactl.layers.int4 import Int4Linear, TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
-from llamactl.model import RMSNorm
+from llamactl.runtime.model import RMSNorm
 from llamactl.options import RuntimeOptions
 
 

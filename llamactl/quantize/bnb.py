@@ -26,7 +26,7 @@ def write_bnb(art, opts, folder: Path, progress, log) -> dict[str, Any]:
     import bitsandbytes
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from llamactl.checkpoint import checkpoint_dtype
+    from llamactl.folder.checkpoint import checkpoint_dtype
 
     compute = checkpoint_dtype(art)
     if opts.method == "nf4":

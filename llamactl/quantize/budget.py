@@ -161,8 +161,8 @@ def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, pro
          widths=(3, 4, 5, 6, 8), device: torch.device | None = None) -> Allocation:
     """The allocation for `art` under target_bpw bits per parent parameter (each choice's
     rounding tried on `device`)."""
-    from llamactl.checkpoint import iter_checkpoint
-    from llamactl.info import params_from_config
+    from llamactl.folder.checkpoint import iter_checkpoint
+    from llamactl.folder.describe import params_from_config
 
     tensors = dict(iter_checkpoint(art))
     tied = art.args.tie_word_embeddings

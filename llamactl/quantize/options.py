@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llamactl.artifact import Artifact
+from llamactl.folder.artifact import Artifact
 
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
 BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,)}

@@ -87,8 +87,8 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
     import json
 
     from llamactl import __version__
-    from llamactl.artifact import save_weights
-    from llamactl.checkpoint import iter_checkpoint
+    from llamactl.folder.artifact import save_weights
+    from llamactl.folder.checkpoint import iter_checkpoint
     from llamactl.layers.gptq import PLANES, pack_gptq
     from llamactl.quantize.options import EMBED, module_schemes
 

@@ -85,9 +85,9 @@ def shape_of(art) -> dict[str, int]:
 def collect(art, spec, device: torch.device, progress, seed: int = 0) -> Stats:
     """Fisher diagonals and input second moments of every quantizable tensor of `art`, from the
     calibration samples of `spec` (one forward and backward a sample)."""
-    from llamactl.calib import build_samples
-    from llamactl.checkpoint import load_tokenizer
-    from llamactl.load import load_model
+    from llamactl.quantize.calib import build_samples
+    from llamactl.folder.checkpoint import load_tokenizer
+    from llamactl.runtime.load import load_model
 
     samples = build_samples(spec, load_tokenizer(art))  # [n, L]
     model = load_model(art, device, torch.float32 if device.type == "cpu" else torch.bfloat16)

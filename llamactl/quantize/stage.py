@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from llamactl.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
+from llamactl.folder.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
-from llamactl.info import params_from_config
-from llamactl.quality import check_eval_file, measure, no_progress
+from llamactl.folder.describe import params_from_config
+from llamactl.bench.quality import check_eval_file, measure, no_progress
 
 from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
                                        scheme_label, target_linears, used_params)
@@ -74,7 +74,7 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
                          f"drop --quantize-lm-head (--embed-bits {opts.embed_bits} quantizes the one table both use)")
     _require_engine(opts.method)
     if calibrates:
-        from llamactl.calib import check_spec, resolve_spec
+        from llamactl.quantize.calib import check_spec, resolve_spec
 
         spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
         check_spec(spec)
@@ -121,7 +121,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
 
     Raises InputError/CheckpointError/MissingDependencyError before anything is written.
     """
-    from llamactl.load import resolve_device, resolve_model_path
+    from llamactl.runtime.load import resolve_device, resolve_model_path
 
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
@@ -179,7 +179,7 @@ def _calib_stats(art, opts: QuantOptions, dev, progress, log):
         return sensitivity.load_stats(opts.calib_stats, art)
     if opts.target_bpw is None:
         return None
-    from llamactl.calib import resolve_spec
+    from llamactl.quantize.calib import resolve_spec
 
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     log(f"measuring each tensor's sensitivity on {spec.n_samples} x {spec.seq_len} tokens of {spec.name} "
@@ -227,8 +227,8 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     scheme = module_schemes(art, opts).get(EMBED)
     if scheme is None:
         return {}
-    from llamactl.artifact import save_weights
-    from llamactl.checkpoint import iter_checkpoint
+    from llamactl.folder.artifact import save_weights
+    from llamactl.folder.checkpoint import iter_checkpoint
     from llamactl.quantize.rtn import quantize_embedding
 
     staged = open_artifact(folder)

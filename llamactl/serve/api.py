@@ -28,7 +28,7 @@ from starlette.routing import Route
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.metrics import Metrics
 from llamactl.serve.protocol import ApiError, Ask, chunk, new_id, parse, usage, whole
-from llamactl.textstream import TextStream
+from llamactl.runtime.textstream import TextStream
 
 MAX_BODY = 8 << 20  # bytes of a request body
 

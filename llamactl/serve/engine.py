@@ -3,7 +3,7 @@
 Requests wait in a bounded first-come queue and join the running batch at a step boundary: a free
 slot of the cache takes the prompt, prefilled in chunks (at most `prefill_chunk` prompt tokens an
 iteration while other rows decode, so a long prompt delays them by one chunk a step). Every row
-then decodes at its own position with its own sampling settings (llamactl.sampling.RowSampling),
+then decodes at its own position with its own sampling settings (llamactl.runtime.sampling.RowSampling),
 so a request's tokens do not depend on the other rows. A request leaves at EOS, at its token
 limit, or when cancelled (a stop string its caller found, a client gone), freeing its slot.
 
@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from llamactl.decode import Decoder
+from llamactl.runtime.step import Decoder
 from llamactl.options import RuntimeOptions
-from llamactl.sampling import RowSampling
+from llamactl.runtime.sampling import RowSampling
 from llamactl.serve.staging import Launched, Staging
 
 
@@ -328,7 +328,7 @@ class Engine:
     def stop_followers(self) -> None:
         """A tensor-parallel leader's last message (once): the other ranks' follow() returns."""
         if self.world is not None and self.world.rank == 0 and not self._followers_stopped:
-            from llamactl.tp import send
+            from llamactl.runtime.tp import send
 
             self._followers_stopped = True
             send(("stop",), self.world)
@@ -405,7 +405,7 @@ class Engine:
 
     def _do(self, action: tuple):
         if self.world is not None and self.world.rank == 0:
-            from llamactl.tp import send
+            from llamactl.runtime.tp import send
 
             send(action, self.world)
         return self._apply(action)
@@ -438,7 +438,7 @@ class Engine:
     @torch.inference_mode()
     def follow(self) -> None:
         """Ranks above 0 of a tensor-parallel server: run rank 0's model actions until it stops."""
-        from llamactl.tp import receive
+        from llamactl.runtime.tp import receive
 
         while (action := receive(self.world))[0] != "stop":
             self._apply(action)

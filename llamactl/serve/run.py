@@ -47,10 +47,10 @@ def check_libraries() -> None:
 def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: RuntimeOptions, world=None):
     """(name, model, tokenizer, eos ids, device) for random weights of a named shape: the embedded
     model's tokenizer writes the prompts (its ids fit every shape's vocabulary), no EOS."""
-    from llamactl.artifact import open_artifact, resolve_model_path
-    from llamactl.bench_targets import load_targets
-    from llamactl.checkpoint import load_tokenizer
-    from llamactl.load import resolve_device
+    from llamactl.folder.artifact import open_artifact, resolve_model_path
+    from llamactl.bench.targets import load_targets
+    from llamactl.folder.checkpoint import load_tokenizer
+    from llamactl.runtime.load import resolve_device
 
     dev = resolve_device(device) if world is None else _rank_device(device)
     target = load_targets([], shape, dev, dtype, quant, None, options, world=world)[0]
@@ -61,7 +61,7 @@ def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: 
 def _rank_device(device: str):
     import torch
 
-    from llamactl.load import resolve_device
+    from llamactl.runtime.load import resolve_device
 
     dev = resolve_device(device)
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
@@ -86,8 +86,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     """Serve until SIGTERM or Ctrl-C; returns the signal's name. synthetic: random weights of
     that shape instead of `model` (load tests). world: tensor parallelism (tp.World): rank 0
     serves HTTP and schedules; the other ranks load their shards and follow its steps."""
-    from llamactl.generate import eos_ids
-    from llamactl.load import load
+    from llamactl.runtime.generate import eos_ids
+    from llamactl.runtime.load import load
     from llamactl.serve.api import Service, build_app
     from llamactl.serve.engine import Engine
     from llamactl.serve.server import bind, http_stack, serve as serve_app
@@ -128,7 +128,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             return "rank 0 stopped"
         name = serve.model_name or label
         app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
-        from llamactl.bench import kv_alloc_bytes
+        from llamactl.bench.trials import kv_alloc_bytes
 
         cache = kv_alloc_bytes(m)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from llamactl.errors import InputError
 
-DEFAULT_EVAL = Path(__file__).resolve().parent / "assets" / "docs-eval.txt"
+DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "assets" / "docs-eval.txt"
 
 
 @contextlib.contextmanager
@@ -127,7 +127,7 @@ def measure(parent_art, child_art, device: torch.device, eval_file: str | None, 
             progress=no_progress, parent_model=None, child_model=None, child_logits=prefill_logits) -> Quality:
     """Score child against parent on the eval text with llamactl's runtime (float32 on the CPU,
     bf16 on a GPU). Models already loaded may be passed in; the tokenizer is the parent's."""
-    from llamactl.load import load_model, load_tokenizer
+    from llamactl.runtime.load import load_model, load_tokenizer
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     windows = eval_windows(load_tokenizer(parent_art), eval_file,

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from llamactl.model import apply_rope
+from llamactl.runtime.model import apply_rope
 
 GROUPINGS = ("contiguous", "similarity")
 MERGES = ("mean", "fit")

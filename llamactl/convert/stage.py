@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.artifact import (ShardWriter, check_output, check_output_file, open_artifact, sha256_file, staged_file,
+from llamactl.folder.artifact import (ShardWriter, check_output, check_output_file, open_artifact, sha256_file, staged_file,
                                staged_output, write_manifest)
 from llamactl.errors import CheckpointError, InputError, MissingDependencyError
-from llamactl.interop.gguf_read import is_gguf
-from llamactl.interop.meta import is_meta_checkpoint, shard_files
+from llamactl.convert.gguf_read import is_gguf
+from llamactl.convert.meta import is_meta_checkpoint, shard_files
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -71,7 +71,7 @@ def _source_hashes(src: Path, kind: str) -> dict[str, str]:
 def convert(src: str | Path, out: str | Path, opts: ConvertOptions, *, force: bool = False,
             log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `src` into `out`; returns the manifest (an HF output) or the GGUF's facts."""
-    from llamactl.load import resolve_model_path
+    from llamactl.runtime.load import resolve_model_path
 
     src, out = Path(resolve_model_path(str(src)) if str(src) == "embedded" else src), Path(out)
     if not src.exists():
@@ -95,12 +95,12 @@ def convert(src: str | Path, out: str | Path, opts: ConvertOptions, *, force: bo
         if kind == "meta":
             config, facts = _meta(src, tmp, writer, dtype, opts, log)
         else:
-            from llamactl.interop.gguf_read import convert_gguf
+            from llamactl.convert.gguf_read import convert_gguf
 
             config, facts = convert_gguf(src, tmp, writer, dtype, opts.keep_quantized, log)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        from llamactl.load import check_tensors
+        from llamactl.runtime.load import check_tensors
 
         check_tensors(open_artifact(tmp))  # every tensor the config implies, with its shape
         params = {"source": {"kind": kind, "path": str(src.resolve()), "sha256": hashes}, "to": to,
@@ -117,9 +117,9 @@ def _check_meta_inputs(src: Path, opts: ConvertOptions) -> None:
 
 
 def _meta(src: Path, tmp: Path, writer, dtype, opts: ConvertOptions, log) -> tuple[dict, dict]:
-    from llamactl.checkpoint import load_tensor_pickle
-    from llamactl.interop.meta import convert_meta
-    from llamactl.interop.tokenizer import convert_meta_tokenizer, copy_hf_tokenizer
+    from llamactl.folder.checkpoint import load_tensor_pickle
+    from llamactl.convert.meta import convert_meta
+    from llamactl.convert.tokenizer import convert_meta_tokenizer, copy_hf_tokenizer
 
     config, facts = convert_meta(src, writer, dtype, load_tensor_pickle, opts.context, log)
     if opts.tokenizer:
@@ -134,7 +134,7 @@ def _meta(src: Path, tmp: Path, writer, dtype, opts: ConvertOptions, log) -> tup
 
 
 def _to_gguf(src: Path, out: Path, opts: ConvertOptions, force: bool, log) -> dict[str, Any]:
-    from llamactl.interop.gguf_write import TYPES, write_gguf
+    from llamactl.convert.gguf_write import TYPES, write_gguf
 
     if opts.type not in TYPES:
         raise InputError(f"--type {opts.type!r} is not known", f"use one of {', '.join(TYPES)}")
@@ -153,8 +153,8 @@ def _added_kl(art, gguf_file: Path, eval_tokens: int, log) -> dict[str, Any]:
     """KL of the GGUF's model (read back, dequantized) from the source's, on the eval text."""
     import tempfile
 
-    from llamactl.interop.gguf_read import convert_gguf
-    from llamactl.quality import measure, no_progress
+    from llamactl.convert.gguf_read import convert_gguf
+    from llamactl.bench.quality import measure, no_progress
 
     log(f"measuring the KL the requantized layers add ({eval_tokens} eval tokens)")
     with tempfile.TemporaryDirectory(prefix=".llamactl-gguf-check-", dir=gguf_file.parent) as d:

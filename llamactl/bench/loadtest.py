@@ -1,6 +1,6 @@
 """`bench --url`: a load test of any OpenAI-compatible server (llamactl's, vLLM's, llama.cpp's).
 
-An asyncio HTTP client (llamactl/httpstream.py for http://, httpx for https:// and the GETs)
+An asyncio HTTP client (llamactl/bench/httpstream.py for http://, httpx for https:// and the GETs)
 streams /v1/completions requests: closed loop (`concurrency` clients,
 each sending its next request when the last one ended) or, with `rate`, Poisson arrivals of that
 many requests a second (at most `concurrency` in flight). Prompts are `prompt_len` random words
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from llamactl.errors import InputError
-from llamactl.stats import median, percentile
+from llamactl.bench.stats import median, percentile
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be had it not were "
          "time people year way day man thing woman life child world school state family student group country "
@@ -153,7 +153,7 @@ def summarize(results: list[dict], wall: float) -> dict[str, Any]:
 async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
     import httpx
 
-    from llamactl import httpstream
+    from llamactl.bench import httpstream
 
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     most = max(load.concurrency) + 4
@@ -276,7 +276,7 @@ def run(load: Load, on_row: Callable[[dict], None] = lambda r: None) -> dict[str
     import platform
 
     from llamactl import __version__
-    from llamactl.bench import SCHEMA_VERSION, source_commit
+    from llamactl.bench.trials import SCHEMA_VERSION, source_commit
 
     if not load.url.startswith(("http://", "https://")):
         raise InputError(f"--url {load.url!r} is not an http:// or https:// address", "for example --url http://127.0.0.1:8000")

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from llamactl.artifact import DEFAULT_MODEL, EMBEDDED_NAMES, Artifact, open_artifact, resolve_model_path  # noqa: F401
-from llamactl.checkpoint import DTYPES, checkpoint_dtype, iter_checkpoint, load_tokenizer  # noqa: F401
+from llamactl.folder.artifact import DEFAULT_MODEL, EMBEDDED_NAMES, Artifact, open_artifact, resolve_model_path  # noqa: F401
+from llamactl.folder.checkpoint import DTYPES, checkpoint_dtype, iter_checkpoint, load_tokenizer  # noqa: F401
 from llamactl.errors import CheckpointError, InputError
 from llamactl.options import RuntimeOptions
 
@@ -59,7 +59,7 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact, kernels: bool 
 def _skeleton(art: Artifact, args=None):
     """The runtime model on the meta device with the format's modules swapped in, its renamer and
     format; args: another shape than the folder's (a tensor-parallel rank's, tp.local_args)."""
-    from llamactl.model import LlamaModel
+    from llamactl.runtime.model import LlamaModel
 
     with torch.device("meta"):
         model = LlamaModel(args or art.args)
@@ -148,7 +148,7 @@ def load_shard(art: Artifact, device: torch.device, dtype: torch.dtype, group, r
     tensor (tests count what a rank reads)."""
     from safetensors import safe_open
 
-    from llamactl.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
+    from llamactl.runtime.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
 
     if art.weight_format != "safetensors":
         raise InputError(f"{art.path}: --tp reads safetensors shards", "convert the weights to safetensors")

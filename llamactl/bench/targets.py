@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.bench import SkipStage, Target
+from llamactl.bench.trials import SkipStage, Target
 from llamactl.errors import InputError
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.options import RuntimeOptions
@@ -22,9 +22,9 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     tensor-parallel group (tp.join): each model's shard of this rank."""
     from llamactl.layers.plan import linear_kernels
 
-    from llamactl.artifact import open_artifact
+    from llamactl.folder.artifact import open_artifact
     from llamactl.compile import load_compile_cache
-    from llamactl.load import load_model, resolve_dtype, resolve_model_path
+    from llamactl.runtime.load import load_model, resolve_dtype, resolve_model_path
 
     targets = []
     options = options or RuntimeOptions()
@@ -40,7 +40,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         if world is not None:
-            from llamactl.load import load_shard
+            from llamactl.runtime.load import load_shard
 
             model = load_shard(art, device, resolve_dtype(dtype_name, device, art, options.kernels), world.group,
                                world.rank, world.size, options)
@@ -89,7 +89,7 @@ def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: boo
 def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
                      world=None) -> Target:
     """kernels: layers.plan.linear_kernels ("triton", "cpu" or "torch")."""
-    from llamactl.synthetic import build_synthetic, synthetic_args
+    from llamactl.runtime.synthetic import build_synthetic, synthetic_args
 
     if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
         raise InputError(f"--synthetic-quant {quant!r} is not supported",
@@ -98,7 +98,7 @@ def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
     shard = None
     if world is not None:
-        from llamactl.tp import plan_synthetic
+        from llamactl.runtime.tp import plan_synthetic
 
         shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
     label = f"synthetic:{shape}"
@@ -120,7 +120,7 @@ def hf_factory(target: Target, device: torch.device, dtype: torch.dtype) -> Call
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
         if target.synthetic:
-            from llamactl.synthetic import hf_config
+            from llamactl.runtime.synthetic import hf_config
 
             cfg = LlamaConfig(**{k: v for k, v in hf_config(target.model.args).items() if k != "model_type"})
             cfg._attn_implementation = "sdpa"
@@ -157,11 +157,11 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
     one). inputs ("int8", "fp16", "int16"): also (label, kind) for a quantized model on a GPU, scored
     through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
     on dequantized weights, with its inputs as they are)."""
-    from llamactl.artifact import lineage, open_artifact, resolve_model_path
-    from llamactl.bench import is_quantized
+    from llamactl.folder.artifact import lineage, open_artifact, resolve_model_path
+    from llamactl.bench.trials import is_quantized
     from llamactl.layers.plan import prepare
-    from llamactl.quality import decode_logits, measure, prefill_logits
-    from llamactl.info import params_from_config
+    from llamactl.bench.quality import decode_logits, measure, prefill_logits
+    from llamactl.folder.describe import params_from_config
 
     options = options or RuntimeOptions()
     out = {}

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from llamactl.artifact import Artifact
+from llamactl.folder.artifact import Artifact
 from llamactl.errors import CheckpointError
 
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

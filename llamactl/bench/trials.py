@@ -19,11 +19,11 @@ from typing import Any, Callable
 import torch
 
 from llamactl import __version__
-from llamactl.decode import Decoder, attention_backend, sync
+from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.layers.plan import products
 from llamactl.options import RuntimeOptions
-from llamactl.stats import median, percentile, spread
+from llamactl.bench.stats import median, percentile, spread
 
 SCHEMA_VERSION = 2  # 2: rows carry "plan" (what the step ran, layers.plan.Plan) and "options"
 
@@ -44,7 +44,7 @@ class Target:
 
     label: str
     model: Any
-    artifact: Any = None  # llamactl.artifact.Artifact for folders
+    artifact: Any = None  # llamactl.folder.artifact.Artifact for folders
     synthetic: str | None = None
 
 
@@ -99,7 +99,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def _peak(device: torch.device) -> int:
-    from llamactl.generate import peak_memory_bytes
+    from llamactl.runtime.generate import peak_memory_bytes
 
     return peak_memory_bytes(device)
 
@@ -289,7 +289,7 @@ def environment(device: torch.device, dtype: torch.dtype, bandwidth: float) -> d
 def source_commit() -> str | None:
     """The git commit of llamactl's source, "+dirty" when its tracked files differ from it (a copy
     of a working tree carried to another machine), None outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()

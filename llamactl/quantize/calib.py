@@ -12,7 +12,7 @@ import torch
 
 from llamactl.errors import InputError, MissingDependencyError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # llamactl/
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 

@@ -9,11 +9,11 @@ from typing import Iterator
 
 import torch
 
-from llamactl.decode import Decoder, attention_backend, sync
+from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
-from llamactl.textstream import TextStream
+from llamactl.runtime.textstream import TextStream
 
 
 @dataclass(frozen=True)

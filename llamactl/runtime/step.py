@@ -10,7 +10,7 @@ write one sequence into one row of the cache (`slot`) while the other rows keep 
   compile  torch.compile (inductor, default mode) of the step, then captured in a CUDA
            graph the same way (GPU); on the CPU, compiled without graphs
   aot      the greedy step of one shape compiled ahead of time by AOTInductor (CPU): one C++
-           call a step, no Python or Dynamo (llamactl.aot); prefill stays eager
+           call a step, no Python or Dynamo (llamactl.runtime.aot); prefill stays eager
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
-from llamactl.prefill_graphs import PrefillGraphs, capture
+from llamactl.runtime.graphs import PrefillGraphs, capture
 
 MODES = ("eager", "graphs", "compile", "aot")
 
@@ -94,9 +94,9 @@ class Decoder:
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
         max_seq up to, so one compiled step serves many prompt lengths. options: what the step
         runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does.
-        rows: sampling settings per row (llamactl.sampling.RowSampling), instead of `sample`.
+        rows: sampling settings per row (llamactl.runtime.sampling.RowSampling), instead of `sample`.
         prefill_graphs: whole prompts of few tokens (a server's joins) replay CUDA graphs where
-        steps do (llamactl.prefill_graphs)."""
+        steps do (llamactl.runtime.graphs)."""
         from llamactl.layers.plan import prepare, unfold_cache_writes
 
         if mode not in MODES:
@@ -132,7 +132,7 @@ class Decoder:
                                        options=_inductor_options(compile_mode, self.plan.kernels, rows is not None,
                                                                  self._cpp_wrapper(rows)))
         if mode == "aot":
-            from llamactl.aot import AotStep
+            from llamactl.runtime.aot import AotStep
 
             self._step = AotStep(model)
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from llamactl.config import LlamaArgs
+from llamactl.folder.config import LlamaArgs
 
 # SDPA's kernels for prefill on CUDA, without cuDNN's: cuDNN builds a plan for each new shape (an
 # H200 spent 1.1 s on the first 192-token prompt, 40 ms after; docs/bench/README.md), which lands

@@ -90,8 +90,8 @@ def _key(program, state: dict[str, torch.Tensor]) -> str:
 
 
 def _signature(path: Path) -> str:
-    from llamactl.artifact import sha256_file
-    from llamactl.signing import signing_key
+    from llamactl.folder.artifact import sha256_file
+    from llamactl.folder.signing import signing_key
 
     return hmac.new(signing_key(), sha256_file(path).encode(), hashlib.sha256).hexdigest()
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from llamactl.config import LlamaArgs
+from llamactl.folder.config import LlamaArgs
 from llamactl.errors import InputError
 
 SHAPES: dict[str, dict] = {
@@ -56,11 +56,11 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
     size plus one 16-bit layer (llama3-70b in int4 on one H200); weight_bits: what a decoder
     weight takes after it, with its scales, for the memory check. The weights are the same draws
     either way (one generator, the parameters in the model's order)."""
-    from llamactl.model import LlamaModel, RMSNorm
+    from llamactl.runtime.model import LlamaModel, RMSNorm
 
     args = synthetic_args(name)
     if shard is not None:
-        from llamactl.tp import local_args
+        from llamactl.runtime.tp import local_args
 
         args, seed = local_args(args, shard), seed + shard.rank
     _check_memory(name, args, device, dtype, weight_bits if quantize else 16)

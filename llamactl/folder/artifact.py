@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from llamactl import __version__
-from llamactl.config import LlamaArgs
+from llamactl.folder.config import LlamaArgs
 from llamactl.errors import CheckpointError, InputError, OutputExistsError
 
 MANIFEST = "llamactl.json"
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "docs-llama-17m"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "docs-llama-17m"
 EMBEDDED_NAMES = ("embedded", "docs-llama-17m")  # what a user may type for the embedded model
 SCHEMA_VERSION = 1
 ST_INDEX = "model.safetensors.index.json"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llamactl.errors import CheckpointError, InputError
-from llamactl.interop.meta import unpermute_rotary
+from llamactl.convert.meta import unpermute_rotary
 
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -61,7 +61,7 @@ def _linear_tensor(mod, heads: int | None, kind: str, float_kind: str, notes: di
     """One linear layer -> (array, raw type), exactly where the GPTQ groups fit a GGUF block type."""
     from gguf import quants
 
-    from llamactl.interop import gguf_blocks
+    from llamactl.convert import gguf_blocks
     from llamactl.layers.gptq import GPTQLinear, layer_codes
 
     if isinstance(mod, GPTQLinear):
@@ -105,7 +105,7 @@ def _linear_tensor(mod, heads: int | None, kind: str, float_kind: str, notes: di
 
 def _rope_freqs(args) -> torch.Tensor | None:
     """Llama 3.1's per-frequency RoPE factors [head_dim / 2] (llama.cpp's rope_freqs tensor)."""
-    from llamactl.model import rope_inv_freq
+    from llamactl.runtime.model import rope_inv_freq
 
     if args.rope_type != "llama3":
         return None
@@ -176,8 +176,8 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
     and what was requantized."""
     import gguf
 
-    from llamactl.info import params_from_config
-    from llamactl.load import load_model
+    from llamactl.folder.describe import params_from_config
+    from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
 
     if kind not in TYPES:

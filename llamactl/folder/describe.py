@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llamactl.artifact import Artifact, lineage
+from llamactl.folder.artifact import Artifact, lineage
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}

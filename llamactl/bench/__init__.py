@@ -1,0 +1,1 @@
+"""Measuring: trials, targets, reports, statistics, tuning, the load client."""

@@ -1,0 +1,1 @@
+"""Model folders on disk: artifacts and their manifests, config, checkpoint shards, signing."""

@@ -1,0 +1,1 @@
+"""convert-heads: multi-head attention to grouped-query attention, with its report."""
