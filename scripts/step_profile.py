@@ -60,7 +60,6 @@ def profile_batch(model, batch: int, ctx: int, mode: str, max_seq: int | None = 
             k[1] += 1 / REPLAYS
     table = sorted(({"kernel": n, "us": round(t, 1), "calls": round(c, 1)} for n, (t, c) in kernels.items()),
                    key=lambda r: -r["us"])
-    model.setup_caches(1, 1)  # free this batch's cache before the next
     return {"batch": batch, "ctx": ctx, "max_seq": dec.max_seq, "mode": mode, "step_us": round(step_us, 1), "shared_position_step_us": shared_us,
             "kernels_us": round(sum(r["us"] for r in table), 1), "kernels": table}
 

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from llamactl.kernels import attention  # noqa: E402
+from llamactl.runtime.kv_cache import StaticCache
 from test_kernels import ATTN_DTYPE, DEV, rel  # noqa: E402
 
 
@@ -156,11 +157,10 @@ def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_g
     pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
 
     def step():
-        model.setup_caches(3, 32)
-        model.setup_caches(3, 64)  # fresh caches
+        cache = StaticCache.for_model(model, 3, 64)  # a fresh cache
         for r, ids in enumerate(prompts):
-            model(ids, torch.arange(ids.shape[1], device=DEV), slot=r)
-        return model(tok, pos)[:, -1]  # [B, V]
+            model(ids, torch.arange(ids.shape[1], device=DEV), cache, slot=r)
+        return model(tok, pos, cache)[:, -1]  # [B, V]
 
     with torch.inference_mode():
         prepare(model, RuntimeOptions(kernels=False), interpreter=True)

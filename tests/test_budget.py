@@ -128,7 +128,6 @@ def test_target_bpw_writes_a_mixed_file_within_the_budget_that_loads(tiny_gqa, s
     assert len(alloc["choices"]) > 1  # mixed: the budget is between all-4-bit and all-8-bit
     assert describe(art)["tensor_bits"] == alloc["choices"]
     model = load_model(art, torch.device("cpu"), torch.float32)
-    model.setup_caches(1, 16)
     logits = model(torch.arange(8)[None], torch.arange(8))
     assert bool(torch.isfinite(logits).all())
     r = runner.invoke(app, ["inspect", str(out)])

@@ -95,7 +95,6 @@ def llamactl_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(folder), torch.device("cpu"), torch.float32)
-    model.setup_caches(1, ids.numel())
     with torch.no_grad():
         return model(ids.view(1, -1), torch.arange(ids.numel()))[0].float()
 

@@ -70,8 +70,6 @@ def test_a_tied_model_keeps_one_low_bit_table_that_its_head_reads(tied, tmp_path
     table = dequantize_gptq(emb.qweight, emb.qzeros, emb.scales.float(), emb.g_idx, 4)  # [V, D]
     ref.model.embed_tokens.weight.data.copy_(table)
     ids = torch.tensor([[1, 5, 9, 2]])
-    for m in (model, ref):
-        m.setup_caches(1, 16)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids, torch.arange(4)), ref(ids, torch.arange(4)), rtol=1e-4, atol=1e-4)
     r = runner.invoke(app, ["generate", str(tmp_path / "q4e"), "-p", "hello", "-n", "4", "--temperature", "0", "--json"])

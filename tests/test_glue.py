@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from llamactl.kernels import glue  # noqa: E402
 from llamactl.runtime.model import RMSNorm  # noqa: E402
+from llamactl.runtime.kv_cache import StaticCache
 from test_kernels import DEV  # noqa: E402
 
 
@@ -74,7 +75,6 @@ def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined, monkeypatc
 
     monkeypatch.setattr(model_mod, "ROPE_KERNEL_TOKENS", 1)
     model = build_synthetic("tiny", torch.device(DEV), torch.bfloat16)
-    model.setup_caches(4, 32)
     ids = torch.randint(1, 8000, (2 if joined else 1, 12), device=DEV)
     pos = torch.arange(12, device=DEV)
     slot = torch.tensor([3, 1], device=DEV) if joined else None
@@ -82,9 +82,10 @@ def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined, monkeypatc
     for on in (False, True):
         for layer in model.model.layers:
             layer.self_attn.rope_kernel = on
+        cache = StaticCache.for_model(model, 4, 32)
         with torch.no_grad():
-            outs.append(model(ids, pos, slot=slot, kv_len=12))
-        caches.append(model.model.layers[1].self_attn.kv_cache.k.clone())
+            outs.append(model(ids, pos, cache, slot=slot, kv_len=12))
+        caches.append(cache.layers[1].k.clone())
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0], caches[1])
     if joined:  # each prompt's keys in its own cache row

@@ -8,6 +8,7 @@ import torch
 from llamactl.folder.artifact import open_artifact
 from llamactl.runtime.step import Decoder
 from llamactl.runtime.load import load_model
+from llamactl.runtime.kv_cache import StaticCache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -73,14 +74,13 @@ def test_int4_checkpoint_decodes_through_the_triton_kernel(trained_model, tmp_pa
     ref = load_model(open_artifact(out), torch.device("cuda"), torch.float32)  # the dequantizing path
     assert not isinstance(ref.model.layers[0].mlp.down_proj, TritonInt4Linear)
     ids = torch.randint(0, 8192, (1, 80), device="cuda")
-    for m in (model, ref):
-        m.setup_caches(1, 128)
-    a = model(ids, torch.arange(80, device="cuda"))[:, -1].float()  # prefill: dequantize + cuBLAS
-    b = ref(ids, torch.arange(80, device="cuda"))[:, -1]
+    caches = [StaticCache.for_model(m, 1, 128) for m in (model, ref)]
+    a = model(ids, torch.arange(80, device="cuda"), caches[0])[:, -1].float()  # prefill: dequantize + cuBLAS
+    b = ref(ids, torch.arange(80, device="cuda"), caches[1])[:, -1]
     assert ((a - b).norm() / b.norm()) < 3e-2
     nxt = a.argmax(-1, keepdim=True)
-    a1 = model(nxt, torch.tensor([80], device="cuda"))[:, -1].float()  # decode: the int4 GEMV
-    b1 = ref(nxt, torch.tensor([80], device="cuda"))[:, -1]
+    a1 = model(nxt, torch.tensor([80], device="cuda"), caches[0])[:, -1].float()  # decode: the int4 GEMV
+    b1 = ref(nxt, torch.tensor([80], device="cuda"), caches[1])[:, -1]
     assert ((a1 - b1).norm() / b1.norm()) < 3e-2
 
 
@@ -90,7 +90,6 @@ def test_runtime_matches_transformers_on_cuda(trained_model):
     ours = load_model(open_artifact(trained_model), torch.device("cuda"), torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(str(trained_model), dtype=torch.float32).cuda().eval()
     ids = torch.randint(0, 8192, (2, 100), device="cuda")
-    ours.setup_caches(2, 128)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, torch.arange(100, device="cuda")), ref(ids).logits, atol=2e-3, rtol=0)
 

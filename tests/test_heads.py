@@ -23,9 +23,8 @@ def convert(*args):
 
 
 def logits(path_or_model, ids):
-    model = path_or_model if not isinstance(path_or_model, (str,)) and hasattr(path_or_model, "setup_caches") else \
+    model = path_or_model if not isinstance(path_or_model, (str,)) and hasattr(path_or_model, "setup_positions") else \
         load_model(open_artifact(path_or_model), torch.device("cpu"), torch.float32)
-    model.setup_caches(ids.shape[0], ids.shape[1])
     with torch.no_grad():
         return model(ids, torch.arange(ids.shape[1]))
 

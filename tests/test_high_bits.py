@@ -11,6 +11,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from llamactl.kernels.high_bits import spread  # noqa: E402
+from llamactl.runtime.kv_cache import StaticCache
 from test_planes import _layer  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,13 +95,13 @@ def test_planes_model_with_fused_kernels_matches_the_unfused_path(tmp_path, bits
     assert quantize_linears_planes(model, bits, 32, True) == 2 * 7
     model.fuse_projections()
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int4PlanesLinear)
-    model.setup_caches(1, 32)
     ids = torch.randint(0, 8192, (1, 12), device=DEV)
 
     def run():  # a 10-token prefill (the plane kernel), then 2 decode steps (the fused GEMVs)
-        out = [model(ids[:, :10], torch.arange(10, device=DEV))[:, -1]]
+        cache = StaticCache.for_model(model, 1, 32)
+        out = [model(ids[:, :10], torch.arange(10, device=DEV), cache)[:, -1]]
         for p in range(10, 12):
-            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
+            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV), cache)[:, -1])
         return torch.stack(out)
 
     prepare(model, options.replace(kernels=False), interpreter=True)

@@ -59,8 +59,6 @@ def test_int4_kernel_matches_the_dequantized_reference(device, act_order):
 def _logits_of_both(fast, plain, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 logits of the two models for the same random n-token prompt: [1, n, V] each."""
     ids = torch.randint(0, 8192, (1, n))
-    for m in (fast, plain):
-        m.setup_caches(1, n)
     with torch.no_grad():
         return fast(ids, torch.arange(n)).float(), plain(ids, torch.arange(n)).float()
 

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from llamactl.errors import InputError  # noqa: E402
 from llamactl.kernels import gemv, gemv_int4  # noqa: E402
+from llamactl.runtime.kv_cache import StaticCache
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OFF = "cublas" if DEV == "cuda" else "torch"  # what prepare reports with the kernels off
@@ -333,13 +334,13 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
     options = RuntimeOptions().replace(swiglu=swiglu)
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
     model.fuse_projections()  # as the decoder does: q/k/v and gate/up concatenated
-    model.setup_caches(1, 64)
     ids = torch.randint(0, 8192, (1, 9), device=DEV)
 
     def run():
-        out = [model(ids[:, :6], torch.arange(6, device=DEV))[:, -1]]
+        cache = StaticCache.for_model(model, 1, 64)
+        out = [model(ids[:, :6], torch.arange(6, device=DEV), cache)[:, -1]]
         for p in range(6, 9):
-            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
+            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV), cache)[:, -1])
         return torch.stack(out)
 
     ref = run()
@@ -349,7 +350,6 @@ def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
     mlp = model.model.layers[0].mlp
     assert (mlp.gate_up_proj.glu_out, mlp.down_proj.glu) == (swiglu != "down", swiglu == "down")
     assert plan.swiglu == (swiglu or "gate_up") and ("SwiGLU before down" in plan.label) == (swiglu == "down")
-    model.setup_caches(1, 64)
     fast = run()
     torch.testing.assert_close(fast, ref, atol=2e-3, rtol=2e-3)
     off = prepare(model, options.replace(kernels=False), interpreter=True)
@@ -426,13 +426,13 @@ def test_int4_model_with_fused_kernels_matches_the_unfused_path(tmp_path, monkey
     assert quantize_linears_int4(model, True, 32) == 2 * 7  # CUDA's choice, here via the interpreter
     model.fuse_projections()
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, TritonInt4Linear)
-    model.setup_caches(1, 32)
     ids = torch.randint(0, 8192, (1, 12), device=DEV)
 
     def run():  # a 10-token prefill (dequantize + matmul), then 2 decode steps (the fused GEMVs)
-        out = [model(ids[:, :10], torch.arange(10, device=DEV))[:, -1]]
+        cache = StaticCache.for_model(model, 1, 32)
+        out = [model(ids[:, :10], torch.arange(10, device=DEV), cache)[:, -1]]
         for p in range(10, 12):
-            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV))[:, -1])
+            out.append(model(ids[:, p : p + 1], torch.tensor([p], device=DEV), cache)[:, -1])
         return torch.stack(out)
 
     assert prepare(model, options.replace(kernels=False), interpreter=True).gemv == OFF
@@ -487,13 +487,15 @@ def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     assert model.model.layers[0].self_attn.decode_kernel == ("plain" if regions else "rope")
     ids = torch.randint(0, 8192, (1, 6), device=DEV)
 
+    cache = None
+
     def step(tok, pos):
-        return model(tok, pos)[:, -1].argmax(-1)
+        return model(tok, pos, cache)[:, -1].argmax(-1)
 
     def decode(fn):
-        model.setup_caches(1, 32)
-        model.setup_caches(1, 64)  # fresh caches
-        tok, out = model(ids, torch.arange(6, device=DEV))[:, -1].argmax(-1), []
+        nonlocal cache
+        cache = StaticCache.for_model(model, 1, 64)  # a fresh cache
+        tok, out = model(ids, torch.arange(6, device=DEV), cache)[:, -1].argmax(-1), []
         for i in range(4):
             tok = fn(tok.view(1, 1), torch.tensor([6 + i], device=DEV))
             out.append(int(tok))

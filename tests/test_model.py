@@ -13,6 +13,7 @@ from llamactl.folder.config import LlamaArgs
 from llamactl.runtime.generate import Sampling, generate, sample
 from llamactl.runtime.load import load, load_model
 from llamactl.runtime.model import rope_inv_freq
+from llamactl.runtime.kv_cache import StaticCache
 
 # float32 on both sides: the only differences are summation order (measured max |diff| ~1e-5
 # on logits of magnitude ~20).
@@ -27,7 +28,6 @@ def _both(path, dtype=torch.float32):
 
 
 def _logits(model, ids):
-    model.setup_caches(ids.shape[0], ids.shape[1] + 8)
     with torch.no_grad():
         return model(ids, torch.arange(ids.shape[1]))
 
@@ -66,10 +66,10 @@ def test_incremental_decode_matches_full_forward(tiny_gqa):
     ours, _ = _both(tiny_gqa)
     ids = torch.randint(0, 8192, (1, 24), generator=torch.Generator().manual_seed(3))
     full = _logits(ours, ids)
-    ours.setup_caches(1, 64)
+    cache = StaticCache.for_model(ours, 1, 64)
     with torch.no_grad():
-        ours(ids[:, :16], torch.arange(16))
-        steps = [ours(ids[:, i : i + 1], torch.tensor([i])) for i in range(16, 24)]
+        ours(ids[:, :16], torch.arange(16), cache)
+        steps = [ours(ids[:, i : i + 1], torch.tensor([i]), cache) for i in range(16, 24)]
     torch.testing.assert_close(torch.cat(steps, 1), full[:, 16:], atol=FP32_ATOL, rtol=0)
 
 
@@ -197,9 +197,9 @@ def test_a_batch_bucket_steps_the_first_rows_alone(tiny_gqa):
         dec = Decoder(model, 4, 40)
         toks = torch.cat([dec.prefill(p.view(1, -1), slot=r) for r, p in enumerate(prompts)])
         pos = torch.tensor([p.numel() for p in prompts])
-        above = model.model.layers[0].self_attn.kv_cache.k[2:].clone()
+        above = dec.cache.layers[0].k[2:].clone()
         part = dec.step(toks[:2], pos[:2]).clone()
-        assert torch.equal(model.model.layers[0].self_attn.kv_cache.k[2:], above)
+        assert torch.equal(dec.cache.layers[0].k[2:], above)
         full = dec.step(toks, pos)  # rewrites rows 0-1 at the same positions
     assert part.shape == (2,) and torch.equal(part, full[:2])
     with pytest.raises(ValueError, match="5 rows for a cache of 4"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from llamactl.runtime.kv_cache import StaticCache
 
 pytest.importorskip("triton")
 
@@ -229,14 +230,14 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
         assert quantize_linears_int4(model, True, 128) == 2 * 7
     if weights == "int8":
         assert quantize_linears_int8(model, True) == 2 * 7
-    model.setup_caches(3, 32)
+    cache = StaticCache.for_model(model, 3, 32)
     torch.manual_seed(0)
     ids = torch.randint(0, 512, (3, 9), device=DEV)
     options = RuntimeOptions(swiglu=swiglu)
 
     def run():  # an 8-token prefill of 3 rows (24 rows: past skinny's), then one 3-row decode step
-        model(ids[:, :8], torch.arange(8, device=DEV))
-        return model(ids[:, 8:], torch.tensor([8], device=DEV))[:, -1].float()
+        model(ids[:, :8], torch.arange(8, device=DEV), cache)
+        return model(ids[:, 8:], torch.tensor([8], device=DEV), cache)[:, -1].float()
 
     prepare(model, options.replace(kernels=False), interpreter=True)
     ref = run()

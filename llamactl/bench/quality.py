@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from llamactl.errors import InputError
+from llamactl.runtime.kv_cache import StaticCache
 
 DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "assets" / "docs-eval.txt"
 
@@ -71,16 +72,16 @@ def eval_windows(tokenizer, path: Path | None, window: int, max_tokens: int) -> 
 
 def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """ids: [1, T] -> logits [1, T, V], the window in one forward (prefill)."""
-    model.setup_caches(ids.shape[0], ids.shape[1])
     return model(ids.to(model.device), torch.arange(ids.shape[1], device=model.device)).float()
 
 
 def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """ids: [1, T] -> logits [1, T, V], one position at a time as decoding computes them: batch-1
     steps, which run llamactl's GEMV kernels where layers.prepare put them (prefill does not)."""
-    model.setup_caches(ids.shape[0], ids.shape[1])
+    cache = StaticCache.for_model(model, ids.shape[0], ids.shape[1])
     ids = ids.to(model.device)
-    steps = [model(ids[:, i : i + 1], torch.tensor([i], device=model.device))[:, -1] for i in range(ids.shape[1])]
+    steps = [model(ids[:, i : i + 1], torch.tensor([i], device=model.device), cache)[:, -1]
+             for i in range(ids.shape[1])]
     return torch.stack(steps, dim=1).float()  # [1, T, V]
 
 

@@ -120,10 +120,10 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     if profile_dir is not None:
         profile_decode(dec, ids, gen_len, profile_dir)
     timed = runs[trial.warmup:]
-    backend = attention_backend(model, batch, device)
+    backend = attention_backend(model, batch, dec.max_seq, device)
     if dec.kernels["decode_attention"] != "sdpa":
         backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
-    return {"runs": timed, "backend": backend, "kv_bytes": kv_alloc_bytes(model), "gemv": dec.plan.label, "plan": dec.plan,
+    return {"runs": timed, "backend": backend, "kv_bytes": dec.cache.nbytes, "gemv": dec.plan.label, "plan": dec.plan,
             "products": products(model, batch)}
 
 
@@ -150,11 +150,6 @@ def allreduce_ms_per_step(model, batch: int, steps: int = 20) -> float:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return (time.perf_counter() - t0) * 1000 / steps
-
-
-def kv_alloc_bytes(model) -> int:
-    """Bytes of the KV cache the model has allocated (every slot, every position)."""
-    return sum(l.self_attn.kv_cache.k.numel() * 2 * l.self_attn.kv_cache.k.element_size() for l in model.model.layers)
 
 
 def _one_run(dec: Decoder, ids: torch.Tensor, gen_len: int) -> dict[str, Any]:

@@ -89,11 +89,11 @@ def layer_stats(model, samples: torch.Tensor, progress: Callable[[int], None] = 
     """
     a = model.args
     t = samples.shape[1]
-    model.setup_caches(1, t)
+    model.setup_positions(t)
     dev = model.device
     pos = torch.arange(t, device=dev)
     cos, sin = model.rope_cos[pos], model.rope_sin[pos]
-    mask = model.causal_mask[None, None, pos]
+    mask = model.causal_mask[None, None, pos][..., :t]  # [1, 1, t, t]
     xs = [model.model.embed_tokens(samples[i : i + 1].to(dev)) for i in range(samples.shape[0])]
     hid, h, d = a.hidden_size, a.num_attention_heads, a.head_dim
     for layer in model.model.layers:
@@ -103,7 +103,7 @@ def layer_stats(model, samples: torch.Tensor, progress: Callable[[int], None] = 
         for x in xs:
             _accumulate(st, layer.self_attn, layer.input_layernorm(x), cos, sin)
         yield LayerStats(st.cov.cpu(), st.q_energy.cpu(), st.mixed_cov.double().cpu(), st.tokens)
-        xs = [layer(x, cos, sin, mask, pos) for x in xs]
+        xs = [layer(x, cos, sin, mask, pos, None) for x in xs]
         progress(1)
 
 

@@ -165,7 +165,6 @@ def _distill(parent, state: dict[str, torch.Tensor], config: dict, samples: torc
             idx = torch.randint(0, samples.shape[0], (opts.distill_batch,))
             ids = samples[idx].to(dev)
             with torch.no_grad():
-                parent.setup_caches(ids.shape[0], t)
                 lp = parent(ids, torch.arange(t, device=dev)).float().log_softmax(-1)
             lc = child(ids).logits.float().log_softmax(-1)
             loss = (lp.exp() * (lp - lc)).sum(-1).mean()

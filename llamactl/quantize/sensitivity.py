@@ -104,8 +104,6 @@ def collect(art, spec, device: torch.device, progress, seed: int = 0) -> Stats:
     try:
         with progress("calibration stats", n) as advance:
             for i in range(n):
-                model.max_batch = 0  # fresh caches: the last sample's are part of its freed graph
-                model.setup_caches(1, length)
                 logits = model(samples[i : i + 1].to(device), torch.arange(length, device=device))[0].float()  # [L, V]
                 with torch.no_grad():
                     y = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=gen)[:, 0]  # [L] the model's own draws

@@ -4,10 +4,9 @@ torch.compile's step still runs Python around every call (Dynamo's cache lookup 
 AOTAutograd's wrapper: about 100 us of a 0.9 ms step of the embedded model, docs/bench/cpu.md).
 Here the step (tokens [B, 1] at one position [1] -> the next tokens [B], argmax) is exported
 once with torch.export and compiled by AOTInductor into a shared library that the runtime calls
-directly. The model's parameters and buffers, its KV cache among them, become the library's
+directly. The model's parameters and buffers and the Decoder's KV cache become the library's
 constants by reference (user-managed, never copied), so a prefill run by PyTorch and the compiled
-steps read and write one cache: the step is bound to the tensors the model holds when it is built
-(a later setup_caches on the model, as another Decoder makes, leaves this one's step stale).
+steps read and write one cache.
 
 Built at the first step (tens of seconds for a small model, minutes for 30 layers) and kept in
 the user's cache (~/.cache/llamactl/aot, XDG_CACHE_HOME) under a hash of the exported program, its
@@ -32,21 +31,21 @@ from torch import nn
 
 
 class _Greedy(nn.Module):
-    def __init__(self, model):
+    def __init__(self, model, cache):
         super().__init__()
-        self.model = model
+        self.model, self.cache = model, cache
 
     def forward(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # tok: [B, 1], pos: [1] -> next token [B]
-        return self.model(tok, pos)[:, -1].argmax(-1)
+        return self.model(tok, pos, self.cache)[:, -1].argmax(-1)
 
 
 class AotStep:
     """Decoder's step for mode "aot": __call__(tok [B, 1], pos [1], kv_len) -> next token [B].
     cached: whether the library came from the cache (None before the first step)."""
 
-    def __init__(self, model, cache: Path | None = None):
-        self.step = _Greedy(model).eval()
+    def __init__(self, model, kv_cache, cache: Path | None = None):
+        self.step = _Greedy(model, kv_cache).eval()
         self.runner = None
         self.cache = cache or cache_dir()
         self.cached: bool | None = None

@@ -218,7 +218,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         peak_mem_bytes=peak_memory_bytes(device),
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
-        extra={"mode": mode, "attention_backend": attention_backend(model, 1, device), "gemv": dec.plan.label,
+        extra={"mode": mode, "attention_backend": attention_backend(model, 1, dec.max_seq, device), "gemv": dec.plan.label,
                "plan": dec.plan.as_dict(),
                **({"aot_cache": "loaded" if dec.aot_cached else "built"} if dec.aot_cached is not None else {})},
     )

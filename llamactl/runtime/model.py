@@ -1,9 +1,10 @@
-"""llamactl's LLaMA runtime: RMSNorm, RoPE, grouped-query attention, SwiGLU and a static KV cache.
+"""llamactl's LLaMA runtime: RMSNorm, RoPE, grouped-query attention and SwiGLU; the KV cache is handed in.
 
 Module and parameter names follow transformers' LlamaForCausalLM, so a Hugging Face state dict
 loads with `load_state_dict(..., assign=True)` and quantized linears can be swapped in by name.
-Every decode step has the same shapes (a [B, 1] token, a [1] position, a fixed-size cache), which
-is what CUDA graphs and torch.compile need.
+The model holds no KV cache: `forward` takes one (runtime.kv_cache) from whoever runs steps, or
+none to attend over its input alone. Every decode step has the same shapes (a [B, 1] token, a [1]
+position, a fixed-size cache), which is what CUDA graphs and torch.compile need.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llamactl.folder.config import LlamaArgs
+from llamactl.runtime.kv_cache import LayerCache, StaticCache
 
 # SDPA's kernels for prefill on CUDA, without cuDNN's: cuDNN builds a plan for each new shape (an
 # H200 spent 1.1 s on the first 192-token prompt, 40 ms after; docs/bench/README.md), which lands
@@ -89,43 +91,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class KVCache(nn.Module):
-    """Preallocated keys and values: [B, H_kv, max_seq, D], written in place at input_pos."""
-
-    def __init__(self, batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (batch, kv_heads, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slot: "int | torch.Tensor | None" = None):
-        """Write k/v at input_pos and return the cache rows attention reads. input_pos: [S] (every
-        row at the same positions) or [B, S] (each row at its own); slot: write and read only
-        cache row `slot` (k/v: [1, H_kv, S, D]; a sequence joining a running batch), or rows
-        slot: [B] (several whole prompts joining at once, at positions 0..S-1: k/v are all their
-        cache holds, and are returned as they are)."""
-        # k/v: [B, H_kv, S, D] -> the cache rows [B, H_kv, max_seq, D] (rows 0..B-1 where B is fewer)
-        b = k.shape[0]
-        if isinstance(slot, torch.Tensor):
-            s = k.shape[2]
-            self.k[:, :, :s].index_copy_(0, slot, k)  # positions 0..S-1 of each prompt's row
-            self.v[:, :, :s].index_copy_(0, slot, v)
-            return k, v  # [B, H_kv, S, D]: no gather of what was just written
-        if slot is not None:
-            ck, cv = self.k[slot : slot + 1], self.v[slot : slot + 1]
-        else:
-            ck, cv = (self.k, self.v) if b == self.k.shape[0] else (self.k[:b], self.v[:b])
-        if input_pos.dim() == 1:
-            ck.index_copy_(2, input_pos, k)
-            cv.index_copy_(2, input_pos, v)
-        else:
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
-            ck[rows, :, input_pos] = k.transpose(1, 2)  # [B, S, H_kv, D] at each row's own positions
-            cv[rows, :, input_pos] = v.transpose(1, 2)
-        return ck, cv
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -137,7 +102,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.attention_bias)
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections()
         self.qkv_sizes = (h * d, kv * d, kv * d)
-        self.kv_cache: KVCache | None = None
         # set by layers.prepare for S == 1: "rope" (llamactl's split-KV attention with RoPE and the
         # cache write folded in), "plain" (the attention kernel alone), "cpu" (llamactl's CPU
         # decode attention, kernels/cpu_attention.cpp), or "" (SDPA); with its
@@ -148,12 +112,13 @@ class Attention(nn.Module):
         self.rope_kernel = False  # a prefill's RoPE as one Triton kernel (kernels.glue) outside torch.compile
         self.tp_group = None  # tensor parallelism: o_proj's outputs are summed over this group (tp.py)
 
-    def forward(self, x, cos, sin, mask, input_pos, residual, slot: int | None = None):
+    def forward(self, x, cos, sin, mask, input_pos, residual, cache: LayerCache | None, slot: int | None = None):
         # x: [B, S, hidden] (normed), cos/sin: [S, D] ([B, S, D] per row), mask: [1 or B, 1, S, max_seq]
         # bool, input_pos: [S] or [B, S] (each row at its own positions), residual: [B, S, hidden],
+        # cache: this layer's K/V (None: attend over x alone, at positions 0..S-1),
         # slot: the one cache row of a joining sequence -> residual + attention(x)
         b, s, _ = x.shape
-        kernel = s == 1 and slot is None  # llamactl's decode kernels: one position for all rows, or one each
+        kernel = s == 1 and slot is None and cache is not None  # llamactl's decode kernels: one position for all rows, or one each
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
@@ -164,8 +129,8 @@ class Attention(nn.Module):
 
             # one token, one kernel: RoPE, the cache write at input_pos, and attention over the cache
             # up to input_pos, with the query heads of a KV head as one tile
-            c, d = self.kv_cache, self.head_dim
-            ck, cv = (c.k, c.v) if b == c.k.shape[0] else (c.k[:b], c.v[:b])  # a bucket: cache rows 0..B-1
+            d = self.head_dim
+            ck, cv = cache.first(b)  # a bucket: cache rows 0..B-1
             rows = input_pos.dim() == 2  # cos/sin [B, 1, D] at input_pos [B, 1], else [1, D] at [1]
             y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
                                       v.reshape(b, self.n_kv_heads, d), ck, cv, cos[:, 0] if rows else cos[0],
@@ -184,7 +149,8 @@ class Attention(nn.Module):
             if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
                 cos, sin = cos[:, None], sin[:, None]
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v, slot)  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
+        if cache is not None:  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
+            k, v = cache.update(input_pos, k, v, slot)
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
@@ -244,8 +210,8 @@ def swiglu(h: torch.Tensor, kernel: bool = False, pdl: bool = False) -> torch.Te
     return F.silu(gate) * up
 
 
-def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos, slot: int | None = None):
-    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, input_pos, residual=x, slot=slot)
+def _layer_forward(layer: "DecoderLayer", x, cos, sin, mask, input_pos, cache, slot: int | None = None):
+    x = layer.self_attn(layer.input_layernorm(x), cos, sin, mask, input_pos, x, cache, slot)
     return layer.mlp(layer.post_attention_layernorm(x), residual=x)
 
 
@@ -263,11 +229,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.compile_region = False  # set by decode.Decoder for torch.compile
 
-    def forward(self, x, cos, sin, mask, input_pos, slot: int | None = None):
+    def forward(self, x, cos, sin, mask, input_pos, cache: LayerCache | None, slot: int | None = None):
         # x: [B, S, hidden] -> [B, S, hidden]
         if self.compile_region and slot is None:
-            return _layer_region(self, x, cos, sin, mask, input_pos)
-        return _layer_forward(self, x, cos, sin, mask, input_pos, slot)
+            return _layer_region(self, x, cos, sin, mask, input_pos, cache)
+        return _layer_forward(self, x, cos, sin, mask, input_pos, cache, slot)
 
 
 def add_linear(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, group=None) -> torch.Tensor:
@@ -312,16 +278,14 @@ class Backbone(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """LLaMA decoder with a static KV cache. Call `setup_caches` before `forward`."""
+    """LLaMA decoder. Its RoPE tables and causal mask grow to the longest cache it is handed."""
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.max_batch = 0
-        self.max_seq = 0
-        self.cache_dtype: torch.dtype | None = None
+        self.max_seq = 0  # positions the RoPE tables and the mask cover
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
@@ -362,42 +326,45 @@ class LlamaModel(nn.Module):
         emb = self.model.embed_tokens
         return emb.weight.dtype if isinstance(emb, nn.Embedding) else emb.dtype
 
-    def setup_caches(self, batch: int, max_seq: int, dtype: torch.dtype | None = None):
-        """Allocate KV caches, RoPE tables and the causal mask for up to `max_seq` positions."""
-        dtype = dtype or self.dtype
+    def setup_positions(self, max_seq: int) -> None:
+        """RoPE tables and the causal mask for positions 0..max_seq-1 (grown, never shrunk: a
+        captured step keeps reading the tensors it was captured with)."""
+        if max_seq <= self.max_seq:
+            return
+        self.max_seq = max_seq
         device = self.device
-        if (batch, max_seq, dtype) == (self.max_batch, self.max_seq, self.cache_dtype):
-            return  # stale entries are never read: the mask hides positions not yet written
-        self.max_batch, self.max_seq, self.cache_dtype = batch, max_seq, dtype
-        a = self.args
-        for layer in self.model.layers:
-            layer.self_attn.kv_cache = KVCache(batch, a.num_key_value_heads, max_seq, a.head_dim, dtype, device)
-        cos, sin = rope_cos_sin(a, max_seq, device)
+        cos, sin = rope_cos_sin(self.args, max_seq, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
         causal = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool, device=device))
         self.register_buffer("causal_mask", causal, persistent=False)  # [max_seq, max_seq]
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
-                slot: int | None = None, kv_len: int | None = None, last_at: int | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, cache: StaticCache | None = None,
+                last_only: bool = False, slot: int | None = None, kv_len: int | None = None,
+                last_at: int | None = None) -> torch.Tensor:
         """idx: [B, S] token ids at positions input_pos: [S] (every row), or [B, S] (each row at its
-        own positions, reading its cache only up to them); slot: idx is one sequence ([1, S]) for
+        own positions, reading its cache only up to them); cache: where K/V are written and read
+        (runtime.kv_cache), or None: idx is whole sequences at positions 0..S-1, attending over
+        themselves alone (scoring). slot: idx is one sequence ([1, S]) for
         cache row `slot` alone (it joins while the other rows keep theirs), or slot: [B] the cache
         rows of B whole prompts joining at once (input_pos [B, S], each row 0..S-1). kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
         on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
         of position last_at of idx instead of its last (a prompt padded to a common length).
         Returns logits [B, S or 1, vocab]."""
+        span = cache.max_seq if cache is not None else idx.shape[1]  # the positions attention may read
+        self.setup_positions(span)
         if input_pos.dim() == 1:
             mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
         else:
             mask = self.causal_mask[input_pos][:, None]  # [B, 1, S, max_seq]
-        if kv_len is not None and kv_len < mask.shape[-1]:
-            mask = mask[..., :kv_len]  # [.., kv_len]
+        span = span if kv_len is None else min(span, kv_len)
+        if span < mask.shape[-1]:
+            mask = mask[..., :span]  # [.., span]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D] or [B, S, D]
         x = self.model.embed_tokens(idx)  # [B, S, hidden]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, input_pos, slot)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, input_pos, None if cache is None else cache.layers[i], slot)
         if last_only and isinstance(last_at, torch.Tensor):  # each row's own: [B]
             x = x[torch.arange(x.shape[0], device=x.device), last_at][:, None]  # [B, 1, hidden]
         elif last_only:

@@ -22,6 +22,7 @@ import torch
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.graphs import PrefillGraphs, capture
+from llamactl.runtime.kv_cache import StaticCache
 
 MODES = ("eager", "graphs", "compile", "aot")
 
@@ -32,11 +33,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def attention_backend(model, batch: int, device: torch.device) -> str:
+def attention_backend(model, batch: int, max_seq: int, device: torch.device) -> str:
     """Which SDPA kernel PyTorch's dispatcher picks for the decode step's shapes."""
     a = model.args
     q = torch.zeros(batch, a.num_attention_heads, 1, a.head_dim, device=device, dtype=model.dtype)
-    k = torch.zeros(batch, a.num_key_value_heads, max(model.max_seq, 1), a.head_dim, device=device, dtype=model.dtype)
+    k = torch.zeros(batch, a.num_key_value_heads, max(max_seq, 1), a.head_dim, device=device, dtype=model.dtype)
     mask = torch.ones(1, 1, 1, k.shape[2], device=device, dtype=torch.bool)
     names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
     try:
@@ -83,7 +84,8 @@ def _inductor_options(compile_mode: str, llamactl_gemv: bool, dynamic_rows: bool
 
 
 class Decoder:
-    """Prefill and greedy/sampled decode over a LlamaModel's static cache, in one of MODES."""
+    """Prefill and greedy/sampled decode over a cache of its own (runtime.kv_cache.StaticCache:
+    `batch` rows of `max_seq` positions), in one of MODES."""
 
     def __init__(self, model, batch: int, max_seq: int, mode: str = "eager",
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -116,7 +118,8 @@ class Decoder:
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]
         self.max_seq = min(fitting[0] if fitting else max_seq, model.args.max_position_embeddings)
         self.max_seq = max(self.max_seq, max_seq)
-        model.setup_caches(batch, self.max_seq)
+        self.cache = StaticCache.for_model(model, batch, self.max_seq)
+        model.setup_positions(self.max_seq)
         self._step = self._eager_step
         # regions (torch's invoke_subgraph) fail on a dynamic row dimension (torch 2.13: KeyError
         # in stamp_out_subgraph), so a server's compiled step traces the whole model
@@ -134,7 +137,7 @@ class Decoder:
         if mode == "aot":
             from llamactl.runtime.aot import AotStep
 
-            self._step = AotStep(model)
+            self._step = AotStep(model, self.cache)
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
         self.use_graph = mode == "graphs" or (mode == "compile" and sample is None)
@@ -160,7 +163,7 @@ class Decoder:
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
-        logits = self.model(tok, pos, kv_len=kv_len)[:, -1]  # [B, V]
+        logits = self.model(tok, pos, self.cache, kv_len=kv_len)[:, -1]  # [B, V]
         if self.rows is None:
             return self.sample(logits)
         if self.rows.greedy:  # the host's word that no row samples: skip the draw (a graph of its own)
@@ -196,7 +199,7 @@ class Decoder:
         if slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s):
             return self.prefill_slots(ids, [slot], [n])  # a whole prompt, or its first chunk: a graph
         ids = ids.to(self.device)
-        logits = self.model(ids, torch.arange(start, start + s, device=self.device), last_only=True, slot=slot,
+        logits = self.model(ids, torch.arange(start, start + s, device=self.device), self.cache, last_only=True, slot=slot,
                             kv_len=start + s, last_at=None if valid is None else valid - 1)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
         if self.rows is None:
@@ -225,7 +228,8 @@ class Decoder:
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []
         pos = torch.arange(ids.shape[1], device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)
-        logits = self.model(ids, pos, last_only=True, slot=at, kv_len=ids.shape[1], last_at=n - 1)[:, -1]  # [B, V]
+        logits = self.model(ids, pos, self.cache, last_only=True, slot=at, kv_len=ids.shape[1],
+                            last_at=n - 1)[:, -1]  # [B, V]
         finite = torch.isfinite(logits).all()
         if self.rows is None:
             return self.sample(logits), finite

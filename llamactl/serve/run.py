@@ -128,9 +128,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             return "rank 0 stopped"
         name = serve.model_name or label
         app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
-        from llamactl.bench.trials import kv_alloc_bytes
-
-        cache = kv_alloc_bytes(m)
+        cache = engine.decoder.cache.nbytes
 
         def ready(url: str) -> None:
             from llamactl.ui import human_bytes
