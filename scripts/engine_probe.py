@@ -37,10 +37,10 @@ def run(model, overlap: bool, rows: int, max_seq: int) -> dict:
     t = eng.times
     eng.stop()
     # the same bucket's graph replayed back to back, no host read
-    b = next(b for b in eng.buckets if b >= rows)
+    b = next(b for b in eng.scheduler.buckets if b >= rows)
     tok = torch.zeros(b, dtype=torch.long, device="cuda")
     pos = torch.full((b,), 300, dtype=torch.long, device="cuda")
-    eng.rows.greedy = True
+    eng.runner.rows.greedy = True
     for _ in range(3):
         eng.decoder.step(tok, pos)
     torch.cuda.synchronize()

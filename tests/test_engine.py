@@ -119,7 +119,7 @@ def test_padded_prompt_chunks_give_the_same_tokens(embedded):
     out = {}
     for pad in (1, 64):
         eng = Engine(model, set(), max_batch=2, max_queue=4, max_seq=96, prefill_chunk=8)
-        eng.pad_to = pad
+        eng.scheduler.pad_to = pad
         eng.start()
         got = [[], []]
         reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0),
@@ -142,7 +142,7 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_toge
     out = {}
     for batched in (False, True):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
-        eng.batch_prefill, eng.pad_to = batched, 16
+        eng.scheduler.batch_prefill, eng.scheduler.pad_to = batched, 16
         got = [[] for _ in range(4)]
         reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
                            (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
@@ -164,7 +164,7 @@ def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefi
     art, model, tok = embedded
     calls = prefills_together
     eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=4)
-    eng.batch_prefill = True
+    eng.scheduler.batch_prefill = True
     got = [[] for _ in range(4)]
 
     def on(i):
@@ -174,7 +174,7 @@ def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefi
     first = eng.submit(tok(PROMPTS[0]).input_ids, Params(max_tokens=30, temperature=0), on(0))
     while len(got[0]) < 2:
         time.sleep(0.005)
-    with eng._cv:  # the loop admits all three at its next step boundary
+    with eng.scheduler.cv:  # the loop admits all three at its next step boundary
         burst = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0), on(i + 1))
                  for i, p in enumerate(PROMPTS[1:4])]
     while not all(r.finished for r in [first, *burst]):
@@ -195,7 +195,7 @@ def test_requests_arriving_together_from_idle_are_gathered(embedded, prefills_to
     art, model, tok = embedded
     calls = prefills_together
     eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=gather_s)
-    eng.batch_prefill = True
+    eng.scheduler.batch_prefill = True
     got = [[] for _ in range(3)]
     eng.start()
     reqs = []
@@ -224,7 +224,7 @@ def test_a_lone_request_is_not_held_for_others_after_a_burst_of_one(embedded, pr
     art, model, tok = embedded
     calls = prefills_together
     eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64, gather_s=0.2)
-    eng.batch_prefill = True
+    eng.scheduler.batch_prefill = True
     eng.start()
 
     outputs = []  # (prompt, tokens), checked once the engine has stopped (reference() sets the model's caches)
@@ -311,7 +311,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_tog
     out, replays = {}, {}
     for graphs in (False, True):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
-        eng.batch_prefill, eng.pad_to, eng.burst_pad_to = True, 16, 16
+        eng.scheduler.batch_prefill, eng.scheduler.pad_to, eng.scheduler.burst_pad_to = True, 16, 16
         if graphs:
             d = eng.decoder
             d.prefill_graphs = PrefillGraphs(d._prefill_slots, 4, d.max_seq, d.device, capture=_eager_capture)

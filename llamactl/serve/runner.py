@@ -1,0 +1,155 @@
+"""The serving runner: the scheduler's plans (serve.scheduler) become model calls. It owns the
+Decoder (its cache: one row a request), each row's sampling settings and last token on the
+device, the host buffers a step reads through (serve.staging), the warm-up, and under tensor
+parallelism the actions rank 0 sends to the other ranks, which replay them (`follow`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from llamactl.options import RuntimeOptions
+from llamactl.runtime.sampling import RowSampling
+from llamactl.runtime.step import Decoder
+from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill
+from llamactl.serve.staging import Launched, Staging
+
+
+class Runner:
+    """Model calls for one engine: prefill(), launch() and set_sampling() on its thread."""
+
+    def __init__(self, model, max_batch: int, max_seq: int, mode: str, options: RuntimeOptions | None,
+                 world=None, prefill_graphs: bool = True):
+        """world: tensor parallelism (tp.World): rank 0 sends each model action to the other ranks
+        first (every rank computes the same tokens: the head is replicated). prefill_graphs: a
+        whole prompt of few tokens, or a few joining together, replays a CUDA graph where the steps
+        do (not under tensor parallelism: untried there)."""
+        self.device, self.mode, self.world = model.device, mode, world
+        self.max_batch = max_batch
+        self.rows = RowSampling.make([{}] * max_batch, self.device)
+        self.decoder = Decoder(model, max_batch, max_seq, mode, options=options, rows=self.rows,
+                               prefill_graphs=prefill_graphs and world is None)
+        self.max_seq = self.decoder.max_seq
+        self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
+        self._staging = Staging(max_batch, self.device)
+        self._followers_stopped = False
+
+    def set_sampling(self, slot: int, p: Params) -> None:
+        self._do(("row", slot, p.temperature, p.top_k, p.top_p, p.seed))
+
+    def prefill(self, work: Prefill) -> list[int] | None:
+        """Run one prefill forward; its next tokens read on the host where it ends the prompts
+        (a chunk that does not has no read: its device time lands in the next one)."""
+        if work.together:
+            toks = self._do(("prefill_slots", work.ids, [r.slot for r in work.requests], work.valid))  # [k]
+        else:
+            toks = self._do(("prefill", work.ids[0], work.requests[0].slot, work.start, work.valid[0], work.last))
+        return toks.tolist() if work.last else None
+
+    def launch(self, step: Decode) -> Launched:
+        """Start one decode step; its tokens come back through the Launched (nothing read here)."""
+        t0 = time.perf_counter()
+        out = self._do(("step", step.rows, step.positions, step.kv_len, step.greedy))  # [b]
+        return self._staging.read_later(out, step.requests, t0)
+
+    # -- model actions: run here, and on a tensor-parallel leader sent to the other ranks first -----
+
+    def _do(self, action: tuple):
+        if self.world is not None and self.world.rank == 0:
+            from llamactl.runtime.tp import send
+
+            send(action, self.world)
+        return self._apply(action)
+
+    def _apply(self, action: tuple):
+        kind, *a = action
+        if kind == "row":  # in place: a captured decode graph reads these same tensors
+            i, t, k, p, seed = a
+            self.rows.temperature[i], self.rows.top_k[i], self.rows.top_p[i], self.rows.seed[i] = t, k, p, seed
+        elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
+            ids, slot, start, valid, last = a
+            tok = self.decoder.prefill(torch.tensor([ids]), slot=slot, start=start, valid=valid)  # ids from the host
+            if last:
+                self._tok[slot] = tok[0]
+            return tok  # [1]
+        elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
+            ids, slots, lens = a
+            toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]
+            self._tok[torch.tensor(slots, device=self.device)] = toks
+            return toks
+        elif kind == "step":  # one decode step of the first b rows
+            b, pos, kv_len, greedy = a
+            self.rows.greedy = greedy
+            out = self.decoder.step(self._tok[:b], self._staging.positions(pos), kv_len)  # [b]
+            self._tok[:b].copy_(out)
+            return out
+        else:
+            raise ValueError(f"unknown engine action {kind!r}")
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Ranks above 0 of a tensor-parallel server: run rank 0's model actions until it stops."""
+        from llamactl.runtime.tp import receive
+
+        while (action := receive(self.world))[0] != "stop":
+            self._apply(action)
+
+    def stop_followers(self) -> None:
+        """A tensor-parallel leader's last message (once): the other ranks' follow() returns."""
+        if self.world is not None and self.world.rank == 0 and not self._followers_stopped:
+            from llamactl.runtime.tp import send
+
+            self._followers_stopped = True
+            send(("stop",), self.world)
+
+    # -- warm-up: every shape the scheduler will ask for, before the first request ------------------
+
+    def warm_up_plan(self, sched) -> str:
+        """What warm_up runs, said before it starts (on a GPU's first start it takes minutes)."""
+        steps = f"{2 * len(sched.buckets)} decode steps ({', '.join(map(str, sched.buckets))} rows, greedy and sampled)"
+        if self.device.type != "cuda":
+            return steps
+        if self.mode == "eager":
+            what = f"running {steps} once"
+        else:
+            graphs = self.decoder.prefill_graphs
+            prefills = f" and {len(graphs.shapes())} short prefills" if graphs is not None else ""
+            what = f"capturing {steps}{prefills} as CUDA graphs"
+        return (f"{what}; the first start on a GPU also compiles and tunes its kernels (minutes; later starts reuse "
+                "the compiler caches)")
+
+    @torch.inference_mode()
+    def warm_up(self, sched) -> None:
+        """One decode step per batch bucket of sched (serve.scheduler.Scheduler) with every row free
+        (captures the CUDA graphs before the first request; free rows write position 0, which a
+        prefill overwrites before it is read), then the prefill shapes it pads to."""
+        for greedy in (True, False):  # a graph each: argmax alone, or the per-row draw
+            self.rows.greedy = greedy
+            for b in sched.buckets:
+                self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        graphs = self.decoder.prefill_graphs
+        if graphs is not None:  # the short prefills' graphs, into free rows
+            graphs.capture_all()
+        if self.device.type == "cuda":
+            # eager prefills into free rows too: each padded length of one prompt chunk, and two
+            # prompts together, so that the libraries' first calls with a shape (cuBLAS's plans,
+            # Triton's compiles) land here and not in a request's time to its first token. Where a
+            # graph takes a whole prompt of that length, the eager ones left are a later chunk's
+            # (at a position past 0; none where the length fills the cache)
+            pad = sched.pad_to
+            for s in range(pad, min(sched.prefill_chunk, self.max_seq) + 1, pad):
+                start = 0 if graphs is None or graphs.bucket(1, s) is None else min(pad, self.max_seq - s)
+                self.decoder.prefill(torch.zeros(1, s, dtype=torch.long), slot=0, start=start, valid=s)
+            if sched.batch_prefill and self.max_batch > 1:
+                # two short prompts (eager where no graph takes them), and a burst of every slot
+                # (2 x pad_to tokens each, at most BATCH_PREFILL_TOKENS): the first time through
+                # a burst's kernels at thousands of tokens would land in the first burst's TTFT
+                s = min(pad, self.max_seq)
+                if graphs is None or graphs.bucket(2, s) is None:
+                    self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long), [0, 1], [s, s])
+                s = min(2 * pad, self.max_seq)
+                k = max(2, min(self.max_batch, BATCH_PREFILL_TOKENS // s))
+                self.decoder.prefill_slots(torch.zeros(k, s, dtype=torch.long), list(range(k)), [s] * k)
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,179 @@
+"""The scheduler alone: no model, no torch, a fake clock. Admission into rows, prefill budgets and
+chunks, the decode plan, cancellation, the gather wait."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from llamactl.serve.scheduler import GATHER_SPAN, Params, QueueFull, Rejected, Scheduler
+
+
+class FakeClock:
+    """time.perf_counter's stand-in; a wait on FakeCondition moves it on."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeCondition:
+    """threading.Condition's stand-in for the engine's thread alone: wait(t) advances the clock by
+    t and runs what `arrivals` schedules for that time (requests arriving while it waits)."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock, self.arrivals, self.waits = clock, [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def notify(self):
+        pass
+
+    def wait(self, timeout=None):
+        assert timeout is not None, "the scheduler would block forever"
+        self.waits.append(timeout)
+        end = self.clock.now + timeout
+        while self.arrivals and self.arrivals[0][0] <= end:
+            at, fn = self.arrivals.pop(0)
+            self.clock.now = at
+            fn()
+            return  # notified
+        self.clock.now = end
+
+
+def make(max_batch=4, max_queue=8, max_seq=64, chunk=512, gpu=False, gather_s=0.0):
+    clock = FakeClock()
+    s = Scheduler(max_batch, max_queue, max_seq, chunk, gpu, gather_s, clock=clock)
+    s.cv = FakeCondition(clock)
+    return s, clock
+
+
+def submit(s, n=5, max_tokens=4, temperature=0.0):
+    return s.submit(list(range(1, n + 1)), Params(max_tokens=max_tokens, temperature=temperature), lambda ev: None)
+
+
+def test_the_scheduler_imports_no_torch():
+    code = "import sys, llamactl.serve.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_admission_fills_free_rows_first_come_and_the_rest_wait():
+    s, _ = make(max_batch=2)
+    reqs = [submit(s, n) for n in (3, 5, 7)]
+    plan = s.schedule(busy=False)
+    assert plan.joined == reqs[:2] and [r.slot for r in reqs[:2]] == [0, 1] and s.waiting == 1
+    # no row decodes: every joined prompt whole, one forward each on the CPU (not batch_prefill)
+    assert [(p.requests, p.start, p.valid, p.last) for p in plan.prefills] == [([reqs[0]], 0, [3], True),
+                                                                             ([reqs[1]], 0, [5], True)]
+    assert all(r.decoding and r.launched == 1 and r.computed == r.prompt_len for r in reqs[:2])
+    step = s.decode()
+    assert (step.requests, step.rows, step.positions, step.greedy) == (reqs[:2], 2, [3, 5], True)
+    assert [r.launched for r in reqs[:2]] == [2, 2] and reqs[0].pos == 4
+
+
+def test_a_prompt_joining_decoding_rows_is_chunked_within_the_budget():
+    s, _ = make(chunk=4)
+    first = submit(s, 3, max_tokens=20)
+    s.schedule(busy=False)
+    s.decode()
+    long = submit(s, 10)
+    chunks = []
+    for _ in range(3):
+        plan = s.schedule(busy=True)
+        chunks += [(p.start, p.valid[0], p.ids[0], p.last) for p in plan.prefills]
+        step = s.decode()
+        assert step.requests == ([first, long] if long.decoding else [first])
+        if long.decoding:  # its first step feeds the prefill's token, at the position after the prompt
+            assert step.rows == 2 and step.positions[long.slot] == long.prompt_len
+    assert chunks == [(0, 4, [1, 2, 3, 4], False), (4, 4, [5, 6, 7, 8], False), (8, 2, [9, 10], True)]
+
+
+def test_gpu_shapes_pad_chunks_and_prefill_joining_prompts_together():
+    s, _ = make(max_seq=256, gpu=True)
+    a, b = submit(s, 5), submit(s, 20)
+    plan = s.schedule(busy=False)
+    (p,) = plan.prefills
+    assert p.together and p.requests == [a, b] and p.valid == [5, 20] and len(p.ids[0]) == len(p.ids[1]) == 32
+    c = submit(s, 70)
+    s.decode()
+    (p,) = s.schedule(busy=True).prefills  # one prompt joining two decoding rows: a chunk, padded to 64s
+    assert p.requests == [c] and p.valid == [70] and len(p.ids[0]) == 128
+
+
+def test_decode_steps_the_smallest_bucket_holding_every_row_and_stops_at_max_tokens():
+    s, _ = make(max_batch=8)
+    reqs = [submit(s, 2, max_tokens=2, temperature=0.5 * (i == 2)) for i in range(3)]
+    s.schedule(busy=False)
+    step = s.decode()
+    assert step.rows == 4 and step.positions == [2, 2, 2, 0] and not step.greedy
+    assert s.decode() is None  # each has both tokens launched: the prefill's and this step's
+    s.release(reqs[0])
+    s.release(reqs[1])
+    assert s.running == 1 and reqs[2].slot == 2
+
+
+def test_cancelled_requests_leave_the_queue_and_their_rows():
+    s, _ = make(max_batch=1)
+    running, queued = submit(s), submit(s)
+    s.schedule(busy=False)
+    queued.cancel()
+    running.cancel()
+    plan = s.schedule(busy=True)
+    assert plan.cancelled == [queued, running] and s.running == 0 and s.waiting == 0 and plan.prefills == []
+
+
+def test_what_does_not_fit_is_rejected_and_a_full_queue_refused():
+    s, _ = make(max_batch=1, max_queue=1, max_seq=16)
+    with pytest.raises(Rejected, match="the prompt has 16 tokens; this server's context is 16"):
+        submit(s, 16)
+    with pytest.raises(Rejected, match=r"\+ max_tokens 12 exceed this server's context of 16"):
+        submit(s, 5, max_tokens=12)
+    with pytest.raises(Rejected, match="the prompt is empty"):
+        s.submit([], Params(max_tokens=1), lambda ev: None)
+    submit(s)
+    with pytest.raises(QueueFull):
+        submit(s)
+    s.stop()
+    with pytest.raises(Rejected, match="is stopping"):
+        submit(s)
+    (r,) = s.schedule(busy=False).cancelled  # stopping cancels the queued one; the engine finishes it
+    assert r.cancelled and s.schedule(busy=False) is None
+    s2, _ = make()
+    left = [submit(s2), submit(s2)]
+    s2.schedule(busy=False)
+    left.append(submit(s2))
+    assert s2.fail("RuntimeError: boom") == [left[2], left[0], left[1]] and s2.running == s2.waiting == 0
+    with pytest.raises(Rejected, match="failed: RuntimeError: boom"):
+        submit(s2)
+
+
+def test_from_idle_a_burst_is_gathered_while_arrivals_keep_coming():
+    gather = 0.010
+    s, clock = make(max_batch=8, gpu=True, gather_s=gather)
+    submit(s)
+    # three more, 8 ms apart (each within the window of the last), then nothing
+    s.cv.arrivals = [(0.008 * i, lambda: submit(s)) for i in (1, 2, 3)]
+    plan = s.schedule(busy=False)
+    (p,) = plan.prefills
+    assert len(p.requests) == 4 and s.times.gather_s == pytest.approx(0.034)  # the last arrival + 10 ms
+    assert clock.now <= GATHER_SPAN * gather
+
+
+def test_a_lone_request_turns_the_next_gather_off():
+    s, clock = make(gpu=True, gather_s=0.010)
+    r = submit(s, max_tokens=1)
+    s.schedule(busy=False)  # waits the window for others that do not come: a burst of one
+    assert s.times.gather_s == pytest.approx(0.010)
+    s.release(r)
+    clock.now = 1.0
+    submit(s)
+    s.schedule(busy=False)
+    assert s.times.gather_s == pytest.approx(0.010)  # not held this time
