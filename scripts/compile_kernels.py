@@ -3,7 +3,7 @@
 Triton's bundled ptxas does the work; each kernel is specialized as the runtime would (16-byte
 aligned pointers, N and K multiples of 16). Catches what the CPU interpreter cannot: inline PTX,
 type errors in branches the interpreter runs as Python, register spills (reported).
-Usage: python scripts/compile_kernels.py   (tests/test_kernels.py runs it)
+Usage: python scripts/compile_kernels.py   (tests/kernels/test_kernels.py runs it)
 """
 
 from __future__ import annotations

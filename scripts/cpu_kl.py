@@ -20,7 +20,7 @@ from llamactl.folder.checkpoint import load_tokenizer
 from llamactl.layers.plan import prepare
 from llamactl.runtime.load import load_model
 from llamactl.options import RuntimeOptions
-from llamactl.bench.quality import compare, decode_logits, eval_windows
+from llamactl.quality import compare, decode_logits, eval_windows
 
 
 def main() -> None:

@@ -9,7 +9,7 @@
 set -uo pipefail
 out=${1:?usage: gpu_int4_mma.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
-timeout 100 python -m pytest -q tests/test_skinny.py -k "int4_i8 or int8 or int4-g" 2>&1 | tail -3 | tee "$out/tests.txt"
+timeout 100 python -m pytest -q tests/kernels/test_skinny.py -k "int4_i8 or int8 or int4-g" 2>&1 | tail -3 | tee "$out/tests.txt"
 timeout 170 python scripts/skinny_probe.py "$out/probe.json" --kinds int4i8,int8 --rows 8,32 2>&1 | tail -20
 TRITON_PRINT_AUTOTUNING=1 timeout 290 python -m llamactl bench --synthetic llama2-7b --synthetic-quant none,int4,int8 \
   --quant-inputs float,int16 --dtype bfloat16 --mode graphs --batch 1,8,32 --prompt-len 128 --gen-len 256 \

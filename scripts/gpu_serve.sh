@@ -52,4 +52,4 @@ for item in ${QUANTS:-none int4}; do
 done
 [ "$tests" = "-" ] || { timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "$tests" > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt";
   # the batched step's dependent launches in a CUDA graph against plain ones (bit for bit)
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_skinny.py -k dependent >> "$out/tests.txt" 2>&1; tail -1 "$out/tests.txt"; }
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/kernels/test_skinny.py -k dependent >> "$out/tests.txt" 2>&1; tail -1 "$out/tests.txt"; }

@@ -11,7 +11,7 @@ out=${1:?usage: gpu_skinny.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
 new=$PWD
 site=${PYTHONPATH%%:*}
 mkdir -p /tmp/old && git archive "$old" | tar -x -C /tmp/old || echo "no $old here: new tree only"
-timeout 120 python -m pytest -q tests/test_skinny.py 2>&1 | tail -3 | tee "$out/tests.txt"
+timeout 120 python -m pytest -q tests/kernels/test_skinny.py 2>&1 | tail -3 | tee "$out/tests.txt"
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 240 python scripts/skinny_probe.py "$out/probe-int8.json" --kinds int8 --rows 8,32 2>&1 | tail -8
 fi

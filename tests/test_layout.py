@@ -107,3 +107,52 @@ def test_building_a_decoder_changes_no_inductor_setting(tiny_gqa):
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     Decoder(model, 1, 32, "compile")
     assert dict(inductor_config.get_config_copy()) == before
+
+
+# Floors of the house, the ground first: a module imports only from its own floor or below.
+FLOORS = [("llamactl", "llamactl.errors", "llamactl.ui"), ("llamactl.kernels",), ("llamactl.options",),
+          ("llamactl.folder",), ("llamactl.layers", "llamactl.runtime"),
+          ("llamactl.quality", "llamactl.compile", "llamactl.quantize", "llamactl.convert", "llamactl.gqa"),
+          ("llamactl.bench",), ("llamactl.serve",), ("llamactl.cli", "llamactl.completions", "llamactl.__main__")]
+
+
+def _floor(module: str) -> int:
+    """The floor of the longest FLOORS name that is module or a package above it."""
+    best = max(((len(n), i) for i, names in enumerate(FLOORS) for n in names
+                if module == n or module.startswith(n + ".")), default=None)
+    assert best is not None, f"{module} has no floor in FLOORS"
+    return best[1]
+
+
+def test_no_module_imports_one_above_it():
+    upward = [(m, d) for m, deps in _imports().items() for d in deps if _floor(d) > _floor(m)]
+    assert upward == []
+
+
+def test_an_upward_import_would_be_found():
+    assert _floor("llamactl.runtime.load") < _floor("llamactl.quantize.formats")
+    assert _floor("llamactl.serve.engine") > _floor("llamactl.bench.targets") > _floor("llamactl.quantize.rtn")
+
+
+def test_the_scheduler_imports_no_torch():
+    tree = ast.parse((PACKAGE / "serve" / "scheduler.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {n for n in names if n.split(".")[0] in ("torch", "numpy", "triton")}, names
+    assert not {n for n in names if n.startswith("llamactl")}, names  # it stands alone
+
+
+def test_the_model_holds_no_cache_tensors(tiny_gqa):
+    import torch
+
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
+    from llamactl.runtime.step import Decoder
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    dec = Decoder(model, 2, 32)
+    dec.prefill(torch.tensor([[1, 2, 3]]), slot=1)
+    assert {n for n, _ in model.named_buffers()} == {"rope_cos", "rope_sin", "causal_mask"}
+    assert len(dec.cache.layers) == model.args.num_hidden_layers
+    assert dec.cache.layers[0].k.shape == (2, model.args.num_key_value_heads, 32, model.args.head_dim)
+    assert dec.cache.layers[0].k[1, :, :3].abs().sum() > 0 and dec.cache.layers[0].k[0].abs().sum() == 0

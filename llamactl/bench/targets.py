@@ -11,6 +11,7 @@ from llamactl.bench.trials import SkipStage, Target
 from llamactl.errors import InputError
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.synthetic import synthetic_dtype, synthetic_model
 
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
@@ -29,11 +30,7 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     targets = []
     options = options or RuntimeOptions()
     if synthetic:
-        from llamactl.layers.cpu import bf16_fast
-
-        cpu_bf16 = device.type == "cpu" and linear_kernels(device, options) == "cpu" and bf16_fast()
-        dtype = torch.bfloat16 if dtype_name == "auto" and (device.type == "cuda" or cpu_bf16) else (
-            torch.float32 if dtype_name == "auto" else getattr(torch, dtype_name))
+        dtype = synthetic_dtype(dtype_name, device, linear_kernels(device, options))
         for quant in (synthetic_quant or "none").split(","):
             targets.append(synthetic_target(synthetic, quant.strip(), device, dtype, linear_kernels(device, options),
                                             world))
@@ -55,61 +52,9 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     return targets
 
 
-def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: bool):
-    """(what quantizes one decoder layer as synthetic.build_synthetic draws it, or None; the bits a
-    weight then takes with its scales, about; the label's words) for --synthetic-quant `quant`:
-    RTN, group 128 (int8: per channel); kernels: layers.plan.linear_kernels."""
-    from llamactl.quantize import rtn
-
-    triton = kernels == "triton"
-    if quant == "none":
-        return None, 16, ""
-    bits = int(quant[3:])
-    if kernels == "cpu":  # every width on llamactl's CPU layers (RTN, as below)
-        from llamactl.layers.cpu import quant_fast
-
-        if quant_fast():
-            group = -1 if bits == 8 else 128
-            return (lambda layer: rtn.quantize_linears_planes(layer, bits, group, False, cpu=True, every=True),
-                    bits + 0.2, quant + ("" if bits == 8 else "-g128"))
-    if quant == "int4":
-        return lambda layer: rtn.quantize_linears_int4(layer, triton, 128, every=True), 4.2, "int4-g128"
-    if quant == "int8":
-        from llamactl.layers.int8 import available
-
-        if not available(device.type, triton):
-            raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
-        return lambda layer: rtn.quantize_linears_int8(layer, triton, every=True), 8.1, "int8"
-    if tp:
-        raise InputError(f"--synthetic-quant {quant} with --tp is not supported", "use int4 or int8 with --tp")
-    return (lambda layer: rtn.quantize_linears_planes(layer, bits, 128, triton, every=True), bits + 0.2,
-            f"{quant}-g128" + ("" if triton else " (dequantized per call)"))
-
-
 def synthetic_target(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
                      world=None) -> Target:
-    """kernels: layers.plan.linear_kernels ("triton", "cpu" or "torch")."""
-    from llamactl.runtime.synthetic import build_synthetic, synthetic_args
-
-    if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
-        raise InputError(f"--synthetic-quant {quant!r} is not supported",
-                         "use int3, int4, int5, int6, int8 or none (a comma list for several)")
-    if quant != "none" and dtype != torch.bfloat16:
-        raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
-    shard = None
-    if world is not None:
-        from llamactl.runtime.tp import plan_synthetic
-
-        shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
-    label = f"synthetic:{shape}"
-    quantize, bits, label_quant = _synthetic_quantizer(quant, device, kernels, world is not None)
-    model = build_synthetic(shape, device, dtype, shard=shard, quantize=quantize, weight_bits=bits)
-    if world is not None:
-        for layer in model.model.layers:
-            layer.self_attn.tp_group = layer.mlp.tp_group = world.group
-        model.tp = shard
-    if label_quant:
-        label += f" {label_quant}"
+    label, model = synthetic_model(shape, quant, device, dtype, kernels, world)
     return Target(label=label, model=model, synthetic=shape)
 
 
@@ -160,7 +105,7 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
     from llamactl.folder.artifact import lineage, open_artifact, resolve_model_path
     from llamactl.bench.trials import is_quantized
     from llamactl.layers.plan import prepare
-    from llamactl.bench.quality import decode_logits, measure, prefill_logits
+    from llamactl.quality import decode_logits, measure, prefill_logits
     from llamactl.folder.describe import params_from_config
 
     options = options or RuntimeOptions()

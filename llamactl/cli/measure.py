@@ -125,7 +125,7 @@ def bench(
 
         check_writable_file(Path(output), "--output")
     if quality and eval_tokens > 0:
-        from llamactl.bench.quality import check_eval_file
+        from llamactl.quality import check_eval_file
 
         check_eval_file(eval_file)
     if world and "compile" in modes:

@@ -154,7 +154,7 @@ def _added_kl(art, gguf_file: Path, eval_tokens: int, log) -> dict[str, Any]:
     import tempfile
 
     from llamactl.convert.gguf_read import convert_gguf
-    from llamactl.bench.quality import measure, no_progress
+    from llamactl.quality import measure, no_progress
 
     log(f"measuring the KL the requantized layers add ({eval_tokens} eval tokens)")
     with tempfile.TemporaryDirectory(prefix=".llamactl-gguf-check-", dir=gguf_file.parent) as d:

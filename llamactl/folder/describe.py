@@ -79,7 +79,7 @@ def describe(art: Artifact) -> dict[str, Any]:
 def tensor_bits(index: dict[str, dict[str, Any]], quant: dict) -> dict[str, int]:
     """How many tensors of a GPTQ-format folder take each scheme ("4-bit g128": 42, "16-bit": 3),
     read from its tensors and quantization_config (per-module `dynamic` entries included)."""
-    from llamactl.quantize.options import EMBED, embedding_scheme_of, module_scheme, scheme_label
+    from llamactl.folder.schemes import EMBED, embedding_scheme_of, module_scheme, scheme_label
 
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
     out: dict[str, int] = {}

@@ -14,7 +14,7 @@ import torch
 from llamactl.folder.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.gqa.heads import GROUPINGS, MERGES, convert_state, layer_stats
-from llamactl.bench.quality import check_eval_file, measure, no_progress
+from llamactl.quality import check_eval_file, measure, no_progress
 
 
 @dataclass(frozen=True)

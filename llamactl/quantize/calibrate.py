@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llamactl.errors import InputError
-from llamactl.bench.quality import no_progress
+from llamactl.quality import no_progress
 
 
 def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | None = None, seq_len: int | None = None,

@@ -1,31 +1,9 @@
-"""One object per quantized checkpoint format: how a method writes it, how the loader swaps its
-modules in before the weights are assigned, and which kernels then run it. The loader looks a
-format up by config.json's quant_method; the quantize stage by --method."""
+"""The formats the quantize stage writes, by --method: GPTQ's layout (gptq, rtn) and bitsandbytes'
+(nf4, int8). Reading them back is the runtime's (layers.formats, by config.json's quant_method)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
-
-import torch
-
-from llamactl.errors import CheckpointError
-from llamactl.quantize.options import embedding_scheme_of, module_scheme
-
-
-@dataclass(frozen=True)
-class Format:
-    quant_method: str  # config.json's quantization_config.quant_method
-    methods: tuple[str, ...]  # the quantize --method values that write it
-    writers: dict[str, Callable]  # method -> write(art, opts, folder, device, progress, log, stats) -> engine info
-    swap: Callable  # (artifact, model on the meta device) -> None: quantized modules in place of nn.Linear
-    rename: Callable[[str], str | None]  # checkpoint tensor name -> the runtime's (None: dropped)
-    finish: Callable  # (artifact, model, dtype, kernels) -> labels: fast layers in place of the portable ones
-    # (kernels: layers.plan.linear_kernels, "triton", "cpu" or "torch")
-
-    def write(self, art, opts, folder, device, progress, log, stats=None) -> dict[str, Any]:
-        """stats: quantize.sensitivity's calibration statistics, where the stage has them."""
-        return self.writers[opts.method](art, opts, folder, device, progress, log, stats)
 
 
 def _write_rtn(art, opts, folder, device, progress, log, stats):
@@ -46,122 +24,11 @@ def _write_bnb(art, opts, folder, device, progress, log, stats):
     return write_bnb(art, opts, folder, progress, log)
 
 
-def _gptq_swap(art, model) -> None:
-    from llamactl.layers.gptq import GPTQLinear, swap_linears
-
-    q = art.quantization
-    bits, group = int(q["bits"]), int(q.get("group_size", 128))
-    fmt = q.get("checkpoint_format", q.get("format", "gptq"))
-    if fmt not in ("gptq", "gptq_v2", "gptq_p"):
-        raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported",
-                              "use gptq (v1), gptq_v2 or gptq_p")
-    from llamactl.layers.gptq import BITS
-
-    if bits not in BITS:
-        raise CheckpointError(f"{art.path}: {bits}-bit GPTQ is not supported by the runtime",
-                              f"use {', '.join(map(str, BITS))} bits")
-    names = sorted(n[: -len(".qweight")] for n in art.tensor_index() if n.endswith(".qweight"))
-    if not names:
-        raise CheckpointError(f"{art.path}: config.json says GPTQ but no tensor ends in .qweight")
-    if "model.embed_tokens" in names:
-        names.remove("model.embed_tokens")
-        _swap_embedding(art, model, fmt == "gptq")
-
-    for name in names:
-        b, g = module_scheme(q, name, bits, group)
-        if b not in BITS:
-            raise CheckpointError(f"{art.path}: {name} is {b}-bit (quantization_config.dynamic), which the runtime "
-                                  "does not read", f"use {', '.join(map(str, BITS))} bits")
-        with torch.device("meta"):
-            swap_linears(model, [name], lambda lin: GPTQLinear(lin.in_features, lin.out_features, b, g,
-                                                               lin.bias is not None, v1=fmt == "gptq",
-                                                               planar=fmt == "gptq_p"))
+WRITERS: dict[str, tuple[str, Callable]] = {"gptq": ("gptq", _write_gptq), "rtn": ("gptq", _write_rtn),
+                                            "nf4": ("bitsandbytes", _write_bnb), "int8": ("bitsandbytes", _write_bnb)}
 
 
-def embedding_scheme(art) -> dict | None:
-    """{"bits", "group_size", ...} of a low-bit embedding table (quantize --embed-bits), or None."""
-    return embedding_scheme_of(art.quantization or {})
-
-
-def _swap_embedding(art, model, v1: bool) -> None:
-    from llamactl.layers.embedding import QuantEmbedding
-
-    scheme = embedding_scheme(art)
-    if not scheme or int(scheme.get("bits", 0)) not in (4, 8):
-        raise CheckpointError(f"{art.path}: model.embed_tokens is packed but quantization_config.meta.embed_tokens "
-                              "does not say its bits (4 or 8)", "re-quantize the parent with llamactl quantize --embed-bits")
-    a = art.args
-    with torch.device("meta"):
-        model.model.embed_tokens = QuantEmbedding(a.vocab_size, a.hidden_size, int(scheme["bits"]),
-                                                  int(scheme.get("group_size", -1)), v1)
-
-
-def _gptq_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
-    """On the CPU with llamactl's kernels: every 2- to 8-bit layer on them (any dtype). Else bf16
-    compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
-    dequantizing per call; 8-bit layers with one group per row on the int8 kernels. A low-bit
-    embedding table looks rows up in the runtime's dtype."""
-    from llamactl.layers.cpu import use_cpu_kernels
-    from llamactl.layers.gptq import GPTQLinear
-    from llamactl.layers.int4 import use_int4_kernels
-    from llamactl.layers.int8 import use_int8_kernels
-    from llamactl.layers.planes import PLANE_BITS, use_plane_kernels
-
-    emb = model.model.embed_tokens
-    if not isinstance(emb, torch.nn.Embedding):
-        emb.dtype = dtype
-    done = []
-    if kernels == "cpu" and use_cpu_kernels(model):
-        done.append("llamactl cpu")
-    if dtype != torch.bfloat16:
-        return done
-    q = art.quantization
-    triton = kernels == "triton"
-    if use_int4_kernels(model, int(q.get("group_size", 128)), triton):  # the 4-bit modules, whatever the default
-        done.append("int4 triton" if triton else "int4 tinygemm")
-    if use_int8_kernels(model, triton):
-        done.append("int8 triton" if triton else "int8 torch")
-    if any(isinstance(m, GPTQLinear) and m.bits in PLANE_BITS for m in model.modules()):
-        done.append("3/5/6-bit triton" if triton and use_plane_kernels(model) else "3/5/6-bit dequantized per call")
-    return done
-
-
-def _bnb_swap(art, model) -> None:
-    from llamactl.layers.bnb import swap_bnb_linears
-
-    swap_bnb_linears(art, model)
-
-
-def _bnb_rename(name: str) -> str | None:
-    from llamactl.layers.bnb import rename_bnb_key
-
-    return rename_bnb_key(name)
-
-
-def _bnb_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
-    """bf16 compute: LLM.int8 layers on the int8 kernels; NF4 dequantizes per call."""
-    from llamactl.layers.int8 import use_int8_kernels
-
-    triton = kernels == "triton"
-    return (["int8 triton" if triton else "int8 torch"] if dtype == torch.bfloat16 and use_int8_kernels(model, triton)
-            else [])
-
-
-GPTQ = Format("gptq", ("gptq", "rtn"), {"gptq": _write_gptq, "rtn": _write_rtn}, _gptq_swap, lambda n: n, _gptq_finish)
-BITSANDBYTES = Format("bitsandbytes", ("nf4", "int8"), {"nf4": _write_bnb, "int8": _write_bnb}, _bnb_swap, _bnb_rename,
-                      _bnb_finish)
-FORMATS = {f.quant_method: f for f in (GPTQ, BITSANDBYTES)}
-
-
-def for_checkpoint(art) -> Format:
-    """The format of a quantized folder (config.json's quant_method); raises CheckpointError."""
-    method = art.quantization.get("quant_method")
-    if method not in FORMATS:
-        raise CheckpointError(f"{art.path}: quantization method {method!r} is not supported by this runtime",
-                              f"llamactl reads {', '.join(FORMATS)} checkpoints")
-    return FORMATS[method]
-
-
-def for_method(method: str) -> Format:
-    """The format a quantize --method writes."""
-    return next(f for f in FORMATS.values() if method in f.methods)
+def write(method: str, art, opts, folder, device, progress, log, stats=None) -> dict[str, Any]:
+    """Write `art` quantized by `method` into folder; returns the engine's info. stats:
+    quantize.sensitivity's calibration statistics, where the stage has them."""
+    return WRITERS[method][1](art, opts, folder, device, progress, log, stats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamactl.folder.artifact import Artifact
+from llamactl.folder.schemes import EMBED, embedding_scheme_of, module_scheme, scheme_label  # noqa: F401
 
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
 BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,)}
@@ -71,17 +72,6 @@ def head_scheme(opts: QuantOptions) -> dict | None:
     return own_scheme(opts, opts.head_bits)
 
 
-EMBED = "model.embed_tokens"
-
-
-def scheme_label(scheme: dict | None) -> str:
-    """"4-bit g128", "8-bit per row", "16-bit" (None: kept as it is)."""
-    if scheme is None:
-        return "16-bit"
-    g = scheme["group_size"]
-    return f"{scheme['bits']}-bit " + ("per row" if g == -1 else f"g{g}")
-
-
 def module_schemes(art: Artifact, opts: QuantOptions) -> dict[str, dict | None]:
     """module -> {"bits", "group_size", "sym"} of every tensor the stage may quantize (the linears,
     lm_head, the embedding table); None keeps it as it is. Under --target-bpw: the allocation."""
@@ -123,21 +113,3 @@ USED = {
 def used_params(opts: QuantOptions) -> dict:
     """The options `opts.method` uses, by name."""
     return {name: getattr(opts, name) for name in USED[opts.method]}
-
-
-def module_scheme(q: dict, name: str, bits: int, group: int) -> tuple[int, int]:
-    """(bits, group size) of one module: GPTQModel's per-module overrides (quantization_config's
-    `dynamic`: regular expressions, "+:" or bare to override, first match wins) over the defaults."""
-    import re
-
-    for pattern, override in (q.get("dynamic") or {}).items():
-        if pattern.startswith("-:"):
-            continue  # modules left unquantized carry no .qweight, so they are not named here
-        if re.match(pattern.removeprefix("+:"), name) and isinstance(override, dict):
-            return int(override.get("bits", bits)), int(override.get("group_size", group))
-    return bits, group
-
-
-def embedding_scheme_of(q: dict) -> dict | None:
-    """quantization_config's scheme of a low-bit embedding table (quantize --embed-bits), or None."""
-    return (q.get("meta") or {}).get("embed_tokens")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from llamactl.folder.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.folder.describe import params_from_config
-from llamactl.bench.quality import check_eval_file, measure, no_progress
+from llamactl.quality import check_eval_file, measure, no_progress
 
 from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
                                        scheme_label, target_linears, used_params)
@@ -256,6 +256,6 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
 
 
 def _run_method(art, opts, tmp, dev, progress, log, stats) -> dict[str, Any]:
-    from llamactl.quantize.formats import for_method
+    from llamactl.quantize.formats import write
 
-    return for_method(opts.method).write(art, opts, tmp, dev, progress, log, stats)
+    return write(opts.method, art, opts, tmp, dev, progress, log, stats)

@@ -65,7 +65,7 @@ def _skeleton(art: Artifact, args=None):
         model = LlamaModel(args or art.args)
     fmt = None
     if art.quantization:
-        from llamactl.quantize.formats import for_checkpoint
+        from llamactl.layers.formats import for_checkpoint
 
         fmt = for_checkpoint(art)
         fmt.swap(art, model)

@@ -8,6 +8,7 @@ import torch
 
 from llamactl.folder.config import LlamaArgs
 from llamactl.errors import InputError
+from llamactl.layers import rtn
 
 SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -116,3 +117,68 @@ def _check_memory(name: str, args: LlamaArgs, device: torch.device, dtype: torch
     if need > 0.9 * free:
         raise InputError(f"--synthetic {name} needs {need / 2**30:.1f} GiB of weights in {str(dtype).replace('torch.', '')}; "
                          f"{device} has {free / 2**30:.1f} GiB free", "pick a smaller shape or another device")
+
+
+def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: bool):
+    """(what quantizes one decoder layer as synthetic.build_synthetic draws it, or None; the bits a
+    weight then takes with its scales, about; the label's words) for --synthetic-quant `quant`:
+    RTN, group 128 (int8: per channel); kernels: layers.plan.linear_kernels."""
+    triton = kernels == "triton"
+    if quant == "none":
+        return None, 16, ""
+    bits = int(quant[3:])
+    if kernels == "cpu":  # every width on llamactl's CPU layers (RTN, as below)
+        from llamactl.layers.cpu import quant_fast
+
+        if quant_fast():
+            group = -1 if bits == 8 else 128
+            return (lambda layer: rtn.quantize_linears_planes(layer, bits, group, False, cpu=True, every=True),
+                    bits + 0.2, quant + ("" if bits == 8 else "-g128"))
+    if quant == "int4":
+        return lambda layer: rtn.quantize_linears_int4(layer, triton, 128, every=True), 4.2, "int4-g128"
+    if quant == "int8":
+        from llamactl.layers.int8 import available
+
+        if not available(device.type, triton):
+            raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
+        return lambda layer: rtn.quantize_linears_int8(layer, triton, every=True), 8.1, "int8"
+    if tp:
+        raise InputError(f"--synthetic-quant {quant} with --tp is not supported", "use int4 or int8 with --tp")
+    return (lambda layer: rtn.quantize_linears_planes(layer, bits, 128, triton, every=True), bits + 0.2,
+            f"{quant}-g128" + ("" if triton else " (dequantized per call)"))
+
+
+def synthetic_model(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
+                    world=None) -> tuple[str, "torch.nn.Module"]:
+    """(label, model) of random weights of a named shape, its decoder linears RTN-quantized to
+    `quant` (none, int3-int8) as each layer is drawn; kernels: layers.plan.linear_kernels
+    ("triton", "cpu" or "torch"); world: a tensor-parallel group (this rank's shard)."""
+    if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
+        raise InputError(f"--synthetic-quant {quant!r} is not supported",
+                         "use int3, int4, int5, int6, int8 or none (a comma list for several)")
+    if quant != "none" and dtype != torch.bfloat16:
+        raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
+    shard = None
+    if world is not None:
+        from llamactl.runtime.tp import plan_synthetic
+
+        shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
+    label = f"synthetic:{shape}"
+    quantize, bits, label_quant = _synthetic_quantizer(quant, device, kernels, world is not None)
+    model = build_synthetic(shape, device, dtype, shard=shard, quantize=quantize, weight_bits=bits)
+    if world is not None:
+        for layer in model.model.layers:
+            layer.self_attn.tp_group = layer.mlp.tp_group = world.group
+        model.tp = shard
+    return label + (f" {label_quant}" if label_quant else ""), model
+
+
+def synthetic_dtype(dtype_name: str, device: torch.device, kernels: str) -> torch.dtype:
+    """--dtype for random weights: auto is bf16 on CUDA and on CPUs with llamactl's fast bf16
+    kernels, else float32."""
+    if dtype_name != "auto":
+        return getattr(torch, dtype_name)
+    from llamactl.layers.cpu import bf16_fast
+
+    return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and kernels == "cpu" and bf16_fast()) \
+        else torch.float32

@@ -48,14 +48,16 @@ def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: 
     """(name, model, tokenizer, eos ids, device) for random weights of a named shape: the embedded
     model's tokenizer writes the prompts (its ids fit every shape's vocabulary), no EOS."""
     from llamactl.folder.artifact import open_artifact, resolve_model_path
-    from llamactl.bench.targets import load_targets
     from llamactl.folder.checkpoint import load_tokenizer
+    from llamactl.layers.plan import linear_kernels
     from llamactl.runtime.load import resolve_device
+    from llamactl.runtime.synthetic import synthetic_dtype, synthetic_model
 
     dev = resolve_device(device) if world is None else _rank_device(device)
-    target = load_targets([], shape, dev, dtype, quant, None, options, world=world)[0]
+    kernels = linear_kernels(dev, options)
+    label, model = synthetic_model(shape, quant or "none", dev, synthetic_dtype(dtype, dev, kernels), kernels, world)
     tok = load_tokenizer(open_artifact(resolve_model_path(None)))
-    return target.label.replace(":", "-").replace(" ", "-"), target.model, tok, set(), dev
+    return label.replace(":", "-").replace(" ", "-"), model, tok, set(), dev
 
 
 def _rank_device(device: str):

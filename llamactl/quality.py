@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llamactl.errors import InputError
 from llamactl.runtime.kv_cache import StaticCache
 
-DEFAULT_EVAL = Path(__file__).resolve().parents[1] / "assets" / "docs-eval.txt"
+DEFAULT_EVAL = Path(__file__).resolve().parent / "assets" / "docs-eval.txt"
 
 
 @contextlib.contextmanager

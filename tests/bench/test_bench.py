@@ -143,7 +143,7 @@ def test_decode_scoring_matches_prefill_scoring(trained_model):
 
     from llamactl.folder.artifact import open_artifact
     from llamactl.runtime.load import load_model
-    from llamactl.bench.quality import decode_logits, prefill_logits
+    from llamactl.quality import decode_logits, prefill_logits
 
     model = load_model(open_artifact(trained_model), torch.device("cpu"), torch.float32)
     ids = torch.arange(100, 164).view(1, -1)

@@ -121,7 +121,7 @@ def test_synthetic_quantized_layer_by_layer_is_the_same_model(kind):
     """build_synthetic(quantize=...) quantizes each decoder layer as soon as it is drawn (how
     llama3-70b in int4 fits one GPU): the same weights and codes as drawing the whole model in bf16
     and quantizing it afterwards; and the memory check counts the quantized bytes."""
-    from llamactl.quantize import rtn
+    from llamactl.layers import rtn
     from llamactl.runtime.synthetic import build_synthetic, peak_weight_bytes, synthetic_args
 
     quant = {"int4": lambda m, every=False: rtn.quantize_linears_int4(m, False, 128, every=every),

@@ -87,7 +87,7 @@ def test_planes_model_with_fused_kernels_matches_the_unfused_path(tmp_path, bits
     from llamactl.layers.planes import Int4PlanesLinear
     from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
-    from llamactl.quantize.rtn import quantize_linears_planes
+    from llamactl.layers.rtn import quantize_linears_planes
 
     options = RuntimeOptions(quant_inputs=inputs)
     path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2)

@@ -222,7 +222,7 @@ def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path,
     from llamactl.layers.plan import prepare, products
     from llamactl.runtime.load import load_model
     from llamactl.options import RuntimeOptions
-    from llamactl.quantize.rtn import quantize_linears_int4, quantize_linears_int8
+    from llamactl.layers.rtn import quantize_linears_int4, quantize_linears_int8
 
     path = make_hf_model(tmp_path / "m", hidden=128, heads=4, kv_heads=2, vocab=512)
     model = load_model(open_artifact(path), torch.device(DEV), torch.float16)

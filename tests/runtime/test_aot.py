@@ -16,7 +16,7 @@ def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
     from llamactl.runtime.step import Decoder
     from llamactl.layers.cpu import quant_fast
     from llamactl.runtime.load import load_model
-    from llamactl.quantize.rtn import quantize_linears_planes
+    from llamactl.layers.rtn import quantize_linears_planes
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     quantize_linears_planes(model, 4, 32, False, cpu=quant_fast())

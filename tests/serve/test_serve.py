@@ -1,5 +1,5 @@
 """`llamactl serve`: real server processes on 127.0.0.1 through real sockets (the embedded trained
-model, CPU float32), and the load-test client against one; the engine alone: tests/test_engine.py."""
+model, CPU float32), and the load-test client against one; the engine alone: tests/serve/test_engine.py."""
 
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def test_sentencepiece_tokenizer_model(gqa, tmp_path):
     """Llama 1/2's SentencePiece tokenizer.model becomes a tokenizer.json with the same ids and BOS."""
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text((Path(__file__).resolve().parents[1] / "llamactl" / "assets" / "docs-eval.txt").read_text()[:200_000])
+    corpus.write_text((Path(__file__).resolve().parents[2] / "llamactl" / "assets" / "docs-eval.txt").read_text()[:200_000])
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=500, model_type="bpe",
                                    byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
                                    normalization_rule_name="identity", remove_extra_whitespaces=False)  # as Llama 2's
