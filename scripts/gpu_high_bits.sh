@@ -8,7 +8,7 @@ set -uo pipefail
 out=${1:?usage: gpu_high_bits.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
-timeout "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider -m "not quant and not slow" tests/kernels/test_high_bits.py \
+timeout "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider -m "not quant and not slow" tests/layers/test_high_bits.py \
   > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt"
 echo "tests $(( $(date +%s) - t0 )) s" | tee -a "$out/times.txt"
 summary() {  # $1: a bench JSON

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ if not torch.cuda.is_available():  # llamactl's Triton kernels run on the CPU th
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from llamactl.runtime.load import DEFAULT_MODEL
+
+# Test modules share helpers across the package's folders (test_kernels' tolerances, test_serve's
+# server): every folder of tests is importable by module name, whichever file pytest is given.
+for _d in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and p.name != "__pycache__"):
+    if str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 # the compile caches' signing key (llamactl.folder.signing.signing_key) of this test session, not the user's
 if "LLAMACTL_TEST_CONFIG" not in os.environ:

@@ -96,8 +96,8 @@ for command, name in [(run.generate, None), (run.serve, None), (models.inspect, 
 def main() -> None:
     import signal
 
-    from llamactl.runtime.cores import set_torch_threads
+    from llamactl.runtime.cores import limit_threads_env
 
     signal.signal(signal.SIGTERM, _on_sigterm)
-    set_torch_threads()  # the cores this process may use, not the machine's
+    limit_threads_env()  # the cores this process may use, not the machine's; torch is not imported here
     app(prog_name="llamactl")

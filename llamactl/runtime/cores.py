@@ -37,6 +37,13 @@ def usable(root: Path = CGROUP) -> int:
     return max(1, min(cores, math.ceil(q))) if q else cores
 
 
+def limit_threads_env() -> None:
+    """Before torch is imported (the CLI's start): OMP_NUM_THREADS = usable() unless the user set
+    it, which torch reads for its intra-op threads when a command first imports it; `llamactl
+    --help` and the commands that need no torch never import it."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(usable()))
+
+
 def set_torch_threads() -> int:
     """torch's intra-op threads = usable(), unless OMP_NUM_THREADS is set; returns the count."""
     import torch

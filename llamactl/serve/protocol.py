@@ -8,6 +8,7 @@ llama.cpp's servers take them. A bad field is an ApiError naming it, answered as
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ApiError(400, f"{name} must be a number, not {type(v).__name__}", name)
-    if v < lo or v > hi or (lo_open and v == lo):
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
         raise ApiError(400, f"{name} {v} is out of range: use {'more than' if lo_open else 'from'} {lo} to {hi}", name)
     return float(v)
 

@@ -1,0 +1,21 @@
+"""Request parsing alone (serve.protocol): what an OpenAI client sends, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamactl.serve.protocol import ApiError, parse
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"),
+                                         ("top_p", "-Infinity")])
+def test_non_finite_sampling_numbers_are_a_400(field, value):
+    raw = f'{{"prompt": "hi", "max_tokens": 4, "{field}": {value}}}'.encode()  # Python's json reads these
+    with pytest.raises(ApiError, match=f"{field} -?(nan|inf) is out of range") as e:
+        parse(raw, False, "m")
+    assert e.value.status == 400
+
+
+def test_finite_settings_pass():
+    ask = parse(b'{"prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9}', False, "m")
+    assert (ask.temperature, ask.top_p) == (0.5, 0.9)
