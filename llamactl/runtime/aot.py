@@ -57,7 +57,10 @@ class AotStep:
 
     def _build(self, tok: torch.Tensor, pos: torch.Tensor):
         program = torch.export.export(self.step, (tok, pos), strict=False)
-        state = {**dict(self.step.named_parameters()), **dict(self.step.named_buffers())}
+        # every name a tensor goes by: a tied head's weight is the embedding's, and the library asks
+        # for it under both names
+        state = {**dict(self.step.named_parameters(remove_duplicate=False)),
+                 **dict(self.step.named_buffers(remove_duplicate=False))}
         path = self.cache / f"step-{_key(program, state)}.pt2"
         self.cached = _verified(path)
         if not self.cached:

@@ -8,8 +8,9 @@ import torch
 from llamactl.errors import InputError
 
 
-def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
-    """Two rows of a GQA model whose decoder layers run llamactl's CPU int4 layers (when they load
+@pytest.mark.parametrize("fixture", ["tiny_gqa", "tiny_mha"])
+def test_aot_steps_give_the_eager_tokens_and_share_the_cache(fixture, request):
+    """Two rows of a GQA model (and of a tied-embedding MHA one) whose decoder layers run llamactl's CPU int4 layers (when they load
     here) and its head torch's: the prefill (PyTorch) writes the cache the compiled steps read, and
     the steps give the eager steps' tokens (float32)."""
     from llamactl.folder.artifact import open_artifact
@@ -18,7 +19,7 @@ def test_aot_steps_give_the_eager_tokens_and_share_the_cache(tiny_gqa):
     from llamactl.runtime.load import load_model
     from llamactl.layers.rtn import quantize_linears_planes
 
-    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    model = load_model(open_artifact(request.getfixturevalue(fixture)), torch.device("cpu"), torch.float32)
     quantize_linears_planes(model, 4, 32, False, cpu=quant_fast())
     prompt = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [3, 9, 27, 81, 243, 729, 2187]])
 
