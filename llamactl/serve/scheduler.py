@@ -66,7 +66,7 @@ class EngineTimes:
 
 
 class QueueFull(Exception):
-    """Every slot is busy and the queue holds --max-queue requests."""
+    """Every row is taken (by a running request or one queued for it) and --max-queue more wait."""
 
 
 class Rejected(Exception):
@@ -223,8 +223,9 @@ class Scheduler:
         with self.cv:
             if self.failure or self.stopping:
                 raise Rejected(f"the engine {'failed: ' + self.failure if self.failure else 'is stopping'}")
-            if len(self.queue) >= self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests running and {len(self.queue)} waiting")
+            free = sum(r is None for r in self.slots)  # rows the next step admits into: not waiting
+            if len(self.queue) >= self.max_queue + free:
+                raise QueueFull(f"{self.max_batch - free} requests running and {len(self.queue)} waiting")
             self.queue.append(req)
             self.cv.notify()
         return req

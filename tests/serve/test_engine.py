@@ -105,7 +105,8 @@ def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
         eng.submit([1] * 10, Params(max_tokens=60), lambda ev: None)
     with pytest.raises(Rejected, match="the prompt has 64 tokens"):
         eng.submit([1] * 64, Params(max_tokens=1), lambda ev: None)
-    eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+    for _ in range(2):  # one for the free row, one waiting for a row
+        eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
     with pytest.raises(QueueFull):
         eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
 

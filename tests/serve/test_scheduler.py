@@ -138,14 +138,16 @@ def test_what_does_not_fit_is_rejected_and_a_full_queue_refused():
         submit(s, 5, max_tokens=12)
     with pytest.raises(Rejected, match="the prompt is empty"):
         s.submit([], Params(max_tokens=1), lambda ev: None)
-    submit(s)
+    submit(s)  # for the free row
+    submit(s)  # waiting for a row
     with pytest.raises(QueueFull):
         submit(s)
     s.stop()
     with pytest.raises(Rejected, match="is stopping"):
         submit(s)
-    (r,) = s.schedule(busy=False).cancelled  # stopping cancels the queued one; the engine finishes it
-    assert r.cancelled and s.schedule(busy=False) is None
+    plan = s.schedule(busy=False)  # stopping cancelled both: the engine finishes them
+    assert len(plan.cancelled) == 2 and all(r.cancelled for r in plan.cancelled) and plan.joined == []
+    assert s.schedule(busy=False) is None
     s2, _ = make()
     left = [submit(s2), submit(s2)]
     s2.schedule(busy=False)
@@ -177,3 +179,16 @@ def test_a_lone_request_turns_the_next_gather_off():
     submit(s)
     s.schedule(busy=False)
     assert s.times.gather_s == pytest.approx(0.010)  # not held this time
+
+
+def test_max_queue_counts_only_requests_waiting_for_a_row():
+    """--max-queue 0: an idle server takes as many requests as it has free rows, and refuses the next."""
+    s, _ = make(max_batch=2, max_queue=0)
+    a, b = submit(s), submit(s)
+    with pytest.raises(QueueFull, match="0 requests running and 2 waiting"):
+        submit(s)
+    s.schedule(busy=False)
+    with pytest.raises(QueueFull, match="2 requests running and 0 waiting"):
+        submit(s)
+    s.release(a)
+    submit(s)
