@@ -406,6 +406,15 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
         results.append(row)
         on_result(row)
 
+    try:
+        _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the rows measured so far go with it (bench writes them)
+        e.partial = {"env": environment(device, dtype, bw), "results": results, "interrupted": True}
+        raise
+    return {"env": environment(device, dtype, bw), "results": results}
+
+
+def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add):
     for batch in trial.batches:
         for p in trial.prompt_lens:
             for label, make_hf, static in hf_stages:
@@ -431,7 +440,6 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                         warn(w)
                     add({"model": target.label, "stage": stage_name(mode, raw["plan"], device.type), "options": opts.as_dict()},
                         target.model, batch, p, raw)
-    return {"env": environment(device, dtype, bw), "results": results}
 
 
 class SkipStage(Exception):

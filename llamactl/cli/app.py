@@ -49,7 +49,9 @@ class ErrorBoundary(TyperGroup):
             raise typer.Exit(1)
         except KeyboardInterrupt as e:
             terminated = isinstance(e, Terminated)
-            ui.error(f"{'terminated' if terminated else 'interrupted'}; nothing was written")
+            written = getattr(e, "written", None)  # a command that saved what it had finished says where
+            ui.error(f"{'terminated' if terminated else 'interrupted'}; "
+                     + (f"what was finished is in {written}" if written else "nothing was written"))
             raise typer.Exit(143 if terminated else 130)
 
 

@@ -147,9 +147,17 @@ def bench(
             ui.log(report.row_line(row), markup=False)
             advance(1)
 
-        result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
-                          profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
-                          inputs=inputs_list, options=options, warn=ui.warn)
+        try:
+            result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
+                              profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
+                              inputs=inputs_list, options=options, warn=ui.warn)
+        except KeyboardInterrupt as e:  # stopped: the finished rows are not lost
+            partial = getattr(e, "partial", None)
+            if output and partial and partial["results"] and not (world and world.rank):
+                _emit_result(partial, fmt, output, "interrupted")
+                ui.warn(f"stopped after {len(partial['results'])} of {total} rows (the file is marked interrupted)")
+                e.written = output
+            raise
     if tune:
         from llamactl.bench.tune import write_pins
 

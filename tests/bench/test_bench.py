@@ -244,3 +244,26 @@ def test_rows_name_the_products_of_their_batch():
     assert lin.product(16) == "int4 multirow" and lin.product(17) == "int4 dequantize + cuBLAS"
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), lin)
     assert products(model, 8) == "torch Linear; int4 multirow"
+
+
+def test_a_stopped_bench_writes_the_rows_it_finished(tmp_path, monkeypatch):
+    """SIGTERM or Ctrl-C in the second row: -o holds the first, marked interrupted; exit 143, one line."""
+    from llamactl.bench import trials
+    from llamactl.cli.app import Terminated
+
+    calls, timed = [], trials.time_llamactl
+
+    def second_stops(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Terminated()
+        return timed(*a, **kw)
+
+    monkeypatch.setattr(trials, "time_llamactl", second_stops)
+    out = tmp_path / "rows.json"
+    r = bench("--synthetic", "tiny", "--prompt-len", "16,32", "--gen-len", "4", "--warmup", "0", "--repeat", "1",
+              "--format", "json", "-o", out)
+    assert r.exit_code == 143, r.output
+    assert f"terminated; what was finished is in {out}" in r.output and "Traceback" not in r.output
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and [row["prompt_len"] for row in data["results"]] == [16]
