@@ -41,10 +41,25 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 
 @triton.jit
+def _at(s, b, h, table_ptr, T_ROW, S, D: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr,
+        ok=None):
+    """Offset of position(s) s of row b, KV head h: s * D in a contiguous [BH, S, D] cache (plus
+    the row's base), or through the block table in a pool [blocks, BS, HKV, D]."""
+    if PAGED:
+        if ok is None:
+            blk = tl.load(table_ptr + b * T_ROW + s // BS).to(tl.int64)
+        else:
+            blk = tl.load(table_ptr + b * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
+        return ((blk * BS + s % BS) * HKV + h) * D
+    return s * D
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, S, scale,
                   q_row, kn_row, vn_row, R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
-                  HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False):
+                  HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False,
+                  table_ptr=None, T_ROW=0, PAGED: tl.constexpr = False, BS: tl.constexpr = 16):
     # q: [B, HKV, R, D] with q_row elements from one row b to the next (a slice of the fused qkv
     # projection's output: no copy), k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV
     # at its own; cos/sin then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
@@ -54,6 +69,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # apart) into the cache first.
     # PRECISION: "ieee" for float32 caches (tl.dot would round them to TF32), "tf32" otherwise (no effect)
     # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
+    # PAGED: k/v are a pool [blocks, BS, HKV, D]; row b's position s is at block table[b, s // BS]
+    # (table: [B, T_ROW] int32), offset s % BS
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -68,6 +85,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     kv_base = bh * S * D
+    if PAGED:  # the address of position s is _paged(...) + d; kv_base unused
+        kv_base = 0
     if ROPE:
         cos = tl.load(cos_ptr + row * D + d)
         sin = tl.load(sin_ptr + row * D + d)
@@ -76,8 +95,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
             one = tl.arange(0, 1)
             k_new = _rope(kn_ptr + b * kn_row + h * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
             v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :])
-            tl.store(k_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
-            tl.store(v_ptr + kv_base + pos * D + one[:, None] * 0 + d[None, :], v_new)
+            at = _at(pos, b, h, table_ptr, T_ROW, S, D, HKV, BS, PAGED) + kv_base  # scalar offset of position pos
+            tl.store(k_ptr + at + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
+            tl.store(v_ptr + at + one[:, None] * 0 + d[None, :], v_new)
             tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
     else:
         q = tl.load(q_at + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
@@ -87,14 +107,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
-        k = tl.load(k_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+        at = kv_base + _at(s, b, h, table_ptr, T_ROW, S, D, HKV, BS, PAGED, ok)  # [BS] row offsets
+        k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_base + s[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     if SPLITS == 1:  # position 0 is in this chunk: l > 0
@@ -157,7 +178,7 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
             rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
-            warps: int = 4, pdl: bool = False, stages: int = STAGES) -> torch.Tensor:
+            warps: int = 4, pdl: bool = False, stages: int = STAGES, table: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q, k_new and v_new
     are read where they are when each row of them is contiguous (slices of the fused qkv output),
@@ -166,7 +187,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     warps and stages (the loop's software pipelining): the launch plan; pdl: programmatic dependent
     launch."""
     b, hkv, r, d = q.shape
-    s = k_cache.shape[2]
+    s = k_cache.shape[2] if table is None else table.shape[1] * k_cache.shape[1]  # positions a row may hold
     _check_head_dim(d)
     bh = b * hkv
     splits, chunk = plan(s, min_chunk, bh, _fill(q.device))
@@ -184,7 +205,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     _split_kernel[(bh, splits)](q, k_cache, v_cache, pos, acc, ml, out, k_new, v_new, cos, sin, s, 1.0 / math.sqrt(d),
                                 q_row, kn_row, vn_row, R=r, SPLITS=splits, CHUNK=chunk, D=d, BLOCK_R=block_r, BLOCK_S=block_s,
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                                HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages, **launch)
+                                HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages,
+                                table_ptr=table, T_ROW=0 if table is None else table.stride(0), PAGED=table is not None,
+                                BS=16 if table is None else k_cache.shape[1], **launch)
     if splits > 1:
         _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
@@ -217,6 +240,34 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
 
 @decode_attention_rope.register_fake
 def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("llamactl::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
+    """q: [B, H_kv, R, D], pools [blocks, block_size, H_kv, D], table: [B, M] int32 (row b's
+    blocks), pos: [B] -> attention over each row's positions 0..pos[b], [B, H_kv, R, D]."""
+    return _attend(q, k_pool, v_pool, pos, None, min_chunk, pdl=pdl, table=table)
+
+
+@paged_decode_attention.register_fake
+def _(q, k_pool, v_pool, table, pos, min_chunk=MIN_CHUNK, pdl=False):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("llamactl::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool"))
+def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                                v_pool: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
+    """decode_attention_rope over a paged pool: k_new rotated and v_new written at row b's
+    position pos[b] (its block from table [B, M]), cos/sin [B, D] -> [B, H_kv, R, D]."""
+    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
+    return _attend(q, k_pool, v_pool, pos, rope, min_chunk, pdl=pdl, table=table)
+
+
+@paged_decode_attention_rope.register_fake
+def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
     return torch.empty_like(q)
 
 

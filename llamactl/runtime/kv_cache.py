@@ -81,3 +81,115 @@ class StaticCache(nn.Module):
     def tokens(self) -> int:
         """Positions it holds in all: rows x max_seq."""
         return self.rows * self.max_seq
+
+
+NULL_BLOCK = 0  # never handed to a sequence: free rows and table entries past a sequence's blocks point here
+
+
+class PagedLayer(nn.Module):
+    """One layer's keys and values in fixed-size blocks of one pool: k, v [blocks, block_size,
+    H_kv, D]. Which blocks hold a sequence is its row of the owner's block table."""
+
+    def __init__(self, owner: "PagedCache", blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        self._owner = [owner]  # a list: not a submodule
+        shape = (blocks, block_size, kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def owner(self) -> "PagedCache":
+        return self._owner[0]
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slot: "int | torch.Tensor | None" = None, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, H_kv, S, D] at input_pos ([S] or [B, S]) of the rows `slot` (an int: one
+        row, [B]: whole prompts at 0..S-1, None: rows 0..B-1) and return what attention reads:
+        k/v themselves for whole prompts, else each row's positions 0..span-1 gathered
+        [B, H_kv, span, D] (span: the mask's width; positions past a row's own hold garbage the
+        mask hides)."""
+        table = self.write(input_pos, k, v, slot)
+        if isinstance(slot, torch.Tensor):
+            return k, v
+        b, span = k.shape[0], span or self.owner.max_seq
+        at = self.owner.slots(table, torch.arange(span, device=k.device).expand(b, span))  # [B, span]
+        flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [N*BS, H_kv, D]
+        return flat_k[at].transpose(1, 2), flat_v[at].transpose(1, 2)  # [B, H_kv, span, D]
+
+    def write(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slot: "int | torch.Tensor | None" = None) -> torch.Tensor:
+        """Write k/v [B, H_kv, S, D] at input_pos of the rows `slot` (as update); returns their table rows [B, M]."""
+        b, _, s, _ = k.shape
+        table = self.owner.rows(slot, b)  # [B, M]
+        where = self.owner.slots(table, input_pos.expand(b, s) if input_pos.dim() == 1 else input_pos)  # [B, S]
+        flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [N*BS, H_kv, D]
+        flat_k.index_copy_(0, where.reshape(-1), k.transpose(1, 2).reshape(b * s, *k.shape[1::2]))
+        flat_v.index_copy_(0, where.reshape(-1), v.transpose(1, 2).reshape(b * s, *v.shape[1::2]))
+        return table
+
+
+class PagedCache(nn.Module):
+    """K/V of every layer in one pool of `blocks` blocks of `block_size` positions, and a block
+    table [rows, max_seq / block_size] of int32 block ids, one row per sequence being served (a
+    batch row). Whoever schedules hands out blocks (serve.blocks) and writes the table (set_rows,
+    move); attention writes and reads through it. Block NULL_BLOCK is never a sequence's."""
+
+    def __init__(self, layers: int, rows: int, blocks: int, block_size: int, max_seq: int, kv_heads: int,
+                 head_dim: int, dtype, device):
+        super().__init__()
+        if blocks < 2 or block_size < 1 or max_seq < 1:
+            raise ValueError(f"a paged cache needs 2+ blocks of 1+ positions, not {blocks} of {block_size}")
+        self.rows_n, self.blocks, self.block_size, self.dtype = rows, blocks, block_size, dtype
+        self.width = -(-max_seq // block_size)  # table entries a row
+        self.max_seq = self.width * block_size
+        self.register_buffer("table", torch.full((rows, self.width), NULL_BLOCK, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.layers = nn.ModuleList(PagedLayer(self, blocks, block_size, kv_heads, head_dim, dtype, device)
+                                    for _ in range(layers))
+
+    @classmethod
+    def for_model(cls, model, rows: int, blocks: int, block_size: int, max_seq: int,
+                  dtype: torch.dtype | None = None) -> "PagedCache":
+        a = model.args
+        return cls(a.num_hidden_layers, rows, blocks, block_size, max_seq, a.num_key_value_heads, a.head_dim,
+                   dtype or model.dtype, model.device)
+
+    @staticmethod
+    def block_bytes(model, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one block takes over all layers, K and V."""
+        a = model.args
+        item = torch.empty((), dtype=dtype or model.dtype).element_size()
+        return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * a.head_dim * item
+
+    @property
+    def nbytes(self) -> int:
+        return sum(l.k.numel() * l.k.element_size() + l.v.numel() * l.v.element_size() for l in self.layers)
+
+    @property
+    def tokens(self) -> int:
+        """Positions the pool holds (the null block's not counted)."""
+        return (self.blocks - 1) * self.block_size
+
+    def rows(self, slot: "int | torch.Tensor | None", b: int) -> torch.Tensor:
+        """The table rows of a forward's B rows: [B, M]."""
+        if slot is None:
+            return self.table[:b]
+        if isinstance(slot, torch.Tensor):
+            return self.table[slot]
+        return self.table[slot : slot + 1]
+
+    def slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """table [B, M], pos [B, S] -> the pool positions (block * block_size + offset) [B, S], int64."""
+        blk = table.gather(1, (pos // self.block_size).clamp(max=self.width - 1)).long()
+        return blk * self.block_size + pos % self.block_size
+
+    def set_rows(self, rows: list[int], blocks: list[list[int]]) -> None:
+        """Table rows `rows` hold these blocks (then NULL_BLOCK)."""
+        host = torch.full((len(rows), self.width), NULL_BLOCK, dtype=torch.int32)
+        for i, ids in enumerate(blocks):
+            host[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.table[torch.tensor(rows, device=self.table.device)] = host.to(self.table.device)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Rows src's tables to rows dst (src's left as they are: set_rows frees them)."""
+        self.table[torch.tensor(dst, device=self.table.device)] = self.table[torch.tensor(src, device=self.table.device)]

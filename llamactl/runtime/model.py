@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llamactl.folder.config import LlamaArgs
-from llamactl.runtime.kv_cache import LayerCache, StaticCache
+from llamactl.runtime.kv_cache import LayerCache, PagedLayer, StaticCache
 
 # SDPA's kernels for prefill on CUDA, without cuDNN's: cuDNN builds a plan for each new shape (an
 # H200 spent 1.1 s on the first 192-token prompt, 40 ms after; docs/bench/README.md), which lands
@@ -124,6 +124,16 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         rep = self.n_heads // self.n_kv_heads
+        paged = isinstance(cache, PagedLayer)
+        if kernel and self.decode_kernel == "rope" and paged:
+            from llamactl.kernels.attention import paged_decode_attention_rope
+
+            d, rows = self.head_dim, input_pos.dim() == 2
+            y = paged_decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
+                                            v.reshape(b, self.n_kv_heads, d), cache.k, cache.v, cache.owner.table[:b],
+                                            cos[:, 0] if rows else cos[0], sin[:, 0] if rows else sin[0],
+                                            input_pos.view(-1), self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual, self.tp_group)
         if kernel and self.decode_kernel == "rope":
             from llamactl.kernels.attention import decode_attention_rope
 
@@ -149,7 +159,16 @@ class Attention(nn.Module):
             if cos.dim() == 3:  # per row: [B, S, D] -> [B, 1, S, D]
                 cos, sin = cos[:, None], sin[:, None]
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None:  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
+        if kernel and paged and self.decode_kernel == "plain":
+            from llamactl.kernels.attention import paged_decode_attention
+
+            table = cache.write(input_pos, k, v)  # [B, M]
+            y = paged_decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), cache.k, cache.v, table,
+                                       input_pos.view(-1).expand(b), self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
+        if paged:  # [B, H_kv, span, D] gathered through the table ([B, H_kv, S, D] for slots [B])
+            k, v = cache.update(input_pos, k, v, slot, mask.shape[-1])
+        elif cache is not None:  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
             k, v = cache.update(input_pos, k, v, slot)
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
@@ -157,7 +176,7 @@ class Attention(nn.Module):
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos.view(-1),
                                  self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
-        if kernel and self.decode_kernel == "cpu" and q.dtype == k.dtype:  # reads positions 0..input_pos alone
+        if kernel and self.decode_kernel == "cpu" and q.dtype == k.dtype and not paged:  # reads positions 0..input_pos alone
             y = torch.ops.llamactl_cpu.decode_attention.default(
                 q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), k, v, input_pos.reshape(-1),
                 self.head_dim**-0.5)  # [B, H_kv, rep, D]

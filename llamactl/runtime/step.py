@@ -91,14 +91,16 @@ class Decoder:
                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  buckets: list[int] | None = None, compile_mode: str = "default",
                  options: RuntimeOptions | None = None, rows: "RowSampling | None" = None,
-                 prefill_graphs: bool = False):
+                 prefill_graphs: bool = False, cache=None):
         """sample: logits [B, V] -> tokens [B] with fixed shapes, drawing from the default generator
         (graph-safe; see generate.sample); None means greedy. buckets: cache lengths to round
         max_seq up to, so one compiled step serves many prompt lengths. options: what the step
         runs (llamactl's kernels where they run, else cuBLAS and SDPA); `plan` says what does.
         rows: sampling settings per row (llamactl.runtime.sampling.RowSampling), instead of `sample`.
         prefill_graphs: whole prompts of few tokens (a server's joins) replay CUDA graphs where
-        steps do (llamactl.runtime.graphs)."""
+        steps do (llamactl.runtime.graphs). cache: the KV cache to run over (a server's
+        runtime.kv_cache.PagedCache: its table rows are the batch rows), else a StaticCache of
+        `batch` rows of max_seq made here."""
         from llamactl.layers.plan import prepare, unfold_cache_writes
 
         if mode not in MODES:
@@ -118,7 +120,9 @@ class Decoder:
         fitting = [b for b in sorted(buckets or []) if b >= max_seq]
         self.max_seq = min(fitting[0] if fitting else max_seq, model.args.max_position_embeddings)
         self.max_seq = max(self.max_seq, max_seq)
-        self.cache = StaticCache.for_model(model, batch, self.max_seq)
+        if cache is not None:
+            self.max_seq = cache.max_seq
+        self.cache = cache if cache is not None else StaticCache.for_model(model, batch, self.max_seq)
         model.setup_positions(self.max_seq)
         self._step = self._eager_step
         # regions (torch's invoke_subgraph) fail on a dynamic row dimension (torch 2.13: KeyError

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from llamactl.options import RuntimeOptions
-from llamactl.serve.runner import Runner
-from llamactl.serve.scheduler import (EngineTimes, Event, Params, QueueFull, Rejected, Request,  # noqa: F401
-                                      Scheduler)
+from llamactl.serve.blocks import BlockPool
+from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
+from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
+                                      Rejected, Request, Scheduler)
 from llamactl.serve.staging import Launched
 
 # Prompt tokens prefilled a step while others decode, by default: a 2,048-token chunk costs the
@@ -38,6 +40,24 @@ from llamactl.serve.staging import Launched
 # (docs/results.md); a CPU takes seconds for that many
 PREFILL_CHUNK_GPU, PREFILL_CHUNK_CPU = 2048, 512
 GATHER_GPU_S = 0.010  # the gather window from idle on a GPU (Scheduler._gather; docs/results.md)
+
+
+@dataclass(frozen=True)
+class KvOptions:
+    """The KV pool: memory_gib of blocks, else gpu_fraction of the card (runner.kv_blocks);
+    block_size positions a block; prefix_cache: reuse cached prefixes."""
+
+    memory_gib: float | None = None
+    gpu_fraction: float | None = None
+    block_size: int = BLOCK_SIZE
+    prefix_cache: bool = True
+
+
+def _model_salt(model) -> bytes:
+    """What tells one model's K/V from another's in block names: its shape and a few weights."""
+    emb = model.model.embed_tokens
+    w = emb.weight if hasattr(emb, "weight") else emb.qweight
+    return repr((model.args, w.reshape(-1)[:16].float().cpu().tolist())).encode()
 
 
 class Engine:
@@ -54,24 +74,32 @@ class Engine:
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
                  prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
-                 gather_s: float | None = None, prefill_graphs: bool = True):
+                 gather_s: float | None = None, prefill_graphs: bool = True, kv: "KvOptions | None" = None):
         """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
         on a GPU, 0 on the CPU).
         overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules, the other ranks' engines
-        only follow() its runner's actions."""
+        only follow() its runner's actions. kv: the KV pool's size and the prefix cache."""
         gpu = model.device.type == "cuda"
         ctx = model.args.max_position_embeddings
         self.device, self.max_batch = model.device, max_batch
         self.eos_ids = set(eos_ids)
         self.mode = mode or ("graphs" if gpu else "eager")
-        self.runner = Runner(model, max_batch, min(max_seq or ctx, ctx), self.mode, options, world, prefill_graphs)
+        kv = kv or KvOptions()
+        max_seq = min(max_seq or ctx, ctx)
+        chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
+        blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
+                           max(chunk, BATCH_PREFILL_TOKENS))
+        self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks,
+                             kv.block_size)
         self.max_seq = self.runner.max_seq
         self.times = EngineTimes()
-        self.scheduler = Scheduler(max_batch, max_queue, self.max_seq,
-                                   prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU), gpu,
-                                   (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times)
+        # blocks are named by their tokens and the model (its shape and weights' first values)
+        pool = BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
+        self.scheduler = Scheduler(max_batch, max_queue, self.max_seq, chunk, gpu,
+                                   (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times,
+                                   pool=pool)
         self.overlap = gpu if overlap is None else overlap
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._last_read = 0.0
@@ -152,6 +180,7 @@ class Engine:
         plan = self.scheduler.schedule(busy=self._inflight is not None)
         if plan is None:
             return False
+        self.runner.arrange(plan.moves, plan.tables)
         for r in plan.joined:
             self.runner.set_sampling(r.slot, r.params)
         for r in plan.cancelled:
@@ -182,10 +211,10 @@ class Engine:
         self.times.decode_s += now - max(step.launched, self._last_read)
         self._last_read = now
         self.times.decode_steps += 1
-        for r in step.rows:
+        for r, row in zip(step.rows, step.at):
             if not r.finished:
                 self.times.decode_rows += 1
-                self._emit(r, tokens[r.slot], now)
+                self._emit(r, tokens[row], now)
         self.times.emit_s += time.perf_counter() - now
 
     def _emit(self, r: Request, token: int, now: float) -> None:

@@ -1,7 +1,8 @@
 """The serving runner: the scheduler's plans (serve.scheduler) become model calls. It owns the
-Decoder (its cache: one row a request), each row's sampling settings and last token on the
-device, the host buffers a step reads through (serve.staging), the warm-up, and under tensor
-parallelism the actions rank 0 sends to the other ranks, which replay them (`follow`).
+paged KV cache (runtime.kv_cache.PagedCache: a block pool sized by memory, a table row per batch
+row), the Decoder over it, each row's sampling settings and last token on the device, the host
+buffers a step reads through (serve.staging), the warm-up, and under tensor parallelism the
+actions rank 0 sends to the other ranks, which replay them (`follow`).
 """
 
 from __future__ import annotations
@@ -11,33 +12,77 @@ import time
 import torch
 
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.sampling import RowSampling
 from llamactl.runtime.step import Decoder
-from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill
+from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill, StepPlan
 from llamactl.serve.staging import Launched, Staging
+
+BLOCK_SIZE = 16  # positions a KV block holds (a prefix is reused by whole blocks)
+GPU_MEMORY_FRACTION = 0.9  # of the card, for weights, activations and the KV pool, by default (as vLLM's)
+CPU_KV_BYTES = 2 << 30  # the most a CPU server's pool takes by default
+RESERVE_BYTES = 512 << 20  # kept free beyond the estimated activations (allocator slack, library workspaces)
+
+
+def activation_bytes(model, max_batch: int, prefill_tokens: int) -> int:
+    """An upper estimate of what a forward allocates beyond weights and cache: the largest prefill's
+    hidden states and MLP (prefill_tokens tokens), and a full decode step's sampling over the
+    vocabulary (float logits, their sort and its int64 indices, the draws in double)."""
+    a, item = model.args, torch.empty((), dtype=model.dtype).element_size()
+    return prefill_tokens * (6 * a.hidden_size + 4 * a.intermediate_size) * item + max_batch * a.vocab_size * 24
+
+
+def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gib: float | None,
+              fraction: float | None, prefill_tokens: int) -> int:
+    """Blocks of the KV pool: kv_memory_gib of them; else on a GPU what `fraction` of the card
+    (GPU_MEMORY_FRACTION) leaves after what is in use now (weights; other processes) and the
+    activations; on the CPU a fixed grid of max_batch x max_seq, at most CPU_KV_BYTES."""
+    per = PagedCache.block_bytes(model, block_size)
+    if kv_memory_gib is not None:
+        return int(kv_memory_gib * (1 << 30) // per) + 1
+    dev = model.device
+    if dev.type != "cuda":
+        return min(max_batch * -(-max_seq // block_size), CPU_KV_BYTES // per) + 1
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = (fraction or GPU_MEMORY_FRACTION) * total - (total - free)
+    budget -= activation_bytes(model, max_batch, prefill_tokens) + RESERVE_BYTES
+    return int(budget // per) + 1
 
 
 class Runner:
     """Model calls for one engine: prefill(), launch() and set_sampling() on its thread."""
 
     def __init__(self, model, max_batch: int, max_seq: int, mode: str, options: RuntimeOptions | None,
-                 world=None, prefill_graphs: bool = True):
+                 world=None, prefill_graphs: bool = True, blocks: int | None = None, block_size: int = BLOCK_SIZE):
         """world: tensor parallelism (tp.World): rank 0 sends each model action to the other ranks
         first (every rank computes the same tokens: the head is replicated). prefill_graphs: a
         whole prompt of few tokens, or a few joining together, replays a CUDA graph where the steps
-        do (not under tensor parallelism: untried there)."""
+        do (not under tensor parallelism: untried there). blocks: the KV pool's (kv_blocks)."""
         self.device, self.mode, self.world = model.device, mode, world
         self.max_batch = max_batch
         self.rows = RowSampling.make([{}] * max_batch, self.device)
+        if blocks is None:
+            blocks = kv_blocks(model, max_batch, max_seq, block_size, None, None, BATCH_PREFILL_TOKENS)
+        if blocks < 2:
+            from llamactl.errors import InputError
+
+            raise InputError("no device memory is left for the KV cache after the weights and activations",
+                             "pass --kv-memory GiB, a higher --gpu-memory-fraction, or a smaller --max-batch")
+        self.cache = PagedCache.for_model(model, max_batch, blocks, block_size, max_seq)
         self.decoder = Decoder(model, max_batch, max_seq, mode, options=options, rows=self.rows,
-                               prefill_graphs=prefill_graphs and world is None)
-        self.max_seq = self.decoder.max_seq
+                               prefill_graphs=prefill_graphs and world is None, cache=self.cache)
+        self.max_seq = max_seq
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self._staging = Staging(max_batch, self.device)
         self._followers_stopped = False
 
     def set_sampling(self, slot: int, p: Params) -> None:
         self._do(("row", slot, p.temperature, p.top_k, p.top_p, p.seed))
+
+    def arrange(self, moves: list[tuple[int, int]], tables: dict[int, list[int]]) -> None:
+        """Rows moved (table, settings, last token), then table rows set (a plan's, a step's)."""
+        if moves or tables:
+            self._do(("arrange", moves, sorted(tables.items())))
 
     def prefill(self, work: Prefill) -> list[int] | None:
         """Run one prefill forward; its next tokens read on the host where it ends the prompts
@@ -51,8 +96,9 @@ class Runner:
     def launch(self, step: Decode) -> Launched:
         """Start one decode step; its tokens come back through the Launched (nothing read here)."""
         t0 = time.perf_counter()
+        self.arrange([], step.tables)
         out = self._do(("step", step.rows, step.positions, step.kv_len, step.greedy))  # [b]
-        return self._staging.read_later(out, step.requests, t0)
+        return self._staging.read_later(out, step.requests, step.at, t0)
 
     # -- model actions: run here, and on a tensor-parallel leader sent to the other ranks first -----
 
@@ -68,6 +114,16 @@ class Runner:
         if kind == "row":  # in place: a captured decode graph reads these same tensors
             i, t, k, p, seed = a
             self.rows.temperature[i], self.rows.top_k[i], self.rows.top_p[i], self.rows.seed[i] = t, k, p, seed
+        elif kind == "arrange":  # rows moved down, then tables set
+            moves, tables = a
+            if moves:
+                src, dst = [m[0] for m in moves], [m[1] for m in moves]
+                self.cache.move(src, dst)
+                src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+                for t in (self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed, self._tok):
+                    t[dst] = t[src]
+            if tables:
+                self.cache.set_rows([r for r, _ in tables], [b for _, b in tables])
         elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
             ids, slot, start, valid, last = a
             tok = self.decoder.prefill(torch.tensor([ids]), slot=slot, start=start, valid=valid)  # ids from the host

@@ -1,11 +1,18 @@
-"""The serving scheduler: requests, the queue, admission into cache rows, prefill budgets, the
-gather wait, and each step's plan. It never touches a tensor (no torch here): the runner turns a
-plan into model calls (serve.runner), the engine runs the loop (serve.engine).
+"""The serving scheduler: requests, the queue, admission by rows and KV blocks, prefix reuse,
+prefill budgets, preemption, the gather wait, and each step's plan. It never touches a tensor (no
+torch here): the runner turns a plan into model calls (serve.runner), the engine runs the loop
+(serve.engine).
 
 A step is the prefills the scheduler plans (`schedule`: whole prompts joining together, or chunks
 within a token budget while other rows decode), then one decode step of every row that then
-decodes (`decode`). A request holds its token ids (prompt, then output) and how many of them have
-their K/V computed; it owns one row of the cache (its slot) from admission to its last token.
+decodes (`decode`). A request holds its token ids (prompt, then output), how many of them have
+their K/V computed, and the KV blocks that hold them (serve.blocks; a table row of the paged cache,
+runtime.kv_cache.PagedCache). While it runs it has a batch row (its slot): rows are kept packed
+(a request leaving row 3 while row 7 runs moves row 7's table, settings and last token to row 3),
+so a decode step of n requests runs the smallest bucket of rows >= n. Its prompt's longest cached
+prefix of full blocks is reused, not computed. When a step needs a block and none is free, the
+newest running request is preempted: its blocks go back (its full ones stay cached) and it waits
+at the queue's head, to prefill everything it has so far again when blocks free up.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from llamactl.serve.blocks import BlockPool, chain
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,7 @@ class EngineTimes:
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
     gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Scheduler._gather)
+    preemptions: int = 0  # requests whose blocks were taken back mid-generation (recomputed later)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
         self.prefill_s += seconds
@@ -93,9 +103,14 @@ class Request:
         self.tokens = list(prompt)  # prompt, then each token handed out
         self.prompt_len = len(prompt)
         self.params, self.on_event, self.arrived = params, on_event, arrived
-        self.slot: int | None = None  # its row of the cache
-        self.prefilled = 0  # prompt tokens whose K/V are computed (or queued)
+        self.slot: int | None = None  # its batch row while it runs
+        self.blocks: list[int] = []  # its KV blocks, position p in blocks[p // block_size]
+        self.names: list[bytes] = []  # the prefix names of its full blocks of tokens[:target]
+        self.named = 0  # its blocks named in the pool so far
+        self.target = self.prompt_len  # tokens to prefill before decoding (after a preemption: all so far)
+        self.prefilled = 0  # of those, tokens whose K/V are computed (or queued; a cached prefix's too)
         self.launched = 0  # output tokens computed or in flight (the prefill's first one included)
+        self.cached = 0  # prompt tokens found in the prefix cache
         self.cancelled = False
         self.finished = False
 
@@ -110,7 +125,7 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == self.prompt_len
+        return self.prefilled == self.target
 
     @property
     def pos(self) -> int:
@@ -130,7 +145,7 @@ class Request:
 @dataclass
 class Prefill:
     """One prefill forward: `requests`' tokens ids[i][:valid[i]] (then padding) at positions
-    start.. of their slots; last: it ends their prompts, and its next tokens are read."""
+    start.. of their rows (together: at 0); last: it ends their prompts, and its next tokens are read."""
 
     requests: list[Request]
     ids: list[list[int]]  # [k, s]
@@ -150,46 +165,70 @@ class Prefill:
 
 @dataclass
 class Decode:
-    """One decode step of cache rows 0..rows-1 (a batch bucket: one CUDA graph each), each at
-    positions[i]; `requests` receive its tokens (at their slots); a free row or one still
-    prefilling steps too, at a position whose K/V nothing reads before it is written again."""
+    """One decode step of batch rows 0..rows-1 (a bucket: one CUDA graph each), each at
+    positions[i]; `requests` receive its tokens (request i: row at[i]); a free row (its table all
+    the null block) or one still prefilling steps too, at a position whose K/V nothing reads
+    before it is written again. tables: rows whose blocks changed since the plan, set first."""
 
     requests: list[Request]
     rows: int
     positions: list[int]
     kv_len: int  # every position is below it (an eager step's attention reads that much)
     greedy: bool  # no row samples
+    at: list[int] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class StepPlan:
+    """What the runner does before this step's prefills: moves (row src -> row dst: its table,
+    sampling settings and last token), then tables (a row's blocks, [] for none), then the joined
+    requests' sampling settings."""
+
     joined: list[Request] = field(default_factory=list)  # admitted now: their rows' sampling settings
     cancelled: list[Request] = field(default_factory=list)  # dropped from their rows now
     prefills: list[Prefill] = field(default_factory=list)
+    moves: list[tuple[int, int]] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Decode step sizes (rows): powers of two to 32, then every 32 (a step of n rows runs the
+    smallest bucket >= n: at most 32 rows or 2x computed for nothing), and max_batch."""
+    small = [2**i for i in range(6) if 2**i < max_batch]
+    return sorted(set(small + list(range(32, max_batch, 32)) + [max_batch]))
 
 
 class Scheduler:
-    """The queue and the cache rows. submit(), stop() and the counters from any thread; the rest
-    on the engine's. gpu: pad prompt chunks to few shapes and prefill joining prompts together
-    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`)."""
+    """The queue, the batch rows and the KV blocks. submit(), stop() and the counters from any
+    thread; the rest on the engine's. gpu: pad prompt chunks to few shapes and prefill joining
+    prompts together (on the CPU one at a time, so the float32 sums, and so the tokens, are those
+    of `generate`). pool: the KV blocks (serve.blocks.BlockPool; its block count and size are
+    the paged cache's)."""
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
-                 gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter):
+                 gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter,
+                 pool: BlockPool | None = None):
         self.max_batch, self.max_queue, self.max_seq = max_batch, max_queue, max_seq
         self.prefill_chunk, self.gather_s, self.clock = prefill_chunk, gather_s, clock
         self.times = times or EngineTimes()
+        # a pool as large as a fixed grid of max_batch rows of max_seq where none is given (tests)
+        self.pool = pool or BlockPool(max_batch * -(-max_seq // 16) + 1, 16)
+        self.block_size = self.pool.block_size
+        # blocks kept free at admission for the running requests' next tokens (fewer preemptions)
+        self.watermark = max(1, self.pool.blocks // 100)
         # A prompt chunk is padded to a multiple of pad_to on a GPU, so that few shapes meet the
         # libraries for the first time (each is prefilled once at warm-up); a burst's prompts are
         # padded to their longest, rounded to burst_pad_to only. On the CPU nothing is gained.
         self.pad_to, self.burst_pad_to = (64, 16) if gpu else (1, 1)
         self.batch_prefill = gpu
-        # the decode step runs on rows 0..b-1 for the smallest bucket b holding every decoding row
-        self.buckets = sorted({min(2**i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        self.buckets = buckets(max_batch)
         self.slots: list[Request | None] = [None] * max_batch
         self.queue: deque[Request] = deque()
         self.cv = threading.Condition()
         self.stopping = False
         self.failure: str | None = None  # set when a step failed: nothing is taken then
+        self._tables: dict[int, list[int]] = {}  # rows whose blocks changed since the last plan
         self._burst_start = 0.0  # the first arrival since the engine last went from idle
         self._burst_size = 2  # requests admitted that arrived within the span of it (2: gather the first time)
 
@@ -212,6 +251,10 @@ class Scheduler:
         if prompt_len + max_tokens > self.max_seq:
             return (f"the prompt's {prompt_len} tokens + max_tokens {max_tokens} exceed this server's context "
                     f"of {self.max_seq}")
+        need = -(-(prompt_len + max_tokens) // self.block_size)
+        if need > self.pool.blocks - 1:
+            return (f"the prompt's {prompt_len} tokens + max_tokens {max_tokens} need {need} KV blocks; this "
+                    f"server's cache holds {self.pool.blocks - 1} ({(self.pool.blocks - 1) * self.block_size} tokens)")
         return None
 
     def submit(self, prompt: list[int], params: Params, on_event: Callable[[Event], None]) -> Request:
@@ -250,8 +293,9 @@ class Scheduler:
     # -- the engine's thread -----------------------------------------------------------------
 
     def schedule(self, busy: bool) -> StepPlan | None:
-        """Wait for work, admit into free rows (after a gather wait from idle), drop the cancelled,
-        plan this step's prefills; None once stopped with nothing left. busy: a step is in flight."""
+        """Wait for work, drop the cancelled, pack the rows, admit into free rows (after a gather
+        wait from idle), plan this step's prefills; None once stopped with nothing left. busy: a
+        step is in flight."""
         with self.cv:
             while not self.stopping and self._idle(busy):
                 self.cv.wait()
@@ -263,11 +307,13 @@ class Scheduler:
                 self._burst_start, self._burst_size = self.queue[0].arrived, 0
                 if self.gather_s and not alone:
                     self._gather()
+            for r in [r for r in self.slots if r is not None and r.cancelled]:
+                self._free_row(r)
+                plan.cancelled.append(r)
+            plan.moves = self._pack()
             plan.joined = self._admit(plan.cancelled)
-        for r in [r for r in self.slots if r is not None and r.cancelled]:
-            self.release(r)
-            plan.cancelled.append(r)
         plan.prefills = self._prefills()
+        plan.tables, self._tables = self._tables, {}
         return plan
 
     def _idle(self, busy: bool) -> bool:
@@ -289,29 +335,91 @@ class Scheduler:
             self.cv.wait(left)
         self.times.gather_s += self.clock() - t0
 
+    def _pack(self) -> list[tuple[int, int]]:
+        """Under self.cv: move the highest running rows into the free rows below them, so the
+        running requests hold rows 0..n-1; returns the moves (src, dst)."""
+        moves = []
+        while True:
+            hole = next((i for i, r in enumerate(self.slots) if r is None), None)
+            top = max((i for i, r in enumerate(self.slots) if r is not None), default=-1)
+            if hole is None or top < hole:
+                return moves
+            r = self.slots[top]
+            self.slots[hole], self.slots[top], r.slot = r, None, hole
+            moves.append((top, hole))
+            self._tables[top] = []
+            self._tables.pop(hole, None)  # the move brings its table
+
     def _admit(self, cancelled: list[Request]) -> list[Request]:
-        # under self.cv: first come, first served, into the free rows
+        # under self.cv: first come, first served, into the free rows, while the blocks last
         joined = []
         while self.queue:
             if self.queue[0].cancelled:
                 cancelled.append(self.queue.popleft())
                 continue
             free = next((i for i, r in enumerate(self.slots) if r is None), None)
-            if free is None:
+            if free is None or not self._take_blocks(self.queue[0], busy=any(self.slots)):
                 break
             r = self.queue.popleft()
             r.slot = free
             self.slots[free] = r
+            self._tables[free] = list(r.blocks)
             joined.append(r)
             if r.arrived <= self._burst_start + GATHER_SPAN * self.gather_s:
                 self._burst_size += 1
         return joined
 
+    def _take_blocks(self, r: Request, busy: bool) -> bool:
+        """Give r the blocks of everything it prefills: its longest cached prefix (full blocks,
+        at least one token left to compute), new blocks for the rest; False (nothing taken) where
+        the pool cannot spare them (keeping `watermark` free while others run)."""
+        bs = self.block_size
+        r.target = len(r.tokens)  # a preempted request prefills its output so far too
+        r.names = chain(r.tokens, bs, self.pool.salt)
+        hits = self.pool.match(r.names[: (r.target - 1) // bs])
+        need = -(-r.target // bs) - len(hits)
+        if need > self.pool.available - (self.watermark if busy else 0) - self._idle_in(hits):
+            return False
+        self.pool.hold(hits)
+        self.pool.count(r.target, len(hits) * bs)
+        r.blocks = hits + self.pool.allocate(need)
+        r.named = len(hits)
+        r.prefilled = len(hits) * bs
+        if r.target == r.prompt_len:
+            r.cached = r.prefilled
+        return True
+
+    def _idle_in(self, blocks: list[int]) -> int:
+        """How many of these cached blocks are idle (counted in `available` until held)."""
+        return sum(self.pool.idle(b) for b in blocks)
+
     def release(self, r: Request) -> None:
-        """Free r's row (it finished or was cancelled)."""
+        """r finished or was cancelled: free its row and its blocks (or take it off the queue)."""
         with self.cv:
             if r.slot is not None and self.slots[r.slot] is r:
-                self.slots[r.slot] = None
+                self._free_row(r)
+            elif r in self.queue:
+                self.queue.remove(r)
+
+    def _free_row(self, r: Request) -> None:
+        """Its row free (its table the null block's), its blocks back: full blocks whose tokens are
+        known and computed named first, so a later prompt that repeats them reuses them."""
+        self.slots[r.slot] = None
+        self._tables[r.slot] = []
+        self._name_blocks(r, min(len(r.tokens) - 1, r.computed))
+        self.pool.release(r.blocks)
+        r.blocks, r.slot = [], None
+
+    def _name_blocks(self, r: Request, upto: int) -> None:
+        """Name r's full blocks of positions below upto (their K/V computed or on their way)."""
+        full = min(upto // self.block_size, len(r.blocks))
+        if full > len(r.names):  # blocks of its output: the chain goes on from its prompt's
+            parent = r.names[-1] if r.names else None
+            r.names += chain(r.tokens[: full * self.block_size], self.block_size, self.pool.salt, parent,
+                             len(r.names) * self.block_size)
+        for j in range(r.named, full):
+            self.pool.name(r.blocks[j], r.names[j])
+        r.named = max(r.named, full)
 
     def _prefills(self) -> list[Prefill]:
         """Prompt chunks, first come first, within the budget; with no row decoding there is no one
@@ -330,41 +438,51 @@ class Scheduler:
         for r in sorted((r for r in self.slots if r is not None and not r.decoding), key=lambda r: r.id):
             if budget is not None and budget <= 0:
                 break
-            n = r.prompt_len - r.prefilled if budget is None else min(budget, r.prompt_len - r.prefilled)
+            n = r.target - r.prefilled if budget is None else min(budget, r.target - r.prefilled)
             chunk = r.tokens[r.prefilled : r.prefilled + n]
             padded = min(-(-n // self.pad_to) * self.pad_to, self.max_seq - r.prefilled)
-            last = r.prefilled + n == r.prompt_len
+            last = r.prefilled + n == r.target
             out.append(Prefill([r], [chunk + [0] * (padded - n)], r.prefilled, [n], last))
-            r.prefilled += n
-            if last:
-                r.launched = 1  # its first output token comes from this forward
+            self._planned(r, r.prefilled + n)
             if budget is not None:
                 budget -= n
         return out
 
+    def _planned(self, r: Request, upto: int) -> None:
+        """r's tokens below upto are planned: its full blocks there are named now (a prompt that
+        joins later reuses them; the stream runs this forward first), and at its target its first
+        output token comes from this forward."""
+        r.prefilled = upto
+        self._name_blocks(r, upto)
+        if upto == r.target:
+            r.launched = r.target - r.prompt_len + 1
+
     def _together(self, budget: int | None, out: list[Prefill]) -> int | None:
-        """The prompts that joined and fit the budget (each at most prefill_chunk tokens, together at
-        most max(budget, prefill_chunk) or, with no budget, BATCH_PREFILL_TOKENS), padded to one
-        length for one forward; returns the budget left."""
+        """The prompts that joined with nothing cached and fit the budget (each at most
+        prefill_chunk tokens, together at most max(budget, prefill_chunk) or, with no budget,
+        BATCH_PREFILL_TOKENS), padded to one length for one forward; returns the budget left."""
         room = BATCH_PREFILL_TOKENS if budget is None else budget
         group: list[Request] = []
         for r in sorted((r for r in self.slots if r is not None and r.prefilled == 0), key=lambda r: r.id):
-            if r.prompt_len <= min(room, self.prefill_chunk if budget is not None else room):
+            if r.target <= min(room, self.prefill_chunk if budget is not None else room):
                 group.append(r)
-                room -= r.prompt_len
+                room -= r.target
         if len(group) < 2:
             return budget
-        s = min(-(-max(r.prompt_len for r in group) // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
-        out.append(Prefill(group, [r.prompt + [0] * (s - r.prompt_len) for r in group], 0,
-                           [r.prompt_len for r in group], True))
+        s = min(-(-max(r.target for r in group) // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
+        out.append(Prefill(group, [r.tokens[: r.target] + [0] * (s - r.target) for r in group], 0,
+                           [r.target for r in group], True))
         for r in group:
-            r.prefilled, r.launched = r.prompt_len, 1
-        return None if budget is None else max(0, budget - sum(r.prompt_len for r in group))
+            self._planned(r, r.target)
+        return None if budget is None else max(0, budget - sum(r.target for r in group))
 
     def decode(self) -> Decode | None:
-        """The decode step of the rows that still have tokens to compute, or None; counts their
-        next tokens as launched."""
-        live = [r for r in self.slots if r is not None and r.decoding and r.launched < r.params.max_tokens]
+        """The decode step of the rows that still have tokens to compute, or None; gives each the
+        block its new position needs (preempting the newest requests where the pool has none);
+        counts their next tokens as launched."""
+        with self.cv:
+            live = self._grow([r for r in self.slots if r is not None and r.decoding
+                               and r.launched < r.params.max_tokens])
         if not live:
             return None
         b = next(b for b in self.buckets if b > max(r.slot for r in live))
@@ -373,4 +491,31 @@ class Scheduler:
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)
         for r in live:
             r.launched += 1
-        return Decode(live, b, pos, kv_len, greedy)
+        tables, self._tables = self._tables, {}
+        return Decode(live, b, pos, kv_len, greedy, [r.slot for r in live], tables)
+
+    def _grow(self, live: list[Request]) -> list[Request]:
+        """Under self.cv: a block for each live row whose next position starts one; where the pool
+        is out, the newest running request is preempted (possibly one of these) until it is not.
+        Returns the rows still live."""
+        for r in sorted(live, key=lambda r: r.id):
+            if r.slot is None:  # preempted below for an older one
+                continue
+            while r.pos // self.block_size >= len(r.blocks):
+                if self.pool.available:
+                    r.blocks += self.pool.allocate(1)
+                    self._tables[r.slot] = list(r.blocks)
+                    continue
+                self._preempt(max((x for x in self.slots if x is not None), key=lambda x: x.id))
+                if r.slot is None:
+                    break
+        return [r for r in live if r.slot is not None]
+
+    def _preempt(self, r: Request) -> None:
+        """Under self.cv: r's row and blocks back; it waits at the queue's head to prefill all its
+        tokens again (its full blocks stay cached, so most of that is a prefix hit)."""
+        self._free_row(r)
+        r.prefilled = r.launched = 0
+        r.names, r.named = [], 0
+        self.queue.appendleft(r)
+        self.times.preemptions += 1

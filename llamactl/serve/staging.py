@@ -8,11 +8,12 @@ import torch
 
 
 class Launched:
-    """A decode step in flight: its rows (serve.engine.Request, in their slots), its tokens on
-    their way to the host."""
+    """A decode step in flight: its requests (serve.scheduler.Request; request i at batch row
+    at[i]), its tokens on their way to the host."""
 
-    def __init__(self, rows: list, host: torch.Tensor, ready: "torch.cuda.Event | None", launched: float):
-        self.rows, self._host, self._ready, self.launched = rows, host, ready, launched
+    def __init__(self, rows: list, at: list[int], host: torch.Tensor, ready: "torch.cuda.Event | None",
+                 launched: float):
+        self.rows, self.at, self._host, self._ready, self.launched = rows, at, host, ready, launched
 
     def tokens(self) -> list[int]:
         if self._ready is not None:
@@ -65,8 +66,8 @@ class Staging:
         self._pos.copied(i)
         return dev
 
-    def read_later(self, out: torch.Tensor, rows: list, launched: float) -> Launched:
+    def read_later(self, out: torch.Tensor, rows: list, at: list[int], launched: float) -> Launched:
         """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
         i, host = self._tok.take(out.numel())
         host.copy_(out, non_blocking=self.gpu)
-        return Launched(rows, host, self._tok.copied(i), launched)
+        return Launched(rows, at, host, self._tok.copied(i), launched)

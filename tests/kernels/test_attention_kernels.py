@@ -199,3 +199,65 @@ def test_many_rows_take_fewer_splits():
     assert attention.plan(640, 64, heads=256, fill=528) == (4, 192)  # 8 rows
     assert attention.plan(640, 64, heads=1024, fill=528) == (1, 640)  # 32 rows: one program a head
     assert attention._fill(torch.device("cpu")) == 0
+
+
+def _scatter_pool(k: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [B, H_kv, S, D] -> a pool [blocks, block_size, H_kv, D] holding each row's positions in
+    shuffled blocks (block 0 left as garbage) and the table [B, S / block_size] int32."""
+    b, h, s, d = k.shape
+    per = s // block_size
+    order = torch.randperm(b * per, generator=torch.Generator().manual_seed(seed)) + 1  # block 0: the null block
+    pool = torch.randn(b * per + 1, block_size, h, d, dtype=k.dtype, device=k.device)
+    table = order.view(b, per).to(torch.int32)
+    for i in range(b):
+        for j in range(per):
+            pool[table[i, j]] = k[i, :, j * block_size : (j + 1) * block_size].transpose(0, 1)
+    return pool, table.to(k.device)
+
+
+@pytest.mark.parametrize("block_size,rep", [(16, 4), (32, 1)])
+def test_paged_decode_attention_reads_each_row_through_its_block_table(block_size, rep):
+    """The paged kernel against a float64 softmax over each row's own positions, rows at different
+    lengths, the blocks of the rows interleaved in the pool."""
+    torch.manual_seed(block_size)
+    b, kv, d, s = 3, 2, 64, 256
+    q = torch.randn(b, kv, rep, d, device=DEV, dtype=ATTN_DTYPE)
+    k = torch.randn(b, kv, s, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    kp, table = _scatter_pool(k, block_size, 1)
+    vp, _ = _scatter_pool(v, block_size, 1)
+    pos = torch.tensor([0, 77, s - 1], device=DEV)
+    out = attention.paged_decode_attention(q, kp, vp, table, pos)
+    for i, p in enumerate(pos.tolist()):
+        scores = q[i].double() @ k[i, :, : p + 1].double().transpose(-1, -2) / d**0.5
+        ref = scores.softmax(-1) @ v[i, :, : p + 1].double()
+        assert rel(out[i].cpu(), ref.cpu()) < 5e-3, p
+
+
+def test_paged_decode_attention_with_rope_writes_its_block_and_nothing_else():
+    from llamactl.runtime.model import apply_rope
+
+    torch.manual_seed(9)
+    b, kv, rep, d, s, bs = 2, 2, 2, 64, 128, 16
+    k = torch.randn(b, kv, s, d, device=DEV, dtype=ATTN_DTYPE)
+    v = torch.randn_like(k)
+    kp, table = _scatter_pool(k, bs, 2)
+    vp, _ = _scatter_pool(v, bs, 2)
+    q, k_new, v_new = (torch.randn(b, kv, n, d, device=DEV, dtype=ATTN_DTYPE) for n in (rep, 1, 1))
+    ang = torch.rand(b, d // 2, device=DEV) * 3
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # [B, D]
+    pos = torch.tensor([40, 95], device=DEV)
+    kp2, vp2 = kp.clone(), vp.clone()
+    out = attention.paged_decode_attention_rope(q, k_new[:, :, 0], v_new[:, :, 0], kp2, vp2, table, cos, sin, pos)
+    changed = (kp2 != kp).any(-1).any(-1)  # [blocks, block_size]
+    for i, p in enumerate(pos.tolist()):
+        blk, off = int(table[i, p // bs]), p % bs
+        assert changed[blk, off] and torch.equal(vp2[blk, off], v_new[i, :, 0])
+        kr = apply_rope(k_new[i].double(), cos[i].double()[None], sin[i].double()[None])[:, 0]  # [KV, D]
+        assert rel(kp2[blk, off].cpu(), kr.cpu()) < 2e-3
+        qr = apply_rope(q[i].double(), cos[i].double()[None], sin[i].double()[None])
+        keys = torch.cat([k[i, :, :p].double(), kr[:, None]], 1)
+        vals = torch.cat([v[i, :, :p].double(), v_new[i].double()], 1)
+        ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vals
+        assert rel(out[i].cpu(), ref.cpu()) < 5e-3
+    assert int(changed.sum()) == b

@@ -33,12 +33,13 @@ def prefills_together(monkeypatch) -> list[int]:
     return calls
 
 
-def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None):
-    """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason)."""
+def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None, kv=None, engine=None):
+    """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason).
+    kv: the KV pool (engine.KvOptions); engine: one made already (not stopped after)."""
     from llamactl.serve.engine import Engine
 
-    eng = Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk,
-                 overlap=overlap).start()
+    eng = engine or Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk,
+                           overlap=overlap, kv=kv).start()
     out = [([], None) for _ in requests]
 
     def cb(i):
@@ -53,7 +54,8 @@ def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=No
     deadline = time.time() + 120
     while not all(r.finished for r in reqs) and time.time() < deadline:
         time.sleep(0.01)
-    eng.stop()
+    if engine is None:
+        eng.stop()
     return out
 
 
@@ -357,3 +359,40 @@ def test_a_failed_prefill_capture_leaves_its_bucket_eager(embedded):
     assert d.prefill_slots(ids, at, n).tolist() == want and list(d.prefill_graphs.failed) == [(2, 64)]
     assert d.prefill_graphs.summary() == ("2 prefill graphs; 2 x 64 eager (RuntimeError: CUDA error: operation "
                                           "failed due to a previous error during capture)")
+
+
+def test_prefix_hits_and_preemption_give_the_tokens_of_a_fresh_run(embedded):
+    """The paged cache's reuse and recompute, token for token (CPU float32): requests sharing a
+    long prefix reuse its cached blocks (prefilling only their own tokens); a pool too small for
+    all rows preempts the newest mid-generation, which prefills its tokens so far again and goes on;
+    both a step ahead too."""
+    from llamactl.serve.engine import Engine, KvOptions, Params
+
+    art, model, tok = embedded
+    eos = set()
+    shared = tok(" ".join(PROMPTS)).input_ids[:40]
+    reqs = [(shared + tok(p).input_ids, Params(max_tokens=12, temperature=0.0 if i % 2 else 0.7, seed=i))
+            for i, p in enumerate(PROMPTS[:4])]
+    alone = [_run_engine(model, eos, [r], kv=KvOptions(prefix_cache=False))[0] for r in reqs]
+    eng = Engine(model, eos, max_batch=4, max_queue=16, max_seq=128, kv=KvOptions(block_size=8)).start()
+    try:
+        assert _run_engine(model, eos, reqs[:1], engine=eng) == alone[:1]
+        assert _run_engine(model, eos, reqs[1:], engine=eng) == alone[1:]
+        pool = eng.scheduler.pool
+        assert pool.hit_tokens >= 3 * 40 // 8 * 8 and pool.queried_tokens == sum(len(r[0]) for r in reqs)
+    finally:
+        eng.stop()
+    for overlap in (False, True):  # 4 rows of ~60 tokens in 24 blocks of 8: they cannot all run to the end
+        small = Engine(model, eos, max_batch=4, max_queue=16, max_seq=128, overlap=overlap,
+                       kv=KvOptions(memory_gib=24 * 8 * _token_bytes(model) / 2**30, block_size=8)).start()
+        try:
+            assert small.scheduler.pool.blocks == 25
+            assert _run_engine(model, eos, reqs, engine=small) == alone
+            assert small.times.preemptions > 0
+        finally:
+            small.stop()
+
+
+def _token_bytes(model) -> int:
+    a = model.args
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4  # float32 K and V

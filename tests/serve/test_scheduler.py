@@ -56,8 +56,14 @@ def make(max_batch=4, max_queue=8, max_seq=64, chunk=512, gpu=False, gather_s=0.
     return s, clock
 
 
-def submit(s, n=5, max_tokens=4, temperature=0.0):
-    return s.submit(list(range(1, n + 1)), Params(max_tokens=max_tokens, temperature=temperature), lambda ev: None)
+_first = iter(range(1000, 10**9, 10**4))
+
+
+def submit(s, n=5, max_tokens=4, temperature=0.0, tokens=None):
+    """A request of n tokens of its own (no prefix shared with another's), or of `tokens`."""
+    first = next(_first)
+    ids = tokens if tokens is not None else list(range(first, first + n))
+    return s.submit(ids, Params(max_tokens=max_tokens, temperature=temperature), lambda ev: None)
 
 
 def test_the_scheduler_imports_no_torch():
@@ -88,7 +94,7 @@ def test_a_prompt_joining_decoding_rows_is_chunked_within_the_budget():
     chunks = []
     for _ in range(3):
         plan = s.schedule(busy=True)
-        chunks += [(p.start, p.valid[0], p.ids[0], p.last) for p in plan.prefills]
+        chunks += [(p.start, p.valid[0], [t - long.tokens[0] + 1 for t in p.ids[0]], p.last) for p in plan.prefills]
         step = s.decode()
         assert step.requests == ([first, long] if long.decoding else [first])
         if long.decoding:  # its first step feeds the prefill's token, at the position after the prompt
@@ -127,7 +133,7 @@ def test_cancelled_requests_leave_the_queue_and_their_rows():
     queued.cancel()
     running.cancel()
     plan = s.schedule(busy=True)
-    assert plan.cancelled == [queued, running] and s.running == 0 and s.waiting == 0 and plan.prefills == []
+    assert set(plan.cancelled) == {queued, running} and s.running == 0 and s.waiting == 0 and plan.prefills == []
 
 
 def test_what_does_not_fit_is_rejected_and_a_full_queue_refused():

@@ -1,0 +1,93 @@
+"""The KV block pool alone (no torch): reference counts, prefix names, LRU eviction; and the
+scheduler's use of it: packed rows, prefix hits, admission by blocks, preemption."""
+
+from __future__ import annotations
+
+from llamactl.serve.blocks import BlockPool, chain
+from llamactl.serve.scheduler import Params, Scheduler, buckets
+from test_scheduler import FakeClock, FakeCondition
+
+
+def test_chain_names_full_blocks_by_everything_before_them():
+    a, b = chain(list(range(10)), 4), chain(list(range(10)), 4, salt=b"other model")
+    assert len(a) == 2 and a != b and a[0] != b[0]
+    assert chain([9] + list(range(1, 10)), 4)[1] != a[1]  # same tokens in block 1, another block 0
+    assert chain(list(range(12)), 4, parent=a[1], start=8)[0] == chain(list(range(12)), 4)[2]
+
+
+def test_pool_keeps_named_blocks_and_evicts_the_least_recently_used():
+    pool = BlockPool(5, 4)
+    x, y = pool.allocate(2), pool.allocate(2)
+    assert 0 not in x + y and pool.available == 0
+    names = chain(list(range(8)), 4)
+    pool.name(x[0], names[0]), pool.name(x[1], names[1])
+    pool.release(x)
+    pool.release(y)
+    assert pool.available == 4 and pool.cached == 2
+    assert pool.match(names) == x and pool.match(chain([7] * 8, 4)) == []
+    pool.hold(x[:1])  # a sequence reuses the first block; the second stays idle
+    got = pool.allocate(3)  # 2 free + the idle named one
+    assert x[1] in got and pool.evicted == 1 and pool.match(names) == x[:1]
+    unnamed = BlockPool(5, 4, prefix_cache=False)
+    b = unnamed.allocate(1)
+    unnamed.name(b[0], names[0])
+    assert unnamed.match(names) == [] and unnamed.cached == 0
+
+
+def _sched(blocks, max_batch=4, block_size=4, max_seq=64):
+    s = Scheduler(max_batch, 8, max_seq, 512, False, 0.0, clock=FakeClock(), pool=BlockPool(blocks, block_size))
+    s.cv = FakeCondition(s.clock)
+    return s
+
+
+def _submit(s, ids, max_tokens=8):
+    return s.submit(ids, Params(max_tokens=max_tokens, temperature=0.0), lambda ev: None)
+
+
+def test_a_request_reuses_the_cached_full_blocks_of_its_prefix():
+    s = _sched(40)
+    first = _submit(s, list(range(1, 14)))  # 13 tokens: 3 full blocks of 4
+    s.schedule(busy=False)
+    s.release(first)
+    again = _submit(s, list(range(1, 13)) + [99, 98])
+    plan = s.schedule(busy=False)
+    (p,) = plan.prefills
+    assert again.cached == 12 and p.start == 12 and p.valid == [2]
+    assert again.blocks[:3] == first_blocks(s, again) and s.pool.hit_tokens == 12
+    whole = _submit(s, list(range(1, 13)))  # all 12 tokens cached: the last block is computed again
+    (p,) = s.schedule(busy=True).prefills
+    assert whole.cached == 8 and p.start == 8 and p.valid == [4]
+
+
+def first_blocks(s, r):
+    return [s.pool.match(r.names)[i] for i in range(3)]
+
+
+def test_rows_are_packed_and_a_step_runs_the_smallest_bucket():
+    s = _sched(100, max_batch=8)
+    reqs = [_submit(s, [i * 100 + j for j in range(3)]) for i in range(8)]
+    s.schedule(busy=False)
+    for r in reqs[:6]:
+        r.cancel()
+    plan = s.schedule(busy=True)
+    assert plan.moves == [(7, 0), (6, 1)] and reqs[7].slot == 0 and reqs[6].slot == 1
+    assert plan.tables[6] == [] and plan.tables[7] == []  # the rows left point at the null block
+    step = s.decode()
+    assert step.rows == 2 and step.at == [0, 1] and step.requests == [reqs[7], reqs[6]]
+    assert buckets(256)[:8] == [1, 2, 4, 8, 16, 32, 64, 96] and buckets(256)[-1] == 256
+
+
+def test_admission_waits_for_blocks_and_the_newest_is_preempted_when_they_run_out():
+    s = _sched(9, max_batch=4)  # 8 blocks of 4 tokens
+    a, b = _submit(s, list(range(7)), max_tokens=20), _submit(s, list(range(50, 57)), max_tokens=20)
+    c = _submit(s, list(range(80, 95)))  # 4 blocks: not while a and b hold 4 and 1 must stay free
+    s.schedule(busy=False)
+    assert a.slot is not None and b.slot is not None and c.slot is None and s.waiting == 1
+    for _ in range(12):  # a and b grow a block each every 4 tokens: 8 blocks last until b is preempted
+        s.decode()
+        for r in (a, b):
+            r.tokens.append(1)
+        if s.times.preemptions:
+            break
+    assert s.times.preemptions == 1 and b.slot is None and s.queue[0] is b and a.slot == 0
+    assert "KV blocks" in s.fits(20, 20)  # 10 blocks can never fit 8
