@@ -3,11 +3,14 @@
 An asyncio HTTP client (llamactl/bench/httpstream.py for http://, httpx for https:// and the GETs)
 streams /v1/completions requests: closed loop (`concurrency` clients,
 each sending its next request when the last one ended) or, with `rate`, Poisson arrivals of that
-many requests a second (at most `concurrency` in flight). Prompts are `prompt_len` random words
-(the server's usage field gives its token count), answers `gen_len` tokens with EOS ignored
-(`ignore_eos`, as vLLM and llama.cpp take it). One row a concurrency, in bench's JSON schema:
-TTFT (request sent -> first token's chunk), inter-token latency (between a stream's chunks),
-end-to-end latency, requests/s, output tokens/s and errors.
+many requests a second (at most `concurrency` in flight). Prompts are random words, `prompt_len`
+of them or uniform in a range (the server's usage field gives their token count), after a shared
+prefix of `shared_prefix` words (one of `prefix_groups` prefixes, as system prompts are), or the
+prompts of a JSONL file (`dataset`); answers are `gen_len` tokens (or uniform in a range) with EOS
+ignored (`ignore_eos`, as vLLM and llama.cpp take it). One row a concurrency, in bench's JSON
+schema: TTFT (request sent -> first token's chunk), inter-token latency (between a stream's
+chunks), end-to-end latency, requests/s, output tokens/s and errors; with latency targets the
+goodput (requests/s that met both), with a GPU's hourly price the dollars per million output tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from pathlib import Path
 
 from llamactl.errors import InputError
 from llamactl.bench.stats import median, percentile
@@ -36,6 +41,14 @@ class Load:
     requests: int = 64
     prompt_len: int = 128
     gen_len: int = 256
+    prompt_max: int | None = None  # prompts of prompt_len..prompt_max words (uniform); None: prompt_len
+    gen_max: int | None = None  # answers of gen_len..gen_max tokens (uniform); None: gen_len
+    shared_prefix: int = 0  # words every prompt begins with (one of prefix_groups prefixes)
+    prefix_groups: int = 1
+    dataset: str | None = None  # JSONL: {"prompt": str} or {"messages": [...]} a line (or a bare string)
+    slo_ttft_ms: float | None = None  # goodput: requests whose TTFT and mean ITL meet these
+    slo_itl_ms: float | None = None
+    gpu_hourly_cost: float | None = None  # USD an hour of the server's GPU(s): $ per million output tokens
     rate: float | None = None  # requests a second (Poisson); None: closed loop
     model: str | None = None  # None: the first of the server's /v1/models
     api_key: str | None = None
@@ -49,16 +62,65 @@ def prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-async def _one(post, load: Load, model: str, prompt: str) -> dict[str, Any]:
-    """One streamed completion; post(path, body bytes): an async context manager giving the
-    response (status_code, aiter_lines(), aread()), as httpstream.Client.post and httpx's stream do."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": load.gen_len, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+def requests_for(load: Load, n: int, seed: int) -> list[tuple[Any, int]]:
+    """n (prompt, max_tokens) pairs: a prompt is a string, or a chat's messages (a dataset's)."""
+    rng = random.Random(seed)
+    gens = [rng.randint(load.gen_len, load.gen_max or load.gen_len) for _ in range(n)]
+    if load.dataset:
+        rows = read_dataset(load.dataset)
+        return [(rows[(seed + i) % len(rows)], g) for i, g in enumerate(gens)]
+    heads = prompts(load.prefix_groups, load.shared_prefix, 7_777) if load.shared_prefix else [""]
+    out = []
+    for i, g in enumerate(gens):
+        own = prompts(1, rng.randint(load.prompt_len, load.prompt_max or load.prompt_len), rng.randrange(1 << 30))[0]
+        head = heads[rng.randrange(len(heads))]
+        out.append(((head + " " + own) if head else own, g))
+    return out
+
+
+def read_dataset(path: str) -> list[Any]:
+    """The prompts of a JSONL file: a line is {"prompt": "..."}, {"messages": [...]} or "...";
+    one clear error for a file that is none of these."""
+    p = Path(path).expanduser()
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--dataset {path}: cannot read it ({type(e).__name__}: {e})",
+                         "pass a UTF-8 JSONL file, one prompt or chat a line") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise InputError(f"--dataset {path}, line {n}: not JSON", "write one JSON value a line") from None
+        if isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"]:
+            rows.append(obj["messages"])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and obj["prompt"]:
+            rows.append(obj["prompt"])
+        elif isinstance(obj, str) and obj:
+            rows.append(obj)
+        else:
+            raise InputError(f"--dataset {path}, line {n}: no prompt", 'use {"prompt": "..."} or {"messages": [...]}')
+    if not rows:
+        raise InputError(f"--dataset {path}: no prompts in it", "add one JSON prompt or chat a line")
+    return rows
+
+
+async def _one(post, load: Load, model: str, prompt: Any, max_tokens: int | None = None) -> dict[str, Any]:
+    """One streamed completion (a chat completion where prompt is messages); post(path, body
+    bytes): an async context manager giving the response (status_code, aiter_lines(), aread()),
+    as httpstream.Client.post and httpx's stream do."""
+    chat = isinstance(prompt, list)
+    ask = {"messages": prompt} if chat else {"prompt": prompt}
+    body = json.dumps({"model": model, **ask, "max_tokens": max_tokens or load.gen_len, "temperature": 0,
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
     out: dict[str, Any] = {"ok": False, "chunks": [], "prompt_tokens": None, "output_tokens": None, "error": None}
     t0 = time.perf_counter()
     out["start"] = t0
     try:
-        async with post("/v1/completions", body) as resp:
+        async with post("/v1/chat/completions" if chat else "/v1/completions", body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 out["error"] = f"HTTP {resp.status_code}: {_message(text)}"
@@ -73,7 +135,7 @@ async def _one(post, load: Load, model: str, prompt: str) -> dict[str, Any]:
                 if obj.get("error"):
                     out["error"] = f"stream error: {_message(data)}"
                     return out
-                if obj.get("choices"):
+                if obj.get("choices") and _has_text(obj["choices"][0]):
                     out["chunks"].append(time.perf_counter())
                 if obj.get("usage"):
                     out["prompt_tokens"] = obj["usage"].get("prompt_tokens")
@@ -90,6 +152,12 @@ async def _one(post, load: Load, model: str, prompt: str) -> dict[str, Any]:
     return out
 
 
+def _has_text(choice: dict) -> bool:
+    """Whether a stream chunk carries output (a chat stream's first chunk may carry the role alone)."""
+    delta = choice.get("delta")
+    return bool(delta.get("content")) if isinstance(delta, dict) else "text" in choice
+
+
 def _message(text: str) -> str:
     try:
         return str(json.loads(text)["error"]["message"])[:200]
@@ -97,7 +165,7 @@ def _message(text: str) -> str:
         return text[:200]
 
 
-async def _level(post, load: Load, model: str, concurrency: int, texts: list[str]) -> tuple[list[dict], float]:
+async def _level(post, load: Load, model: str, concurrency: int, texts: list[tuple[Any, int]]) -> tuple[list[dict], float]:
     """Every request of one concurrency level -> (results, wall time)."""
     results: list[dict] = []
     t0 = time.perf_counter()
@@ -105,25 +173,37 @@ async def _level(post, load: Load, model: str, concurrency: int, texts: list[str
         todo = iter(texts)
 
         async def worker():
-            for text in todo:
-                results.append(await _one(post, load, model, text))
+            for text, gen in todo:
+                results.append(await _one(post, load, model, text, gen))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     else:
         rng, gate, tasks = random.Random(load.seed), asyncio.Semaphore(concurrency), []
 
-        async def send(text):
+        async def send(text, gen):
             async with gate:
-                results.append(await _one(post, load, model, text))
+                results.append(await _one(post, load, model, text, gen))
 
-        for text in texts:
-            tasks.append(asyncio.ensure_future(send(text)))
+        for text, gen in texts:
+            tasks.append(asyncio.ensure_future(send(text, gen)))
             await asyncio.sleep(rng.expovariate(load.rate))
         await asyncio.gather(*tasks)
     return results, time.perf_counter() - t0
 
 
-def summarize(results: list[dict], wall: float) -> dict[str, Any]:
+def goodput(results: list[dict], wall: float, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> float:
+    """Requests a second that succeeded within both targets: TTFT, and the mean time between
+    their tokens (None: no target)."""
+    def met(r):
+        ttft = (r["chunks"][0] - r["start"]) * 1000
+        gaps = len(r["chunks"]) - 1
+        itl = (r["chunks"][-1] - r["chunks"][0]) * 1000 / gaps if gaps else 0.0
+        return (slo_ttft_ms is None or ttft <= slo_ttft_ms) and (slo_itl_ms is None or itl <= slo_itl_ms)
+
+    return sum(1 for r in results if r["ok"] and met(r)) / wall
+
+
+def summarize(results: list[dict], wall: float, load: Load | None = None) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     ttft = [r["chunks"][0] - r["start"] for r in ok]
     itl = [(b - a) * 1000 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
@@ -147,7 +227,19 @@ def summarize(results: list[dict], wall: float) -> dict[str, Any]:
         "e2e_s_p50": pct(e2e, 50), "e2e_s_p95": pct(e2e, 95),
         "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
         "output_tokens_mean": out_tokens / len(ok) if ok else None,
+        **_targets(results, wall, out_tokens, load),
     }
+
+
+def _targets(results: list[dict], wall: float, out_tokens: int, load: Load | None) -> dict[str, Any]:
+    """goodput_requests_s under the latency targets, usd_per_million_output_tokens at the GPU's price."""
+    out: dict[str, Any] = {}
+    if load is not None and (load.slo_ttft_ms is not None or load.slo_itl_ms is not None):
+        out["goodput_requests_s"] = goodput(results, wall, load.slo_ttft_ms, load.slo_itl_ms)
+        out["slo"] = {"ttft_ms": load.slo_ttft_ms, "itl_ms": load.slo_itl_ms}
+    if load is not None and load.gpu_hourly_cost is not None and out_tokens:
+        out["usd_per_million_output_tokens"] = load.gpu_hourly_cost / 3600 * wall / out_tokens * 1e6
+    return out
 
 
 async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
@@ -196,18 +288,22 @@ async def _levels(client, post, load: Load, on_row: Callable[[dict], None]) -> l
     """The warm-up requests, then each concurrency level's row; client (httpx): the GETs."""
     model = load.model or await _first_model(client, load.url)
     for i in range(load.warmup):
-        r = await _one(post, load, model, prompts(1, load.prompt_len, load.seed + 10_000 + i)[0])
+        r = await _one(post, load, model, *requests_for(load, 1, load.seed + 10_000 + i)[0])
         if not r["ok"]:
             raise InputError(f"{load.url}: the warm-up request failed ({r['error']})",
                              "check the server, --model and --api-key")
     rows = []
     for c in load.concurrency:
         before = await _server_metrics(client)
-        results, wall = await _level(post, load, model, c, prompts(load.requests, load.prompt_len, load.seed + c))
+        results, wall = await _level(post, load, model, c, requests_for(load, load.requests, load.seed + c))
         after = await _server_metrics(client)
         row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
-               "batch": c, "concurrency": c, "prompt_len": load.prompt_len, "gen_len": load.gen_len,
-               "url": load.url, **summarize(results, wall)}
+               "batch": c, "concurrency": c, "prompt_len": _span(load.prompt_len, load.prompt_max),
+               "gen_len": _span(load.gen_len, load.gen_max), "url": load.url, **summarize(results, wall, load)}
+        if load.shared_prefix:
+            row["shared_prefix"] = {"words": load.shared_prefix, "groups": load.prefix_groups}
+        if load.dataset:
+            row["dataset"] = load.dataset
         if before and after:  # llamactl's server: where the level's time went on its side
             row.update(_server_side(before, after, row["requests"]))
         rows.append(row)
@@ -215,10 +311,15 @@ async def _levels(client, post, load: Load, on_row: Callable[[dict], None]) -> l
     return rows
 
 
+def _span(lo: int, hi: int | None) -> int | str:
+    return lo if hi is None or hi == lo else f"{lo}:{hi}"
+
+
 # besides llamactl_engine_*: the server's time to first token (submit to the first token handed
-# out) and the CPU time of its HTTP thread
+# out), the CPU time of its HTTP thread, and its KV pool's prefix hits
 SERVER_METRICS = ("llamactl_time_to_first_token_seconds_sum", "llamactl_time_to_first_token_seconds_count",
-                  "llamactl_http_thread_cpu_seconds")
+                  "llamactl_http_thread_cpu_seconds", "llamactl_prefix_cache_hit_tokens",
+                  "llamactl_prefix_cache_queried_tokens")
 
 
 async def _server_metrics(client) -> dict[str, float] | None:
@@ -251,6 +352,8 @@ def _server_side(before: dict[str, float], after: dict[str, float], requests: in
         server["ttft_ms_mean"] = 1000 * d["llamactl_time_to_first_token_seconds_sum"] / count
     if "llamactl_http_thread_cpu_seconds" in d and requests:
         server["http_cpu_ms_per_request"] = 1000 * d["llamactl_http_thread_cpu_seconds"] / requests
+    if d.get("llamactl_prefix_cache_queried_tokens"):
+        server["prefix_hit_rate"] = d.get("llamactl_prefix_cache_hit_tokens", 0.0) / d["llamactl_prefix_cache_queried_tokens"]
     if server:
         out["server"] = server
     return out

@@ -27,10 +27,25 @@ def busy_cpu() -> str | None:
     return f"load {load:.1f} on {cores} cores" if load > cores / 2 else None
 
 
+def len_range(name: str, value: str, least: int) -> list[tuple[int, int]]:
+    """"128", "64,128" (a sweep) or "64:2048" (a range) -> [(lo, hi)]: each at least `least`."""
+    out = []
+    for part in value.split(","):
+        lo, _, hi = part.strip().partition(":")
+        try:
+            pair = (int(lo), int(hi) if hi else int(lo))
+        except ValueError:
+            raise typer.BadParameter(f"{name} {value!r}: whole numbers, a comma list or LO:HI") from None
+        if pair[0] < least or pair[1] < pair[0]:
+            raise typer.BadParameter(f"{name} {part!r}: at least {least}, and LO <= HI")
+        out.append(pair)
+    return out
+
+
 def bench(
     models: Annotated[Optional[list[str]], typer.Argument(help="Model folders (default: the embedded model).", show_default=False)] = None,
-    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt tokens; a comma list sweeps.", callback=lambda v: int_list("--prompt-len", v))] = "128",
-    gen_len: Annotated[int, typer.Option("--gen-len", min=2, help="New tokens per generation.")] = 256,
+    prompt_len: Annotated[str, typer.Option("--prompt-len", help="Prompt tokens; a comma list sweeps; a load test takes one, or a range LO:HI (uniform; words).", callback=lambda v: len_range("--prompt-len", v, 1))] = "128",
+    gen_len: Annotated[str, typer.Option("--gen-len", help="New tokens per generation; a load test takes a range LO:HI too (uniform).", callback=lambda v: len_range("--gen-len", v, 2))] = "256",
     batch: Annotated[str, typer.Option("--batch", help="Batch sizes; a comma list sweeps.", callback=lambda v: int_list("--batch", v))] = "1",
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs first (compilation, graph capture).")] = 2,
     repeat: Annotated[int, typer.Option(min=1, help="Timed runs; the median is reported.")] = 5,
@@ -60,6 +75,12 @@ def bench(
     concurrency: Annotated[str, typer.Option("--concurrency", help="Load test: clients sending at once; a comma list sweeps.", callback=lambda v: int_list("--concurrency", v))] = "1",
     requests: Annotated[int, typer.Option("--requests", min=1, help="Load test: requests per concurrency level.")] = 64,
     rate: Annotated[Optional[float], typer.Option("--rate", min=0.001, help="Load test: Poisson arrivals of this many requests a second (at most --concurrency in flight) instead of a closed loop.")] = None,
+    shared_prefix: Annotated[int, typer.Option("--shared-prefix", min=0, help="Load test: words every prompt begins with (a system prompt), before its own --prompt-len.")] = 0,
+    prefix_groups: Annotated[int, typer.Option("--prefix-groups", min=1, help="Load test: how many different shared prefixes (each request takes one at random).")] = 1,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="Load test: prompts from a JSONL file, a line {\"prompt\": ...}, {\"messages\": [...]} (sent as chats) or a string.")] = None,
+    slo_ttft_ms: Annotated[Optional[float], typer.Option("--slo-ttft-ms", min=0.0, help="Load test: goodput counts the requests whose time to first token is within this.")] = None,
+    slo_itl_ms: Annotated[Optional[float], typer.Option("--slo-itl-ms", min=0.0, help="Load test: goodput counts the requests whose mean time between tokens is within this.")] = None,
+    gpu_hourly_cost: Annotated[Optional[float], typer.Option("--gpu-hourly-cost", min=0.0, help="Load test: USD an hour of the server's GPUs; adds dollars per million output tokens.")] = None,
     served_model: Annotated[Optional[str], typer.Option("--model", help="Load test: the model name to send (default: the server's first in /v1/models).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
     tp: TpOpt = 1,
@@ -72,14 +93,19 @@ def bench(
     if url or serve_model:
         if url and serve_model:
             raise typer.BadParameter("--url and --serve: give one (--serve starts its own server)")
-        prompt = prompt_len[0] if len(prompt_len) == 1 else None
-        if prompt is None:
-            raise typer.BadParameter("a load test takes one --prompt-len")
+        if len(prompt_len) != 1 or len(gen_len) != 1:
+            raise typer.BadParameter("a load test takes one --prompt-len and one --gen-len (or ranges LO:HI)")
         from llamactl.bench import loadtest
         from llamactl.options import api_key as key_from_env
 
-        load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=prompt,
-                             gen_len=gen_len, rate=rate, model=served_model, api_key=api_key or key_from_env())
+        (p_lo, p_hi), (g_lo, g_hi) = prompt_len[0], gen_len[0]
+        load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=p_lo,
+                             gen_len=g_lo, prompt_max=p_hi, gen_max=g_hi, shared_prefix=shared_prefix,
+                             prefix_groups=prefix_groups, dataset=dataset, slo_ttft_ms=slo_ttft_ms,
+                             slo_itl_ms=slo_itl_ms, gpu_hourly_cost=gpu_hourly_cost, rate=rate,
+                             model=served_model, api_key=api_key or key_from_env())
+        if dataset:
+            loadtest.read_dataset(dataset)  # a bad file fails before a server starts
         _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, serve_mode(mode), fmt, output)
         return
     if compare_files:
@@ -93,6 +119,11 @@ def bench(
         if not ok:
             raise typer.Exit(1)
         return
+    if any(hi != lo for lo, hi in prompt_len + gen_len):
+        raise typer.BadParameter("length ranges (LO:HI) are for load tests (--url, --serve)")
+    if len(gen_len) != 1:
+        raise typer.BadParameter("--gen-len: one value")
+    prompt_len, gen_len = [lo for lo, _ in prompt_len], gen_len[0][0]
     from llamactl.bench import trials as core  # torch: only for measuring
     from llamactl.bench import targets as bt
     from llamactl.runtime.load import resolve_device
@@ -207,7 +238,8 @@ def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_q
         if serve_model:
             from llamactl.serve.spawn import spawned
 
-            room = 2 * load.prompt_len + load.gen_len  # a word may be more than one token
+            room = 2 * (load.shared_prefix + (load.prompt_max or load.prompt_len)) + (load.gen_max or load.gen_len)
+            room = 4096 if load.dataset else room  # a word may be more than one token
             with spawned(serve_model, max(load.concurrency), room, device, dtype, synthetic, synthetic_quant,
                          load.api_key, ui.log, mode) as url:
                 load.url = url

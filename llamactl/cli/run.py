@@ -157,9 +157,13 @@ def serve(
     model: ModelArg = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; mind --api-key then).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port; 0 picks a free one (printed).")] = 8000,
-    max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="Requests decoded together (slots of the KV cache).")] = 8,
+    max_batch: Annotated[Optional[int], typer.Option("--max-batch", min=1, max=1024, help="Most requests running at once (the KV memory may hold fewer) [default: 256 on a GPU, 8 on the CPU].")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot; more are answered 429 at once.")] = 64,
-    max_seq: Annotated[Optional[int], typer.Option("--max-seq", min=2, help="Tokens a slot holds (prompt + output) (default: the model's context, at most 4096).")] = None,
+    max_seq: Annotated[Optional[int], typer.Option("--max-seq", min=2, help="Most tokens of one sequence (prompt + output) (default: the model's context, at most 4096).")] = None,
+    kv_memory: Annotated[Optional[float], typer.Option("--kv-memory", min=0.001, help="GiB of KV cache blocks (default: what --gpu-memory-fraction leaves after the weights and activations; on the CPU --max-batch x --max-seq tokens, at most 2 GiB).")] = None,
+    gpu_memory_fraction: Annotated[Optional[float], typer.Option("--gpu-memory-fraction", min=0.05, max=1.0, help="Of the GPU's memory, what weights, activations and the KV cache may take together [default: 0.9].")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", min=1, max=256, help="Tokens a KV block holds (prefixes are reused by whole blocks).")] = 16,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompts' shared prefixes (system prompts, earlier turns) instead of computing them again.")] = True,
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].")] = None,
     gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
@@ -183,7 +187,9 @@ def serve(
 
     opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
-                        model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs)
+                        model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
+                        kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
+                        prefix_cache=prefix_cache)
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")

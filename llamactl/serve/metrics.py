@@ -38,9 +38,22 @@ class Metrics:
                              ("decode_steps", "Decode steps run."),
                              ("decode_rows", "Tokens the decode steps gave to requests."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
-                             ("gather_s", "Seconds waiting, from idle, for a burst's other requests.")):
+                             ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
+                             ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed).")):
             name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
             Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
+        pool = engine.scheduler.pool
+        for name, help_, fn in (
+                ("llamactl_kv_blocks_total", "KV blocks of the pool (each --block-size positions).", lambda: pool.blocks - 1),
+                ("llamactl_kv_blocks_used", "KV blocks held by running requests.", lambda: pool.used),
+                ("llamactl_kv_blocks_free", "KV blocks free or cached and unreferenced.", lambda: pool.available),
+                ("llamactl_kv_blocks_cached", "KV blocks named by a prefix (held or idle).", lambda: pool.cached),
+                ("llamactl_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                 lambda: pool.queried_tokens),
+                ("llamactl_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed).",
+                 lambda: pool.hit_tokens),
+                ("llamactl_kv_blocks_evicted", "Cached blocks whose prefix was dropped for new ones.", lambda: pool.evicted)):
+            Gauge(name, help_, registry=r).set_function(fn)
         # /metrics is answered on the event loop's thread, so this is that thread's CPU: parsing,
         # routing, detokenizing and writing every request's events (the engine's thread is apart)
         Gauge("llamactl_http_thread_cpu_seconds", "CPU seconds of the thread serving HTTP (uvicorn's event loop).",

@@ -14,7 +14,7 @@ from llamactl.options import RuntimeOptions
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
-    max_batch: int = 8
+    max_batch: int | None = None  # None: DEFAULT_MAX_BATCH on a GPU, CPU_MAX_BATCH on the CPU
     max_queue: int = 64
     max_seq: int | None = None  # None: the model's context, at most DEFAULT_MAX_SEQ
     prefill_chunk: int | None = None  # None: the engine's default for the device
@@ -24,9 +24,16 @@ class ServeOptions:
     model_name: str | None = None  # None: the model folder's name
     mode: str | None = None  # the decode step (decode.MODES); None: graphs on CUDA, eager on the CPU
     prefill_graphs: bool = True  # short prefills replay CUDA graphs where the steps do
+    kv_memory_gib: float | None = None  # the KV pool; None: gpu_memory_fraction of the card
+    gpu_memory_fraction: float | None = None  # None: runner.GPU_MEMORY_FRACTION
+    block_size: int = 16
+    prefix_cache: bool = True
 
 
-DEFAULT_MAX_SEQ = 4096  # cache positions a slot holds by default: memory grows with max_batch x this
+DEFAULT_MAX_SEQ = 4096  # positions a sequence may reach by default
+# running sequences at most: on a GPU high enough that the KV memory decides, not the cap; on the
+# CPU a step of many rows takes long
+DEFAULT_MAX_BATCH, CPU_MAX_BATCH = 256, 8
 # The engine's thread and the event loop share the GIL: with Python's default 5 ms switch interval a
 # step waits for the loop's SSE work up to 5 ms. 0.5 ms gave 839 against 713 output tok/s at 8
 # streams and 1,650 against 1,281 at 32 on an H200 (docs/bench/README.md).
@@ -111,10 +118,14 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         if serve.max_seq is not None and serve.max_seq > ctx:
             raise InputError(f"--max-seq {serve.max_seq} is longer than the model's context ({ctx})",
                              f"use --max-seq {ctx} or less")
-        engine = Engine(m, eos, serve.max_batch, serve.max_queue,
+        from llamactl.serve.engine import KvOptions
+
+        kv = KvOptions(serve.kv_memory_gib, serve.gpu_memory_fraction, serve.block_size, serve.prefix_cache)
+        max_batch = serve.max_batch or (DEFAULT_MAX_BATCH if m.device.type == "cuda" else CPU_MAX_BATCH)
+        engine = Engine(m, eos, max_batch, serve.max_queue,
                         serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world,
                         gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000,
-                        prefill_graphs=serve.prefill_graphs)
+                        prefill_graphs=serve.prefill_graphs, kv=kv)
         for w in engine.decoder.plan.warnings:
             warn(w)
         if leader:
@@ -130,7 +141,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             return "rank 0 stopped"
         name = serve.model_name or label
         app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
-        cache = engine.decoder.cache.nbytes
+        cache = engine.runner.cache
 
         def ready(url: str) -> None:
             from llamactl.ui import human_bytes
@@ -139,8 +150,10 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             graphs = engine.decoder.prefill_graphs
             prefills = f", {graphs.summary()}" if graphs is not None else ""
             log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}{prefills}, gemv "
-                f"{engine.decoder.plan.label}): {engine.max_batch} slots of {engine.max_seq} tokens "
-                f"(KV cache {human_bytes(cache)}), queue {serve.max_queue}, HTTP {' on '.join(http_stack())}, "
+                f"{engine.decoder.plan.label}): KV cache {human_bytes(cache.nbytes)}, {cache.blocks - 1} blocks of "
+                f"{cache.block_size} ({cache.tokens} tokens: {cache.tokens // engine.max_seq} sequences of "
+                f"--max-seq {engine.max_seq}), prefix cache {'on' if serve.prefix_cache else 'off'}; up to "
+                f"{engine.max_batch} running, queue {serve.max_queue}, HTTP {' on '.join(http_stack())}, "
                 f"warmed up in {warm_s:.0f} s" + (", API key required" if serve.api_key else ""))
 
         stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)

@@ -246,6 +246,39 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
     assert len(diffs) == 2
 
 
+def test_a_load_test_of_traffic_like_requests(server, tmp_path):
+    """Length ranges, a shared prefix the server's prefix cache reuses, goodput under targets and
+    the cost a million tokens; then a dataset of prompts and chats."""
+    out = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--concurrency", "2",
+                        "--requests", "6", "--prompt-len", "4:12", "--gen-len", "2:6", "--shared-prefix", "60",
+                        "--slo-ttft-ms", "60000", "--slo-itl-ms", "0.001", "--gpu-hourly-cost", "2.5",
+                        "--format", "json", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["prompt_len"] == "4:12" and row["gen_len"] == "2:6" and row["errors"] == 0
+    assert 2 <= row["output_tokens_mean"] <= 6 and row["prompt_tokens_mean"] >= 64
+    assert row["server"]["prefix_hit_rate"] > 0.5  # the 60 words after the first request: cached blocks
+    assert row["goodput_requests_s"] == 0 and row["slo"] == {"ttft_ms": 60000, "itl_ms": 0.001}
+    assert row["usd_per_million_output_tokens"] == pytest.approx(2.5 / 3600 * row["duration_s"] / (
+        row["output_tokens_mean"] * 6) * 1e6, rel=1e-6)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "The capital of France is"}\n"Hello there"\n'
+                    '{"messages": [{"role": "user", "content": "Name a fruit."}]}\n')
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--requests", "3",
+                        "--gen-len", "3", "--dataset", str(data), "--format", "json", "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    # the chat went to /v1/chat/completions, which this model (no chat template) refuses
+    assert row["errors"] == 1 and "no chat template" in row["error_examples"][0]
+    assert row["output_tokens_mean"] == 3 and row["dataset"] == str(data)
+    data.write_text('{"text": 1}\n')
+    r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--dataset", str(data)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "line 1: no prompt" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> Path:
     """A tiny random model with a 4096-token context (requests that run for seconds) and a chat template."""
