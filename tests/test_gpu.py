@@ -225,14 +225,14 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
     import time
 
     from conftest import greedy_alone
-    from llamactl.serve.engine import Engine, Params
+    from llamactl.serve.engine import Engine, KvOptions, Params
 
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
     prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313)), list(range(7, 40))]
     n = 12
 
     def run(which):
-        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, prefill_chunk=8)
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, prefill_chunk=8, kv=KvOptions(memory_gib=1))
         assert eng.mode == "graphs"
         eng.warm_up()
         assert not eng.decoder.prefill_graphs.failed  # every short prefill replays a graph
@@ -259,6 +259,45 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
     assert sum(agree(together[i], want[i]) for i in range(4)) / 4 >= 0.6
 
 
+def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
+    """The paged cache on the GPU (its decode kernel in CUDA graphs, prefills through the table):
+    requests sharing a 48-token prefix, in a pool too small for all of them (preemptions), against
+    each alone in a fresh pool: greedy tokens agree up to the first near-tie (printed)."""
+    import time
+
+    from llamactl.serve.engine import Engine, KvOptions, Params
+
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+    shared = list(range(500, 548))
+    prompts = [shared + list(range(10 + 30 * i, 15 + 30 * i + i)) for i in range(4)]
+    n = 24
+    a = model.args
+    token_bytes = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+
+    def run(which, blocks):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128,
+                     kv=KvOptions(memory_gib=blocks * 16 * token_bytes / 2**30))
+        eng.warm_up()
+        eng.start()
+        out = {i: [] for i in which}
+        reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0),
+                           (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i)) for i in which]
+        deadline = time.time() + 120
+        while not all(r.finished for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        eng.stop()
+        return out, eng
+
+    together, eng = run(range(4), 16)  # 4 x 5 blocks wanted at the end, 16 there
+    alone = [run([i], 64)[0][i] for i in range(4)]
+    agree = [sum(x == y for x, y in zip(together[i], alone[i])) / n for i in range(4)]
+    print("paged, prefix hits and preemptions vs alone:", agree, "preemptions", eng.times.preemptions,
+          "hit tokens", eng.scheduler.pool.hit_tokens)
+    assert eng.times.preemptions > 0 and eng.scheduler.pool.hit_tokens > 0  # a preempted one reuses its blocks
+    assert all(len(together[i]) == n and together[i][:3] == alone[i][:3] for i in range(4))
+    assert sum(agree) / 4 >= 0.6
+
+
 def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_model):
     """The serving engine's short prefills replayed from CUDA graphs (rows padded to a bucket by
     repeating the last prompt, lengths padded to 64) against eager prefills (other padding, so
@@ -266,14 +305,15 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_mod
     ran."""
     import time
 
-    from llamactl.serve.engine import Engine, Params
+    from llamactl.serve.engine import Engine, KvOptions, Params
 
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
     prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313)), list(range(7, 40))]
     n = 12
 
     def run(graphs):
-        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, prefill_graphs=graphs)
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, prefill_graphs=graphs,
+                     kv=KvOptions(memory_gib=1))
         eng.warm_up()
         eng.start()
         out = {i: [] for i in range(4)}

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The paged KV cache's workloads (issue 49) on the lent GPU, llama3-8b shape, bf16 random weights,
+# `llamactl serve` under `bench --url` (closed loop, greedy, EOS ignored), this tree against an
+# older one (OLD: a commit of the device's .git, unpacked to /tmp/old). Each run's bench JSON is
+# merged into OUTDIR/paged-PART.json as it ends, with the GPU's copy bandwidth and bf16 GEMM rate
+# (scripts/gpu_rates.py) and each workload's bound computed from them. Carry .whl/.
+#   PART=chat:  chat (prompts 64:1024 words, answers 64:512, 512 requests, concurrency 256): new,
+#               then a 1,536-word shared prefix (64:256 own, 32:256 out, concurrency 64) on the same
+#               server; the same with --no-prefix-cache
+#   PART=old:   the chat workload on OLD (--max-batch 128 --max-seq 2624: 256 slots do not fit an
+#               H100), and --kv-memory 16 (new) against OLD's 16 GiB grid (--max-batch 32 --max-seq 4096)
+# Usage: PART=chat|old bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT
+set -uo pipefail
+out=${1:?usage: PART=chat|old gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
+. "$(dirname "$0")/device_env.sh"
+new=$PWD
+site=${PYTHONPATH%%:*}
+rm -rf /tmp/old && mkdir -p /tmp/old && git archive "$old" | tar -x -C /tmp/old || { echo "no $old here"; exit 1; }
+part=${PART:-chat}
+mkdir -p /tmp/runs
+python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
+CHAT=(--prompt-len 64:1024 --gen-len 64:512 --concurrency 256 --requests 512)
+PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 256)
+
+# start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url)
+start() {
+  local name=$1 dir=$2; shift 2
+  (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama3-8b --dtype bfloat16 \
+     --port 0 "$@") > /dev/null 2> "/tmp/runs/srv-$name.err" &
+  pid=$!
+  url=$(served_url "/tmp/runs/srv-$name.err")
+  grep -h "serving\|warm\|error" "/tmp/runs/srv-$name.err" | cut -c1-400
+}
+# load NAME BENCH_ARGS...: bench --url against $url, its JSON merged into the part's file
+load() {
+  local name=$1; shift
+  timeout 300 python -m llamactl bench --url "$url" "$@" --format json -o "/tmp/runs/$name.json" > /dev/null \
+    2> "/tmp/runs/$name.err" || tail -3 "/tmp/runs/$name.err"
+  python scripts/gpu_paged_summary.py /tmp/runs "$out/paged-$part.json" "$name"
+}
+stop() { kill -TERM $pid; wait $pid; tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300; }
+
+if [ "$part" = chat ]; then
+  start new "$new"
+  load chat-new "${CHAT[@]}"
+  load prefix-new "${PREFIX[@]}"
+  stop new
+  start noprefix "$new" --no-prefix-cache
+  load prefix-noprefix "${PREFIX[@]}"
+  stop noprefix
+else
+  start old "/tmp/old" --max-batch 128 --max-seq 2624
+  load chat-old "${CHAT[@]}"
+  stop old
+  start kv16 "$new" --kv-memory 16
+  load chat-kv16-new "${CHAT[@]}"
+  stop kv16
+  start kv16old "/tmp/old" --max-batch 32 --max-seq 4096
+  load chat-kv16-old "${CHAT[@]}"
+  stop kv16old
+fi

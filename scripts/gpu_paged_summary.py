@@ -1,0 +1,39 @@
+"""Merge one load test's bench JSON into a part's summary (scripts/gpu_paged.sh), with the bound of
+its workload on this GPU: its prompt tokens' FLOPs at the measured GEMM rate, plus its decode steps'
+bytes (the weights each step, and the KV of every row's mean context) at the measured copy
+bandwidth, at the level's concurrency. Usage: gpu_paged_summary.py RUNS_DIR SUMMARY.json NAME"""
+
+import json
+import sys
+from pathlib import Path
+
+runs, summary, name = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+rates = json.loads((runs / "rates.json").read_text())
+PARAMS, KV_TOKEN = 8.03e9, 2 * 32 * 8 * 128 * 2  # llama3-8b: parameters; K and V bytes of a token
+try:
+    row = json.loads((runs / f"{name}.json").read_text())["results"][0]
+except (OSError, ValueError, KeyError, IndexError) as e:
+    row = {"failed": f"{type(e).__name__}: {e}"}
+if "output_tok_s" in row:
+    n, c = row["requests"] - row["errors"], row["concurrency"]
+    prompt, out = row["prompt_tokens_mean"], row["output_tokens_mean"]
+    prefill_s = n * prompt * 2 * PARAMS / rates["bf16_flop_s"]
+    steps = n * out / c
+    step_bytes = 2 * PARAMS + c * (prompt + out / 2) * KV_TOKEN
+    bound_s = prefill_s + steps * step_bytes / rates["copy_bytes_s"]
+    row["bound_output_tok_s"] = n * out / bound_s
+    row["of_bound"] = row["output_tok_s"] / row["bound_output_tok_s"]
+    eng = row.get("engine", {})
+    if eng.get("decode_steps"):
+        rows = eng["decode_rows"] / eng["decode_steps"]
+        ms = 1000 * eng["decode_seconds"] / eng["decode_steps"]
+        ceiling_ms = 1000 * (2 * PARAMS + rows * (prompt + out / 2) * KV_TOKEN) / rates["copy_bytes_s"]
+        row["decode_step"] = {"rows_mean": rows, "ms_mean": ms, "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / ms}
+data = json.loads(summary.read_text()) if summary.exists() else {"rates": rates, "runs": {}}
+data["runs"][name] = row
+tmp = summary.with_suffix(".tmp")
+tmp.write_text(json.dumps(data, indent=1))
+tmp.replace(summary)
+keys = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p95", "bound_output_tok_s", "of_bound", "errors", "prompt_tokens_mean")
+print(name, {k: round(row[k], 3) if isinstance(row.get(k), float) else row.get(k) for k in keys},
+      row.get("decode_step"), row.get("server"))
