@@ -10,9 +10,14 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-# The URL a `llamactl serve` prints to ERRFILE once it serves (waiting up to 300 s; empty if never).
+# The URL a `llamactl serve` prints to ERRFILE once it serves (waiting up to 300 s, or until
+# process PID, where given, has ended; empty if never).
 served_url() {
-  for _ in $(seq 1 300); do grep -q "serving" "$1" && break; sleep 1; done
+  for _ in $(seq 1 300); do
+    grep -q "serving" "$1" && break
+    [ -n "${2:-}" ] && ! kill -0 "$2" 2> /dev/null && { tail -5 "$1" >&2; break; }
+    sleep 1
+  done
   grep -o "http://[0-9.:]*" "$1" | head -1
 }
 # A bench JSON as bench's markdown table.

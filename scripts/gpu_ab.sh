@@ -30,7 +30,7 @@ else
     (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama2-7b --dtype bfloat16 \
        --max-batch 32 --max-seq 640 --port 0) > /dev/null 2> "/tmp/srv-$t-$i.err" &
     pid=$!
-    url=$(served_url "/tmp/srv-$t-$i.err"); grep -h "serving\|warm" "/tmp/srv-$t-$i.err" | cut -c1-300
+    url=$(served_url "/tmp/srv-$t-$i.err" $pid); grep -h "serving\|warm" "/tmp/srv-$t-$i.err" | cut -c1-300
     timeout 120 python -m llamactl bench --url "$url" --prompt-len 128 --gen-len 256 --concurrency 32 \
       --requests 96 --format json -o "$out/serve-$t-$i.json" > /dev/null 2> "/tmp/serve-$t-$i.err" || tail -3 "/tmp/serve-$t-$i.err"
     kill -TERM $pid; wait $pid

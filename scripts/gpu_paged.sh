@@ -28,7 +28,7 @@ start() {
   (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama3-8b --dtype bfloat16 \
      --port 0 "$@") > /dev/null 2> "/tmp/runs/srv-$name.err" &
   pid=$!
-  url=$(served_url "/tmp/runs/srv-$name.err")
+  url=$(served_url "/tmp/runs/srv-$name.err" $pid)
   grep -h "serving\|warm\|error" "/tmp/runs/srv-$name.err" | cut -c1-400
 }
 # load NAME BENCH_ARGS...: bench --url against $url, its JSON merged into the part's file
