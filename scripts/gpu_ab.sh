@@ -5,7 +5,7 @@
 # serve` (--max-batch 32 --max-seq 640) under `bench --url` at concurrency 32 (128-token prompts,
 # 256 new tokens). OLD: a commit of the device's .git (unpacked to /tmp/old). Carry .whl/ for PART=2.
 # Only the JSON files come back (the device returns 8 files); logs go to stdout.
-# Usage: PART=1|2 bash scripts/gpu_ab.sh OUTDIR OLD_COMMIT
+# Usage: [ORDER="new:1 old:1 ..."] PART=1|2 bash scripts/gpu_ab.sh OUTDIR OLD_COMMIT
 set -uo pipefail
 out=${1:?usage: PART=1|2 gpu_ab.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
 . "$(dirname "$0")/device_env.sh"
@@ -16,7 +16,7 @@ echo "new $(git rev-parse --short HEAD), old $old"
 tree() { [ "$1" = old ] && echo /tmp/old || echo "$new"; }
 if [ "${PART:-1}" = 1 ]; then
   timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py > /tmp/tests.txt 2>&1; tail -3 /tmp/tests.txt
-  for run in old:1 new:1 new:2 old:2; do
+  for run in ${ORDER:-old:1 new:1 new:2 old:2}; do
     IFS=: read -r t i <<< "$run"
     (cd "$(tree "$t")" && PYTHONPATH=$(tree "$t") timeout 200 python -m llamactl bench --synthetic llama2-7b \
       --dtype bfloat16 --mode graphs --batch 1,8,32 --prompt-len 128 --gen-len 256 --warmup 1 --repeat 3 \
@@ -24,7 +24,7 @@ if [ "${PART:-1}" = 1 ]; then
     python -c "import json; [print('$t-$i', r.get('batch'), round(r['decode_tok_s'], 1)) for r in json.load(open('$out/batch-$t-$i.json'))['results']]"
   done
 else
-  for run in old:1 new:1 new:2 old:2; do
+  for run in ${ORDER:-old:1 new:1 new:2 old:2}; do
     IFS=: read -r t i <<< "$run"
     dir=$(tree "$t")
     (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama2-7b --dtype bfloat16 \

@@ -41,17 +41,14 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _at(s, b, h, table_ptr, T_ROW, S, D: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr,
-        ok=None):
-    """Offset of position(s) s of row b, KV head h: s * D in a contiguous [BH, S, D] cache (plus
-    the row's base), or through the block table in a pool [blocks, BS, HKV, D]."""
+def _at(s, ok, b, h, table_ptr, T_ROW, D: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr):
+    """Offsets [BLOCK_S] of positions s (ok: the ones to read) of row b, KV head h: s * D in a
+    contiguous [BH, S, D] cache (past the row's base), or through the block table in a pool
+    [blocks, BS, HKV, D]."""
     if PAGED:
-        if ok is None:
-            blk = tl.load(table_ptr + b * T_ROW + s // BS).to(tl.int64)
-        else:
-            blk = tl.load(table_ptr + b * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
+        blk = tl.load(table_ptr + b * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
         return ((blk * BS + s % BS) * HKV + h) * D
-    return s * D
+    return s.to(tl.int64) * D
 
 
 @triton.jit
@@ -95,7 +92,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
             one = tl.arange(0, 1)
             k_new = _rope(kn_ptr + b * kn_row + h * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
             v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :])
-            at = _at(pos, b, h, table_ptr, T_ROW, S, D, HKV, BS, PAGED) + kv_base  # scalar offset of position pos
+            if PAGED:  # position pos's row in the pool
+                blk = tl.load(table_ptr + b * T_ROW + pos // BS).to(tl.int64)
+                at = ((blk * BS + pos % BS) * HKV + h) * D
+            else:
+                at = kv_base + pos * D
             tl.store(k_ptr + at + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
             tl.store(v_ptr + at + one[:, None] * 0 + d[None, :], v_new)
             tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
@@ -107,7 +108,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
-        at = kv_base + _at(s, b, h, table_ptr, T_ROW, S, D, HKV, BS, PAGED, ok)  # [BS] row offsets
+        at = kv_base + _at(s, ok, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED)  # [BS] row offsets
         k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
