@@ -4,14 +4,16 @@
 # older one (OLD: a commit of the device's .git, unpacked to /tmp/old). Each run's bench JSON is
 # merged into OUTDIR/paged-PART.json as it ends, with the GPU's copy bandwidth and bf16 GEMM rate
 # (scripts/gpu_rates.py) and each workload's bound computed from them. Carry .whl/.
-#   PART=chat:  chat (prompts 64:1024 words, answers 64:512, 512 requests, concurrency 256): new,
-#               then a 1,536-word shared prefix (64:256 own, 32:256 out, concurrency 64) on the same
-#               server; the same with --no-prefix-cache
-#   PART=old:   the chat workload on OLD (--max-batch 128 --max-seq 2624: 256 slots do not fit an
-#               H100), and --kv-memory 16 (new) against OLD's 16 GiB grid (--max-batch 32 --max-seq 4096)
-# Usage: PART=chat|old bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT
+# RUNS (a server each; default "chat-new prefix-new prefix-noprefix"):
+#   chat-new        chat (prompts 64:1024 words, answers 64:512, 512 requests, concurrency 256)
+#   prefix-new      a 1,536-word shared prefix, 64:256 own words, 32:256 out, concurrency 64
+#   prefix-noprefix the same with --no-prefix-cache
+#   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100)
+#   chat-kv16-new   chat with --kv-memory 16
+#   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
+# Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT
 set -uo pipefail
-out=${1:?usage: PART=chat|old gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
+out=${1:?usage: gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
 . "$(dirname "$0")/device_env.sh"
 new=$PWD
 site=${PYTHONPATH%%:*}
@@ -20,7 +22,7 @@ part=${PART:-chat}
 mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
 CHAT=(--prompt-len 64:1024 --gen-len 64:512 --concurrency 256 --requests 512)
-PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 256)
+PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 192)
 
 # start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url)
 start() {
@@ -40,22 +42,15 @@ load() {
 }
 stop() { kill -TERM $pid; wait $pid; tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300; }
 
-if [ "$part" = chat ]; then
-  start new "$new"
-  load chat-new "${CHAT[@]}"
-  load prefix-new "${PREFIX[@]}"
-  stop new
-  start noprefix "$new" --no-prefix-cache
-  load prefix-noprefix "${PREFIX[@]}"
-  stop noprefix
-else
-  start old "/tmp/old" --max-batch 128 --max-seq 2624
-  load chat-old "${CHAT[@]}"
-  stop old
-  start kv16 "$new" --kv-memory 16
-  load chat-kv16-new "${CHAT[@]}"
-  stop kv16
-  start kv16old "/tmp/old" --max-batch 32 --max-seq 4096
-  load chat-kv16-old "${CHAT[@]}"
-  stop kv16old
-fi
+for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
+  case $run in
+    chat-new) start "$run" "$new"; load "$run" "${CHAT[@]}" ;;
+    prefix-new) start "$run" "$new"; load "$run" "${PREFIX[@]}" ;;
+    prefix-noprefix) start "$run" "$new" --no-prefix-cache; load "$run" "${PREFIX[@]}" ;;
+    chat-old) start "$run" /tmp/old --max-batch 128 --max-seq 2624; load "$run" "${CHAT[@]}" ;;
+    chat-kv16-new) start "$run" "$new" --kv-memory 16; load "$run" "${CHAT[@]}" ;;
+    chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
+    *) echo "unknown run $run"; continue ;;
+  esac
+  stop "$run"
+done
