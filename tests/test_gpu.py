@@ -236,15 +236,7 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
         assert eng.mode == "graphs"
         eng.warm_up()
         assert not eng.decoder.prefill_graphs.failed  # every short prefill replays a graph
-        eng.start()
-        out = {i: [] for i in which}
-        reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0),
-                           (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i)) for i in which]
-        deadline = time.time() + 120
-        while not all(r.finished for r in reqs) and time.time() < deadline:
-            time.sleep(0.01)
-        eng.stop()
-        return out
+        return _greedy_tokens(eng, prompts, which, n)
 
     together = run(range(4))
     alone = [run([i])[i] for i in range(4)]
@@ -257,6 +249,24 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
           "vs generate:", [agree(together[i], want[i]) for i in range(4)])
     assert all(together[i][:3] == alone[i][:3] == want[i][:3] for i in range(4))
     assert sum(agree(together[i], want[i]) for i in range(4)) / 4 >= 0.6
+
+
+def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
+    """Start a warmed-up engine, submit prompts[i] for i in which together (n greedy tokens each),
+    stop it once they end -> their tokens."""
+    import time
+
+    from llamactl.serve.engine import Params
+
+    eng.start()
+    out = {i: [] for i in which}
+    reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0),
+                       (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i)) for i in which]
+    deadline = time.time() + 120
+    while not all(r.finished for r in reqs) and time.time() < deadline:
+        time.sleep(0.01)
+    eng.stop()
+    return out
 
 
 def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
@@ -278,15 +288,7 @@ def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128,
                      kv=KvOptions(memory_gib=blocks * 16 * token_bytes / 2**30))
         eng.warm_up()
-        eng.start()
-        out = {i: [] for i in which}
-        reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0),
-                           (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i)) for i in which]
-        deadline = time.time() + 120
-        while not all(r.finished for r in reqs) and time.time() < deadline:
-            time.sleep(0.01)
-        eng.stop()
-        return out, eng
+        return _greedy_tokens(eng, prompts, which, n), eng
 
     together, eng = run(range(4), 16)  # 4 x 5 blocks wanted at the end, 16 there
     alone = [run([i], 64)[0][i] for i in range(4)]
