@@ -138,6 +138,8 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise ApiError(400, "the request body nests too deep: send a flat JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")

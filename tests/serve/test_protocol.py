@@ -19,3 +19,10 @@ def test_non_finite_sampling_numbers_are_a_400(field, value):
 def test_finite_settings_pass():
     ask = parse(b'{"prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9}', False, "m")
     assert (ask.temperature, ask.top_p) == (0.5, 0.9)
+
+
+def test_a_body_nested_deeper_than_python_recurses_is_a_400():
+    raw = b'{"prompt": "hi", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    with pytest.raises(ApiError, match="nests too deep") as e:
+        parse(raw, False, "m")
+    assert e.value.status == 400
