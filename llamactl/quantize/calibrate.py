@@ -14,7 +14,7 @@ from llamactl.quality import no_progress
 def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | None = None, seq_len: int | None = None,
               *, device: str = "auto", force: bool = False, progress=no_progress) -> dict[str, Any]:
     """Measure `model`'s statistics on the calibration set and write them to `output`."""
-    from llamactl.folder.artifact import open_artifact
+    from llamactl.folder.artifact import check_output_file, open_artifact
     from llamactl.quantize.calib import check_spec, resolve_spec
     from llamactl.runtime.load import resolve_device, resolve_model_path
     from llamactl.quantize import sensitivity
@@ -25,10 +25,10 @@ def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | Non
     out = Path(output)
     if out.is_dir():
         raise InputError(f"--output {out} is a folder", "name a file, for example stats.safetensors")
-    if out.exists() and not force:
-        raise InputError(f"--output {out} exists", "pass --force to replace it")
     if not out.parent.is_dir():
         raise InputError(f"--output {out}: folder {out.parent} does not exist", "create it first")
+    # never the model's folder or a file in it; --force replaces only an earlier statistics file
+    check_output_file(out, force, [art.path], "calibration statistics", sensitivity.is_stats_file)
     spec = resolve_spec(calib, n_samples, seq_len)
     check_spec(spec)
     if spec.seq_len > art.args.max_position_embeddings:

@@ -49,6 +49,19 @@ class Stats:
             tmp.unlink(missing_ok=True)
 
 
+def is_stats_file(path: Path) -> bool:
+    """Whether path is a regular file that `calibrate` wrote (its safetensors header says so)."""
+    from safetensors import safe_open
+
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # not safetensors at all
+        return False
+
+
 def load_stats(path: str | Path, art) -> Stats:
     """A file `llamactl calibrate` wrote for a model of `art`'s shape; InputError otherwise."""
     from safetensors import SafetensorError, safe_open

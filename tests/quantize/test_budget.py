@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -103,6 +105,18 @@ def test_calibrate_refuses_what_it_would_lose(tiny_gqa, stats_file, tmp_path):
     assert r.exit_code != 0 and "pass --force" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["calibrate", str(tiny_gqa), "-o", str(tmp_path)])
     assert r.exit_code != 0 and "is a folder" in r.output
+    weights = sorted(tiny_gqa.glob("*.safetensors"))[0]
+    before = weights.read_bytes()
+    for target in (weights, tiny_gqa / "config.json", tiny_gqa / "stats.safetensors"):  # into the model: never
+        r = runner.invoke(app, ["calibrate", str(tiny_gqa), "-o", str(target), "--force"])
+        assert r.exit_code != 0 and "input folder" in r.output and not (tiny_gqa / "stats.safetensors").exists()
+    assert weights.read_bytes() == before
+    other = tmp_path / "notes.safetensors"
+    other.write_text("not statistics")
+    r = runner.invoke(app, ["calibrate", str(tiny_gqa), "-o", str(other), "--force"])  # --force: only stats files
+    assert r.exit_code != 0 and "not a calibration statistics file" in r.output and other.read_text() == "not statistics"
+    r = runner.invoke(app, ["calibrate", str(tiny_gqa), "-o", "/dev/null", "--force"])  # a device node stays one
+    assert r.exit_code != 0 and Path("/dev/null").is_char_device()
 
 
 def test_stats_of_another_model_are_refused(tiny_mha, stats_file, tmp_path):
