@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from llamactl.folder.artifact import check_regular_file
 from llamactl.errors import CheckpointError
 
 SHARD = re.compile(r"consolidated\.(\d+)\.pth")
@@ -61,6 +62,7 @@ def is_meta_checkpoint(path: Path) -> bool:
 
 def read_params(folder: Path) -> MetaParams:
     where = folder / "params.json"
+    check_regular_file(where, folder)
     try:
         raw = json.loads(where.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -95,8 +97,11 @@ def read_params(folder: Path) -> MetaParams:
 
 
 def shard_files(folder: Path) -> list[Path]:
-    """consolidated.00.pth ... consolidated.NN.pth, numbered without gaps."""
+    """consolidated.00.pth ... consolidated.NN.pth, numbered without gaps, each a regular file in
+    the folder (a FIFO would hang a reader, a folder crash it, a link read outside the folder)."""
     found = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := SHARD.fullmatch(p.name)))
+    for _, p in found:
+        check_regular_file(p, folder)
     if [i for i, _ in found] != list(range(len(found))):
         raise CheckpointError(f"{folder}: the shards are numbered {[i for i, _ in found]}",
                               "a model-parallel release has consolidated.00.pth to consolidated.N-1.pth; restore the missing ones")
@@ -127,6 +132,10 @@ def convert_meta(folder: Path, writer, dtype: torch.dtype | None, load: Callable
         raise CheckpointError(f"{folder}: {n} shards do not split {p.n_heads} heads and {p.n_kv_heads} KV heads evenly",
                               "the release's shard count must divide its head counts")
     first = shards[0]
+    present = {int(m.group(1)) for k in first if (m := re.match(r"layers\.(\d+)\.", k))}
+    if len(present) != p.n_layers:  # checked before the count sizes anything
+        raise CheckpointError(f"{folder / 'params.json'}: n_layers is {p.n_layers}, {files[0].name} holds {len(present)} layers",
+                              "restore params.json from the release")
     expected = {"tok_embeddings.weight", "norm.weight", "output.weight"} | {
         f"layers.{i}.{k}" for i in range(p.n_layers) for k in LAYER_TENSORS}
     for f, sd in zip(files, shards):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 from importlib.util import find_spec
 from pathlib import Path
@@ -206,7 +207,17 @@ def test_meta_bad_inputs(gqa, tmp_path):
     refused(convert(meta, "-o", out, "--allow-pickle", "--tokenizer", gqa), "n_heads is 'four'")
     (meta / "params.json").write_text(json.dumps({k: v for k, v in params.items() if k != "dim"}))
     refused(convert(meta, "-o", out, "--allow-pickle", "--tokenizer", gqa), "dim is missing")
+    (meta / "params.json").write_text(json.dumps({**params, "n_layers": 10**9}))  # no set of 10^9 names is built
+    refused(convert(meta, "-o", out, "--allow-pickle", "--tokenizer", gqa), "n_layers is 1000000000")
     (meta / "params.json").write_text(json.dumps(params))
+    shard = meta / "consolidated.01.pth"
+    shard.rename(tmp_path / "away.pth")
+    for make, what in ((lambda: os.mkfifo(shard), "a FIFO"), (lambda: shard.mkdir(), "a folder"),
+                       (lambda: shard.symlink_to(tmp_path / "away.pth"), "links outside the model folder")):
+        make()
+        refused(convert(meta, "-o", out, "--allow-pickle", "--tokenizer", gqa), what)  # not a hang, not a traceback
+        shard.rmdir() if shard.is_dir() and not shard.is_symlink() else shard.unlink()
+    (tmp_path / "away.pth").rename(shard)
     sd = torch.load(meta / "consolidated.01.pth", weights_only=True)
     sd["layers.0.attention.wo.weight"] = sd["layers.0.attention.wo.weight"][:, :8].clone()
     torch.save(sd, meta / "consolidated.01.pth")
