@@ -22,7 +22,7 @@ part=${PART:-chat}
 mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
 CHAT=(--prompt-len 64:1024 --gen-len 64:512 --concurrency 256 --requests 512)
-PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 192)
+PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 128)
 
 # start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url)
 start() {
