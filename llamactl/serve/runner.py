@@ -21,15 +21,20 @@ from llamactl.serve.staging import Launched, Staging
 BLOCK_SIZE = 16  # positions a KV block holds (a prefix is reused by whole blocks)
 GPU_MEMORY_FRACTION = 0.9  # of the card, for weights, activations and the KV pool, by default (as vLLM's)
 CPU_KV_BYTES = 2 << 30  # the most a CPU server's pool takes by default
-RESERVE_BYTES = 512 << 20  # kept free beyond the estimated activations (allocator slack, library workspaces)
+# kept free beyond the estimated activations: the CUDA graphs' private pools (a llama3-8b server's
+# 26 decode and 31 prefill graphs at 256 rows held 8.5 GiB and ran an H100 out of memory when
+# only 0.5 GiB was kept), library workspaces, allocator slack
+RESERVE_BYTES = 4 << 30
 
 
 def activation_bytes(model, max_batch: int, prefill_tokens: int) -> int:
     """An upper estimate of what a forward allocates beyond weights and cache: the largest prefill's
     hidden states and MLP (prefill_tokens tokens), and a full decode step's sampling over the
-    vocabulary (float logits, their sort and its int64 indices, the draws in double)."""
+    vocabulary (float logits, their sort and its int64 indices, the draws' int64 hashes), kept
+    twice (a greedy and a sampled graph)."""
     a, item = model.args, torch.empty((), dtype=model.dtype).element_size()
-    return prefill_tokens * (6 * a.hidden_size + 4 * a.intermediate_size) * item + max_batch * a.vocab_size * 24
+    sampling = max_batch * a.vocab_size * 48  # a step's draw over the vocabulary: logits, sort, int64 hashes
+    return prefill_tokens * (6 * a.hidden_size + 4 * a.intermediate_size) * item + 2 * sampling
 
 
 def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gib: float | None,
