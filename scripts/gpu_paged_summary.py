@@ -14,7 +14,7 @@ try:
     row = json.loads((runs / f"{name}.json").read_text())["results"][0]
 except (OSError, ValueError, KeyError, IndexError) as e:
     row = {"failed": f"{type(e).__name__}: {e}"}
-if "output_tok_s" in row:
+if row.get("prompt_tokens_mean") and row.get("output_tokens_mean"):
     n, c = row["requests"] - row["errors"], row["concurrency"]
     prompt, out = row["prompt_tokens_mean"], row["output_tokens_mean"]
     prefill_s = n * prompt * 2 * PARAMS / rates["bf16_flop_s"]
@@ -34,6 +34,6 @@ data["runs"][name] = row
 tmp = summary.with_suffix(".tmp")
 tmp.write_text(json.dumps(data, indent=1))
 tmp.replace(summary)
-keys = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p95", "bound_output_tok_s", "of_bound", "errors", "prompt_tokens_mean")
+keys = ("error_examples", "output_tok_s", "ttft_ms_p50", "ttft_ms_p95", "bound_output_tok_s", "of_bound", "errors", "prompt_tokens_mean")
 print(name, {k: round(row[k], 3) if isinstance(row.get(k), float) else row.get(k) for k in keys},
       row.get("decode_step"), row.get("server"))
