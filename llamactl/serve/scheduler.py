@@ -463,18 +463,27 @@ class Scheduler:
         BATCH_PREFILL_TOKENS), padded to one length for one forward; returns the budget left."""
         room = BATCH_PREFILL_TOKENS if budget is None else budget
         group: list[Request] = []
+        longest = 0
         for r in sorted((r for r in self.slots if r is not None and r.prefilled == 0), key=lambda r: r.id):
-            if r.target <= min(room, self.prefill_chunk if budget is not None else room):
+            padded = self._burst_len(max(longest, r.target))
+            # the forward's size is its padded rows x length (the activations the KV pool left room for)
+            if r.target <= min(room, self.prefill_chunk if budget is not None else room) and \
+                    (len(group) + 1) * padded <= max(BATCH_PREFILL_TOKENS, self.prefill_chunk):
                 group.append(r)
                 room -= r.target
+                longest = max(longest, r.target)
         if len(group) < 2:
             return budget
-        s = min(-(-max(r.target for r in group) // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
+        s = self._burst_len(longest)
         out.append(Prefill(group, [r.tokens[: r.target] + [0] * (s - r.target) for r in group], 0,
                            [r.target for r in group], True))
         for r in group:
             self._planned(r, r.target)
         return None if budget is None else max(0, budget - sum(r.target for r in group))
+
+    def _burst_len(self, n: int) -> int:
+        """A burst's padded length for its longest prompt of n tokens."""
+        return min(-(-n // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
 
     def decode(self) -> Decode | None:
         """The decode step of the rows that still have tokens to compute, or None; gives each the
