@@ -10,6 +10,7 @@ llamactl's GPTQ format. The tokenizer comes from transformers' own GGUF tokenize
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,7 +63,16 @@ def read_config(reader, path: Path) -> dict[str, Any]:
     if "token_embd.weight" not in tensors:
         raise CheckpointError(f"{path}: tensor token_embd.weight is missing", "the file is not a complete LLaMA")
     hidden, vocab = (int(x) for x in tensors["token_embd.weight"].shape[:2])  # GGUF shapes list columns first
-    heads = int(k("attention.head_count"))
+    heads = _count(k("attention.head_count"), "attention.head_count", where)
+    kv_heads = _count(k("attention.head_count_kv", heads), "attention.head_count_kv", where)
+    if hidden % heads or heads % kv_heads:
+        raise CheckpointError(f"{path}: {heads} heads of {kv_heads} KV heads do not split its {hidden} columns",
+                              "the header's head counts are wrong: convert the model again")
+    layers = _count(k("block_count"), "block_count", where)
+    present = {int(m.group(1)) for name in tensors if (m := re.match(r"blk\.(\d+)\.", name))}
+    if len(present) != layers:  # the header's count is checked against the tensors before it sizes anything
+        raise CheckpointError(f"{path}: block_count is {layers}, the file holds {len(present)} blocks",
+                              "the header is damaged: download or convert the file again")
     head_dim = int(k("attention.key_length", hidden // heads))
     rope: dict[str, Any] = {"rope_theta": _f32(k("rope.freq_base", 10000.0)), "rope_type": "default"}
     if "rope_freqs.weight" in tensors:
@@ -71,13 +81,25 @@ def read_config(reader, path: Path) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": int(k("feed_forward_length")),
-        "num_hidden_layers": int(k("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(k("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "rms_norm_eps": _f32(k("attention.layer_norm_rms_epsilon", 1e-5)), "vocab_size": vocab,
         "max_position_embeddings": int(k("context_length", 2048)), "rope_theta": rope["rope_theta"],
         "rope_parameters": rope, "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": False, "mlp_bias": False, "bos_token_id": int(bos), "eos_token_id": int(eos),
     }
+
+
+def _count(value, key: str, where: str) -> int:
+    """A header count: a positive whole number, or one clear error."""
+    try:
+        n = int(value)
+    except (TypeError, ValueError, OverflowError):
+        n = 0
+    if n < 1 or n != value:
+        raise CheckpointError(f"{where}: metadata llama.{key} is {value!r}, not a positive count",
+                              "the header is damaged: download or convert the file again")
+    return n
 
 
 def _f32(x) -> float:

@@ -324,6 +324,16 @@ def test_asymmetric_and_act_order_layers(tmp_path):
     assert "42 layers requantized to q4_0" in r.stderr and "added KL" in r.stdout
 
 
+def _set_u32(data: bytes, key: str, value: int) -> bytes:
+    """A GGUF file's bytes with metadata `key` (a uint32) set to value."""
+    import struct
+
+    name = struct.pack("<Q", len(key)) + key.encode()
+    at = data.index(name) + len(name)
+    assert struct.unpack("<I", data[at : at + 4])[0] == 4  # GGUF's UINT32 type
+    return data[: at + 4] + struct.pack("<I", value) + data[at + 8 :]
+
+
 @needs_gguf
 def test_gguf_bad_inputs(tmp_path):
     src = trained_model_path()
@@ -336,6 +346,12 @@ def test_gguf_bad_inputs(tmp_path):
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"NOPE" + data[4:1000])
     refused(convert(fake, "-o", tmp_path / "o"), "magic")
+    for key, value, says in (("llama.block_count", 10**9, "block_count is 1000000000, the file holds"),
+                             ("llama.attention.head_count", 0, "not a positive count"),
+                             ("llama.attention.head_count", 3, "do not split")):
+        bad = tmp_path / "header.gguf"
+        bad.write_bytes(_set_u32(data, key, value))  # counts in the header are checked, not trusted
+        refused(convert(bad, "-o", tmp_path / "o"), says)
     import gguf
 
     other = tmp_path / "gpt2.gguf"
