@@ -186,3 +186,22 @@ def test_quick_answers_do_not_import_torch(args, tmp_path):
 def test_global_flags_work_after_the_command():
     r = invoke("generate", "-p", "The kernel", "-n", "2", "--temperature", "0", "-q")
     assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_chat_templates_by_name_or_file_and_a_bad_one(tmp_path):
+    from llamactl.runtime.chat import BUILTIN, apply, resolve
+
+    class Tok:
+        chat_template = None
+
+    t = Tok()
+    assert apply(t, None) is None and apply(t, None, "plain") == "plain" and t.chat_template == BUILTIN["plain"]
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    assert apply(t, str(f)) == str(f) and t.chat_template == f.read_text() and apply(t, None, "plain") == "the model's"
+    r = runner.invoke(app, ["generate", "--chat", "--chat-template", str(tmp_path / "none"), "-p", "hi"])
+    assert r.exit_code != 0 and "neither a built-in" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["generate", "--chat", "-p", "The capital of France is", "-n", "3", "--device", "cpu",
+                            "--temperature", "0"])
+    assert r.exit_code == 0 and "no chat template" not in r.output  # the embedded model's built-in
+    assert resolve("chatml") == BUILTIN["chatml"]

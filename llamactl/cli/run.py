@@ -24,6 +24,7 @@ def generate(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="With --chat: this template instead of the model's: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
     aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
@@ -61,7 +62,14 @@ def generate(
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
         raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
+    from llamactl.runtime import chat as chats
+    from llamactl.runtime.load import DEFAULT_MODEL
+
+    if chat_template is not None:
+        chats.resolve(chat_template)  # a bad name or file fails before the model loads
     art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
+    if chat:
+        chats.apply(tok, chat_template, "plain" if art.path.resolve() == DEFAULT_MODEL.resolve() else None)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
@@ -163,6 +171,7 @@ def serve(
     kv_memory: Annotated[Optional[float], typer.Option("--kv-memory", min=0.001, help="GiB of KV cache blocks (default: what --gpu-memory-fraction leaves after the weights and activations; on the CPU --max-batch x --max-seq tokens, at most 2 GiB).")] = None,
     gpu_memory_fraction: Annotated[Optional[float], typer.Option("--gpu-memory-fraction", min=0.05, max=1.0, help="Of the GPU's memory, what weights, activations and the KV cache may take together [default: 0.9].")] = None,
     block_size: Annotated[int, typer.Option("--block-size", min=1, max=256, help="Tokens a KV block holds (prefixes are reused by whole blocks).")] = 16,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="The chat template of /v1/chat/completions: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompts' shared prefixes (system prompts, earlier turns) instead of computing them again.")] = True,
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].")] = None,
     gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
@@ -189,7 +198,11 @@ def serve(
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
                         model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
                         kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
-                        prefix_cache=prefix_cache)
+                        prefix_cache=prefix_cache, chat_template=chat_template)
+    if chat_template is not None:
+        from llamactl.runtime.chat import resolve
+
+        resolve(chat_template)  # a bad name or file fails before the model loads
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")

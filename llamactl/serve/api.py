@@ -49,7 +49,8 @@ class Service:
         tok = self.encoder
         if ask.chat:
             if not getattr(tok, "chat_template", None):
-                raise ApiError(400, "this model has no chat template: send the prompt to /v1/completions", "messages")
+                raise ApiError(400, "this model has no chat template: send the prompt to /v1/completions, or start "
+                               "the server with --chat-template NAME|FILE", "messages")
             try:
                 ids = tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=True)
             except Exception as e:  # a template is the folder's program: it can fail any way

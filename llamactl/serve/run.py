@@ -28,6 +28,7 @@ class ServeOptions:
     gpu_memory_fraction: float | None = None  # None: runner.GPU_MEMORY_FRACTION
     block_size: int = 16
     prefix_cache: bool = True
+    chat_template: str | None = None  # a built-in's name or a Jinja file (runtime.chat); None: the model's
 
 
 DEFAULT_MAX_SEQ = 4096  # positions a sequence may reach by default
@@ -140,6 +141,11 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             engine.follow()
             return "rank 0 stopped"
         name = serve.model_name or label
+        from llamactl.runtime import chat
+        from llamactl.runtime.load import DEFAULT_MODEL
+
+        embedded = not synthetic and art.path.resolve() == DEFAULT_MODEL.resolve()
+        template = chat.apply(tok, serve.chat_template, "plain" if embedded else None)
         app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
         cache = engine.runner.cache
 
@@ -153,7 +159,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                 f"{engine.decoder.plan.label}): KV cache {human_bytes(cache.nbytes)}, {cache.blocks - 1} blocks of "
                 f"{cache.block_size} ({cache.tokens} tokens: {cache.tokens // engine.max_seq} sequences of "
                 f"--max-seq {engine.max_seq}), prefix cache {'on' if serve.prefix_cache else 'off'}; up to "
-                f"{engine.max_batch} running, queue {serve.max_queue}, HTTP {' on '.join(http_stack())}, "
+                f"{engine.max_batch} running, queue {serve.max_queue}, chat template {template or 'none'}, HTTP {' on '.join(http_stack())}, "
                 f"warmed up in {warm_s:.0f} s" + (", API key required" if serve.api_key else ""))
 
         stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)
