@@ -75,12 +75,17 @@ class StaticCache(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes allocated: every row, every position, K and V of every layer."""
-        return sum(l.k.numel() * l.k.element_size() + l.v.numel() * l.v.element_size() for l in self.layers)
+        return _nbytes(self.layers)
 
     @property
     def tokens(self) -> int:
         """Positions it holds in all: rows x max_seq."""
         return self.rows * self.max_seq
+
+
+def _nbytes(layers) -> int:
+    """K and V bytes of every layer of a cache."""
+    return sum(l.k.numel() * l.k.element_size() + l.v.numel() * l.v.element_size() for l in layers)
 
 
 NULL_BLOCK = 0  # never handed to a sequence: free rows and table entries past a sequence's blocks point here
@@ -139,7 +144,7 @@ class PagedCache(nn.Module):
         super().__init__()
         if blocks < 2 or block_size < 1 or max_seq < 1:
             raise ValueError(f"a paged cache needs 2+ blocks of 1+ positions, not {blocks} of {block_size}")
-        self.rows_n, self.blocks, self.block_size, self.dtype = rows, blocks, block_size, dtype
+        self.blocks, self.block_size, self.dtype = blocks, block_size, dtype
         self.width = -(-max_seq // block_size)  # table entries a row
         self.max_seq = self.width * block_size
         self.register_buffer("table", torch.full((rows, self.width), NULL_BLOCK, dtype=torch.int32, device=device),
@@ -163,7 +168,8 @@ class PagedCache(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(l.k.numel() * l.k.element_size() + l.v.numel() * l.v.element_size() for l in self.layers)
+        """Bytes allocated: every block, K and V of every layer."""
+        return _nbytes(self.layers)
 
     @property
     def tokens(self) -> int:
@@ -190,6 +196,7 @@ class PagedCache(nn.Module):
             host[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         self.table[torch.tensor(rows, device=self.table.device)] = host.to(self.table.device)
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Rows src's tables to rows dst (src's left as they are: set_rows frees them)."""
-        self.table[torch.tensor(dst, device=self.table.device)] = self.table[torch.tensor(src, device=self.table.device)]
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows src's tables ([n] row indexes on the table's device) to rows dst (src's left as they
+        are: set_rows frees them)."""
+        self.table[dst] = self.table[src]

@@ -91,8 +91,8 @@ class Engine:
         chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
         blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
                            max(chunk, BATCH_PREFILL_TOKENS))
-        self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks,
-                             kv.block_size)
+        self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
+                             block_size=kv.block_size)
         self.max_seq = self.runner.max_seq
         self.times = EngineTimes()
         # blocks are named by their tokens and the model (its shape and weights' first values)

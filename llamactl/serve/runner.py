@@ -15,7 +15,7 @@ from llamactl.options import RuntimeOptions
 from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.sampling import RowSampling
 from llamactl.runtime.step import Decoder
-from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill, StepPlan
+from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill
 from llamactl.serve.staging import Launched, Staging
 
 BLOCK_SIZE = 16  # positions a KV block holds (a prefix is reused by whole blocks)
@@ -58,7 +58,7 @@ class Runner:
     """Model calls for one engine: prefill(), launch() and set_sampling() on its thread."""
 
     def __init__(self, model, max_batch: int, max_seq: int, mode: str, options: RuntimeOptions | None,
-                 world=None, prefill_graphs: bool = True, blocks: int | None = None, block_size: int = BLOCK_SIZE):
+                 world=None, prefill_graphs: bool = True, *, blocks: int, block_size: int = BLOCK_SIZE):
         """world: tensor parallelism (tp.World): rank 0 sends each model action to the other ranks
         first (every rank computes the same tokens: the head is replicated). prefill_graphs: a
         whole prompt of few tokens, or a few joining together, replays a CUDA graph where the steps
@@ -66,8 +66,6 @@ class Runner:
         self.device, self.mode, self.world = model.device, mode, world
         self.max_batch = max_batch
         self.rows = RowSampling.make([{}] * max_batch, self.device)
-        if blocks is None:
-            blocks = kv_blocks(model, max_batch, max_seq, block_size, None, None, BATCH_PREFILL_TOKENS)
         if blocks < 2:
             from llamactl.errors import InputError
 
@@ -122,9 +120,8 @@ class Runner:
         elif kind == "arrange":  # rows moved down, then tables set
             moves, tables = a
             if moves:
-                src, dst = [m[0] for m in moves], [m[1] for m in moves]
+                src, dst = (torch.tensor(x, device=self.device) for x in zip(*moves))
                 self.cache.move(src, dst)
-                src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
                 for t in (self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed, self._tok):
                     t[dst] = t[src]
             if tables:

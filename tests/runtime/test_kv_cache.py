@@ -50,5 +50,5 @@ def test_paged_prompts_joining_together_write_their_own_blocks(tiny_mha):
         written = (paged.layers[0].k != 0).flatten(1).any(1)  # [blocks]
     assert written[[3, 4, 7, 1]].all() and not written[[2, 5, 6, 8, 9, 10, 11]].any()
     assert not written[NULL_BLOCK]
-    paged.move([2], [1])
+    paged.move(torch.tensor([2]), torch.tensor([1]))
     assert paged.table[1, :2].tolist() == [7, 1]
