@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The paged KV cache's workloads (issue 49) on the lent GPU, llama3-8b shape, bf16 random weights,
 # `llamactl serve` under `bench --url` (closed loop, greedy, EOS ignored), this tree against an
-# older one (OLD: a commit of the device's .git, unpacked to /tmp/old). Each run's bench JSON is
+# older one (OLD: a commit of the device's .git, or a tar of its llamactl/ and pyproject.toml, e.g. a
+# carried .whl/old-COMMIT.tar from `git archive COMMIT llamactl pyproject.toml`; unpacked to /tmp/old). Each run's bench JSON is
 # merged into OUTDIR/paged-PART.json as it ends, with the GPU's copy bandwidth and bf16 GEMM rate
 # (scripts/gpu_rates.py) and each workload's bound computed from them. Carry .whl/.
 # RUNS (a server each; default "chat-new prefix-new prefix-noprefix"):
@@ -11,13 +12,14 @@
 #   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100)
 #   chat-kv16-new   chat with --kv-memory 16
 #   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
-# Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT
+# Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
 set -uo pipefail
 out=${1:?usage: gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
 . "$(dirname "$0")/device_env.sh"
 new=$PWD
 site=${PYTHONPATH%%:*}
-rm -rf /tmp/old && mkdir -p /tmp/old && git archive "$old" | tar -x -C /tmp/old || { echo "no $old here"; exit 1; }
+rm -rf /tmp/old && mkdir -p /tmp/old
+if [ -f "$old" ]; then tar -x -C /tmp/old -f "$old"; else git archive "$old" | tar -x -C /tmp/old; fi || { echo "no $old here"; exit 1; }
 part=${PART:-chat}
 mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json

@@ -18,10 +18,15 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1000 / reps
 
 
-a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-b = torch.empty_like(a)
-copy = 2 * a.numel() / timed(lambda: b.copy_(a), 20)  # read + write
-del a, b
-x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-gemm = 2 * 8192**3 / timed(lambda: x @ x, 20)
-print(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bytes_s": copy, "bf16_flop_s": gemm}))
+def rates() -> dict:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy = 2 * a.numel() / timed(lambda: b.copy_(a), 20)  # read + write
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    gemm = 2 * 8192**3 / timed(lambda: x @ x, 20)
+    return {"gpu": torch.cuda.get_device_name(), "copy_bytes_s": copy, "bf16_flop_s": gemm}
+
+
+if __name__ == "__main__":
+    print(json.dumps(rates()))

@@ -133,6 +133,12 @@ class PagedLayer(nn.Module):
         return table
 
 
+    def write_at(self, where: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, H_kv, D] into pool positions where [T] (PagedCache.at: a packed forward's tokens)."""
+        self.k.flatten(0, 1).index_copy_(0, where, k)
+        self.v.flatten(0, 1).index_copy_(0, where, v)
+
+
 class PagedCache(nn.Module):
     """K/V of every layer in one pool of `blocks` blocks of `block_size` positions, and a block
     table [rows, max_seq / block_size] of int32 block ids, one row per sequence being served (a
@@ -187,6 +193,11 @@ class PagedCache(nn.Module):
     def slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """table [B, M], pos [B, S] -> the pool positions (block * block_size + offset) [B, S], int64."""
         blk = table.gather(1, (pos // self.block_size).clamp(max=self.width - 1)).long()
+        return blk * self.block_size + pos % self.block_size
+
+    def at(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """rows [T] (table rows), pos [T] -> the pool positions of those rows' positions [T], int64."""
+        blk = self.table[rows, (pos // self.block_size).clamp(max=self.width - 1)].long()
         return blk * self.block_size + pos % self.block_size
 
     def set_rows(self, rows: list[int], blocks: list[list[int]]) -> None:

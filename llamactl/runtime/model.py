@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llamactl.folder.config import LlamaArgs
 from llamactl.runtime.kv_cache import LayerCache, PagedLayer, StaticCache
+from llamactl.runtime.ragged import Ragged, attend
 
 # SDPA's kernels for prefill on CUDA, without cuDNN's: cuDNN builds a plan for each new shape (an
 # H200 spent 1.1 s on the first 192-token prompt, 40 ms after; docs/bench/README.md), which lands
@@ -116,13 +117,15 @@ class Attention(nn.Module):
         # x: [B, S, hidden] (normed), cos/sin: [S, D] ([B, S, D] per row), mask: [1 or B, 1, S, max_seq]
         # bool, input_pos: [S] or [B, S] (each row at its own positions), residual: [B, S, hidden],
         # cache: this layer's K/V (None: attend over x alone, at positions 0..S-1),
-        # slot: the one cache row of a joining sequence -> residual + attention(x)
+        # slot: the one cache row of a joining sequence (or a Ragged: sequences packed in x [1, T]) -> residual + attention(x)
         b, s, _ = x.shape
         kernel = s == 1 and slot is None and cache is not None  # llamactl's decode kernels: one position for all rows, or one each
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if isinstance(slot, Ragged):
+            return self._ragged(q, k, v, cos, sin, residual, cache, slot)
         rep = self.n_heads // self.n_kv_heads
         paged = isinstance(cache, PagedLayer)
         if kernel and self.decode_kernel == "rope" and paged:
@@ -194,6 +197,21 @@ class Attention(nn.Module):
         y = y.reshape(b, self.n_heads, s, self.head_dim)  # SDPA may return it non-contiguous (fp32 GQA on CUDA)
         y = y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)  # [B, S, H * D]
         return add_linear(self.o_proj, y, residual, self.tp_group)
+
+    def _ragged(self, q, k, v, cos, sin, residual, cache: PagedLayer, ragged: Ragged):
+        # q/k/v: [1, T, heads * D] of several sequences packed (runtime.ragged), cos/sin: [1, T, D]
+        t, d = q.shape[1], self.head_dim
+        q, k = q.view(1, t, self.n_heads, d), k.view(1, t, self.n_kv_heads, d)
+        if self.rope_kernel and t >= ROPE_KERNEL_TOKENS and q.dtype != torch.float32 and not torch.compiler.is_compiling():
+            from llamactl.kernels.glue import rope
+
+            q, k = rope(q, cos, sin), rope(k, cos, sin)  # [1, H, T, D], [1, H_kv, T, D]
+        else:
+            q, k = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None]), apply_rope(k.transpose(1, 2), cos[:, None],
+                                                                                           sin[:, None])
+        cache.write_at(ragged.where, k[0].transpose(0, 1), v.view(t, self.n_kv_heads, d))  # [T, H_kv, D]
+        y = attend(q[0].transpose(0, 1), cache.k, cache.v, cache.owner.table, ragged)  # [T, H, D]
+        return add_linear(self.o_proj, y.reshape(1, t, self.n_heads * d), residual, self.tp_group)
 
 
 class MLP(nn.Module):
@@ -366,13 +384,17 @@ class LlamaModel(nn.Module):
         (runtime.kv_cache), or None: idx is whole sequences at positions 0..S-1, attending over
         themselves alone (scoring). slot: idx is one sequence ([1, S]) for
         cache row `slot` alone (it joins while the other rows keep theirs), or slot: [B] the cache
-        rows of B whole prompts joining at once (input_pos [B, S], each row 0..S-1). kv_len: SDPA reads only
+        rows of B whole prompts joining at once (input_pos [B, S], each row 0..S-1), or a
+        runtime.ragged.Ragged: idx [1, T] is several sequences' new tokens packed end to end over a
+        paged cache (their positions its own), and the logits are each one's last [n, 1, vocab]. kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
         on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
         of position last_at of idx instead of its last (a prompt padded to a common length).
         Returns logits [B, S or 1, vocab]."""
         span = cache.max_seq if cache is not None else idx.shape[1]  # the positions attention may read
         self.setup_positions(span)
+        if isinstance(slot, Ragged):  # sequences packed in one row: no mask, each one's last token
+            return self._ragged(idx, slot, cache)
         if input_pos.dim() == 1:
             mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]
         else:
@@ -389,3 +411,12 @@ class LlamaModel(nn.Module):
         elif last_only:
             x = x[:, -1:] if last_at is None else x[:, last_at : last_at + 1]
         return self.lm_head(self.model.norm(x))
+
+    def _ragged(self, idx: torch.Tensor, ragged: Ragged, cache) -> torch.Tensor:
+        # idx: [1, T] -> the logits of each sequence's last token [n, 1, vocab]
+        pos = ragged.positions
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # [1, T, D]
+        x = self.model.embed_tokens(idx)  # [1, T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None, pos, cache.layers[i], ragged)
+        return self.lm_head(self.model.norm(x[0, ragged.last][:, None]))  # [n, 1, vocab]

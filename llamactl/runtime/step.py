@@ -229,6 +229,23 @@ class Decoder:
         toks, self.prefill_finite = self._prefill_slots(ids, at, n)
         return toks
 
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
+        """Several sequences' chunks in one forward, packed end to end without padding
+        (runtime.ragged; a paged cache whose table rows `rows` hold their blocks): chunk i at
+        positions starts[i].. of row rows[i] -> the token after each chunk [n] (with `rows`'
+        settings of its row)."""
+        from llamactl.runtime.ragged import Ragged
+
+        packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks])
+        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T]
+        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
+        self.prefill_finite = torch.isfinite(logits).all()
+        if self.rows is None:
+            return self.sample(logits)
+        ends = torch.tensor([s + len(c) for s, c in zip(starts, chunks)], device=self.device)
+        return self.rows.sample(logits, ends, torch.tensor(rows, device=self.device))
+
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []
         pos = torch.arange(ids.shape[1], device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)

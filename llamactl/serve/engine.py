@@ -190,8 +190,9 @@ class Engine:
             first = self.runner.prefill(work)
             now = time.perf_counter()
             self.times.prefilled(now - t0, work.tokens)
-            for r, tok in zip(work.requests, first or []):
-                self._emit(r, tok, now)
+            for r, tok, end in zip(work.requests, first or [], work.ends):
+                if end:
+                    self._emit(r, tok, now)
         step = self.scheduler.decode()
         launched = self.runner.launch(step) if step is not None else None
         if self.overlap:

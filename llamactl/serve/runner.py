@@ -88,13 +88,21 @@ class Runner:
             self._do(("arrange", moves, sorted(tables.items())))
 
     def prefill(self, work: Prefill) -> list[int] | None:
-        """Run one prefill forward; its next tokens read on the host where it ends the prompts
-        (a chunk that does not has no read: its device time lands in the next one)."""
-        if work.together:
-            toks = self._do(("prefill_slots", work.ids, [r.slot for r in work.requests], work.valid))  # [k]
+        """Run one prefill forward: whole short prompts from position 0 replay a prefill graph
+        where one takes them, several chunks (or any on a GPU) go packed (runtime.ragged), a lone
+        one on the CPU as itself. Returns the next token of each chunk, read on the host where
+        some chunk ends its prompt (else None, no read: its device time lands in the next one)."""
+        slots = [r.slot for r in work.requests]
+        graphs = self.decoder.prefill_graphs
+        longest = max(len(c) for c in work.ids)
+        if work.whole and graphs is not None and graphs.bucket(len(slots), longest) is not None:
+            ids = [c + [0] * (longest - len(c)) for c in work.ids]
+            toks = self._do(("prefill_slots", ids, slots, [len(c) for c in work.ids]))  # [k]
+        elif len(slots) > 1 or self.device.type == "cuda":
+            toks = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends))  # [k]
         else:
-            toks = self._do(("prefill", work.ids[0], work.requests[0].slot, work.start, work.valid[0], work.last))
-        return toks.tolist() if work.last else None
+            toks = self._do(("prefill", work.ids[0], slots[0], work.starts[0], work.ends[0]))  # [1]
+        return toks.tolist() if any(work.ends) else None
 
     def launch(self, step: Decode) -> Launched:
         """Start one decode step; its tokens come back through the Launched (nothing read here)."""
@@ -127,11 +135,18 @@ class Runner:
             if tables:
                 self.cache.set_rows([r for r, _ in tables], [b for _, b in tables])
         elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
-            ids, slot, start, valid, last = a
-            tok = self.decoder.prefill(torch.tensor([ids]), slot=slot, start=start, valid=valid)  # ids from the host
+            ids, slot, start, last = a
+            tok = self.decoder.prefill(torch.tensor([ids]), slot=slot, start=start)  # ids from the host
             if last:
                 self._tok[slot] = tok[0]
             return tok  # [1]
+        elif kind == "prefill_packed":  # chunks of several rows in one forward; the prompts' last set their tokens
+            chunks, slots, starts, ends = a
+            toks = self.decoder.prefill_packed(chunks, slots, starts)  # [k]
+            done = [i for i, e in enumerate(ends) if e]
+            if done:
+                self._tok[torch.tensor([slots[i] for i in done], device=self.device)] = toks[done]
+            return toks
         elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
             ids, slots, lens = a
             toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]
@@ -182,7 +197,7 @@ class Runner:
     def warm_up(self, sched) -> None:
         """One decode step per batch bucket of sched (serve.scheduler.Scheduler) with every row free
         (captures the CUDA graphs before the first request; free rows write position 0, which a
-        prefill overwrites before it is read), then the prefill shapes it pads to."""
+        prefill overwrites before it is read), then the prefill graphs and packed prefills."""
         for greedy in (True, False):  # a graph each: argmax alone, or the per-row draw
             self.rows.greedy = greedy
             for b in sched.buckets:
@@ -191,23 +206,13 @@ class Runner:
         if graphs is not None:  # the short prefills' graphs, into free rows
             graphs.capture_all()
         if self.device.type == "cuda":
-            # eager prefills into free rows too: each padded length of one prompt chunk, and two
-            # prompts together, so that the libraries' first calls with a shape (cuBLAS's plans,
-            # Triton's compiles) land here and not in a request's time to its first token. Where a
-            # graph takes a whole prompt of that length, the eager ones left are a later chunk's
-            # (at a position past 0; none where the length fills the cache)
-            pad = sched.pad_to
-            for s in range(pad, min(sched.prefill_chunk, self.max_seq) + 1, pad):
-                start = 0 if graphs is None or graphs.bucket(1, s) is None else min(pad, self.max_seq - s)
-                self.decoder.prefill(torch.zeros(1, s, dtype=torch.long), slot=0, start=start, valid=s)
-            if sched.batch_prefill and self.max_batch > 1:
-                # two short prompts (eager where no graph takes them), and a burst of every slot
-                # (2 x pad_to tokens each, at most BATCH_PREFILL_TOKENS): the first time through
-                # a burst's kernels at thousands of tokens would land in the first burst's TTFT
-                s = min(pad, self.max_seq)
-                if graphs is None or graphs.bucket(2, s) is None:
-                    self.decoder.prefill_slots(torch.zeros(2, s, dtype=torch.long), [0, 1], [s, s])
-                s = min(2 * pad, self.max_seq)
-                k = max(2, min(self.max_batch, BATCH_PREFILL_TOKENS // s))
-                self.decoder.prefill_slots(torch.zeros(k, s, dtype=torch.long), list(range(k)), [s] * k)
+            # packed prefills into free rows (their tables the null block's) too, so that the
+            # libraries' first calls (Triton's compiles, cuBLAS's handles) land here and not in a
+            # request's time to its first token: two short chunks, one past a "prefix", and the
+            # largest forward the scheduler plans
+            s = min(16, self.max_seq // 2)
+            self.decoder.prefill_packed([[0] * s, [0] * s], [0, 1 % self.max_batch], [0, s])
+            n = min(1024, self.max_seq)
+            k = max(1, max(BATCH_PREFILL_TOKENS, sched.prefill_chunk) // n)
+            self.decoder.prefill_packed([[0] * n] * k, [0] * k, [0] * k)
             torch.cuda.synchronize(self.device)

@@ -144,23 +144,23 @@ class Request:
 
 @dataclass
 class Prefill:
-    """One prefill forward: `requests`' tokens ids[i][:valid[i]] (then padding) at positions
-    start.. of their rows (together: at 0); last: it ends their prompts, and its next tokens are read."""
+    """One prefill forward: chunk ids[i] of requests[i]'s tokens at positions starts[i].. of its
+    row, the chunks packed end to end (runtime.ragged); ends[i]: the chunk ends its request's
+    prompt, and the token after it is read and handed out."""
 
     requests: list[Request]
-    ids: list[list[int]]  # [k, s]
-    start: int
-    valid: list[int]
-    last: bool
-
-    @property
-    def together(self) -> bool:
-        """Several whole prompts in one forward (else one prompt's chunk)."""
-        return len(self.requests) > 1
+    ids: list[list[int]]
+    starts: list[int]
+    ends: list[bool]
 
     @property
     def tokens(self) -> int:
-        return sum(self.valid)
+        return sum(len(c) for c in self.ids)
+
+    @property
+    def whole(self) -> bool:
+        """Every chunk a whole prompt from position 0 (what the prefill graphs take)."""
+        return all(self.ends) and not any(self.starts)
 
 
 @dataclass
@@ -201,9 +201,8 @@ def buckets(max_batch: int) -> list[int]:
 
 class Scheduler:
     """The queue, the batch rows and the KV blocks. submit(), stop() and the counters from any
-    thread; the rest on the engine's. gpu: pad prompt chunks to few shapes and prefill joining
-    prompts together (on the CPU one at a time, so the float32 sums, and so the tokens, are those
-    of `generate`). pool: the KV blocks (serve.blocks.BlockPool; its block count and size are
+    thread; the rest on the engine's. gpu: a step's prompt chunks go through one forward, packed
+    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`). pool: the KV blocks (serve.blocks.BlockPool; its block count and size are
     the paged cache's)."""
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
@@ -217,11 +216,7 @@ class Scheduler:
         self.block_size = self.pool.block_size
         # blocks kept free at admission for the running requests' next tokens (fewer preemptions)
         self.watermark = max(1, self.pool.blocks // 100)
-        # A prompt chunk is padded to a multiple of pad_to on a GPU, so that few shapes meet the
-        # libraries for the first time (each is prefilled once at warm-up); a burst's prompts are
-        # padded to their longest, rounded to burst_pad_to only. On the CPU nothing is gained.
-        self.pad_to, self.burst_pad_to = (64, 16) if gpu else (1, 1)
-        self.batch_prefill = gpu
+        self.batch_prefill = gpu  # a step's prompt chunks in one packed forward
         self.buckets = buckets(max_batch)
         self.slots: list[Request | None] = [None] * max_batch
         self.queue: deque[Request] = deque()
@@ -422,31 +417,35 @@ class Scheduler:
         r.named = max(r.named, full)
 
     def _prefills(self) -> list[Prefill]:
-        """Prompt chunks, first come first, within the budget; with no row decoding there is no one
-        to delay, and every waiting prompt is prefilled. Where batch_prefill, the short prompts
-        that just joined go first, together in one forward. Each planned prompt token counts as
-        computed from here (the runner runs the plan before anything reads it)."""
+        """Prompt chunks, first come first, within this step's token budget: prefill_chunk tokens
+        while rows decode (they wait for it), max(BATCH_PREFILL_TOKENS, prefill_chunk) where none
+        do or more are starting than decoding (a burst: one forward for many is fairer than a
+        chunk a step, which delays each one behind the others' chunks and the steps between).
+        Where batch_prefill (a GPU) the chunks go through one forward, packed; else one forward
+        each, whole prompts where no row decodes (the CPU: the float32 sums, and so the tokens,
+        are those of `generate`). Each planned prompt token counts as computed from here (the
+        runner runs the plan before anything reads it)."""
         decoding = sum(r is not None and r.decoding for r in self.slots)
         starting = sum(r is not None and r.prefilled == 0 for r in self.slots)
-        # Every waiting prompt at once where none decode, or where more are starting than decode (a
-        # burst: one forward for all is fairer than a chunk a step, which delays each one behind
-        # the others' chunks and the steps between); else at most prefill_chunk tokens a step.
-        budget = None if starting > decoding and self.batch_prefill else self.prefill_chunk if decoding else None
-        out = []
         if self.batch_prefill:
-            budget = self._together(budget, out)
+            burst = not decoding or starting > decoding
+            budget = max(BATCH_PREFILL_TOKENS, self.prefill_chunk) if burst else self.prefill_chunk
+        else:
+            budget = self.prefill_chunk if decoding else None
+        chunks = []
         for r in sorted((r for r in self.slots if r is not None and not r.decoding), key=lambda r: r.id):
             if budget is not None and budget <= 0:
                 break
             n = r.target - r.prefilled if budget is None else min(budget, r.target - r.prefilled)
-            chunk = r.tokens[r.prefilled : r.prefilled + n]
-            padded = min(-(-n // self.pad_to) * self.pad_to, self.max_seq - r.prefilled)
-            last = r.prefilled + n == r.target
-            out.append(Prefill([r], [chunk + [0] * (padded - n)], r.prefilled, [n], last))
+            chunks.append(Prefill([r], [r.tokens[r.prefilled : r.prefilled + n]], [r.prefilled],
+                                  [r.prefilled + n == r.target]))
             self._planned(r, r.prefilled + n)
             if budget is not None:
                 budget -= n
-        return out
+        if not self.batch_prefill or len(chunks) < 2:
+            return chunks
+        return [Prefill([r for c in chunks for r in c.requests], [c.ids[0] for c in chunks],
+                        [c.starts[0] for c in chunks], [c.ends[0] for c in chunks])]
 
     def _planned(self, r: Request, upto: int) -> None:
         """r's tokens below upto are planned: its full blocks there are named now (a prompt that
@@ -456,34 +455,6 @@ class Scheduler:
         self._name_blocks(r, upto)
         if upto == r.target:
             r.launched = r.target - r.prompt_len + 1
-
-    def _together(self, budget: int | None, out: list[Prefill]) -> int | None:
-        """The prompts that joined with nothing cached and fit the budget (each at most
-        prefill_chunk tokens, together at most max(budget, prefill_chunk) or, with no budget,
-        BATCH_PREFILL_TOKENS), padded to one length for one forward; returns the budget left."""
-        room = BATCH_PREFILL_TOKENS if budget is None else budget
-        group: list[Request] = []
-        longest = 0
-        for r in sorted((r for r in self.slots if r is not None and r.prefilled == 0), key=lambda r: r.id):
-            padded = self._burst_len(max(longest, r.target))
-            # the forward's size is its padded rows x length (the activations the KV pool left room for)
-            if r.target <= min(room, self.prefill_chunk if budget is not None else room) and \
-                    (len(group) + 1) * padded <= max(BATCH_PREFILL_TOKENS, self.prefill_chunk):
-                group.append(r)
-                room -= r.target
-                longest = max(longest, r.target)
-        if len(group) < 2:
-            return budget
-        s = self._burst_len(longest)
-        out.append(Prefill(group, [r.tokens[: r.target] + [0] * (s - r.target) for r in group], 0,
-                           [r.target for r in group], True))
-        for r in group:
-            self._planned(r, r.target)
-        return None if budget is None else max(0, budget - sum(r.target for r in group))
-
-    def _burst_len(self, n: int) -> int:
-        """A burst's padded length for its longest prompt of n tokens."""
-        return min(-(-n // self.burst_pad_to) * self.burst_pad_to, self.max_seq)
 
     def decode(self) -> Decode | None:
         """The decode step of the rows that still have tokens to compute, or None; gives each the

@@ -261,3 +261,37 @@ def test_paged_decode_attention_with_rope_writes_its_block_and_nothing_else():
         ref = torch.softmax(qr @ keys.transpose(-1, -2) / d**0.5, -1) @ vals
         assert rel(out[i].cpu(), ref.cpu()) < 5e-3
     assert int(changed.sum()) == b
+
+
+@pytest.mark.parametrize("block_size,rep", [(16, 4), (8, 1), (32, 2)])
+def test_packed_prefill_attention_matches_softmax_over_each_sequence(block_size, rep):
+    """The prefill kernel of sequences packed end to end (kernels.prefill_attention): each new token
+    against a float64 softmax over its own sequence's positions up to it, read through the block
+    table (a cached prefix before some, tiles cut mid-sequence), and the PyTorch reference alike."""
+    from llamactl.kernels.prefill_attention import ragged_attention
+    from llamactl.runtime.kv_cache import PagedCache
+    from llamactl.runtime.ragged import Ragged, reference
+
+    torch.manual_seed(block_size)
+    hkv, d, blocks = 2, 64, 40
+    cache = PagedCache(1, 3, blocks, block_size, 320, hkv, d, ATTN_DTYPE, DEV)
+    order = torch.randperm(blocks - 1)[:30] + 1
+    cache.set_rows([0, 1, 2], [order[:10].tolist(), order[10:20].tolist(), order[20:30].tolist()])
+    layer = cache.layers[0]
+    layer.k.normal_(), layer.v.normal_()
+    rows, starts, lens = [2, 0, 1], [0, 37, 5], [70, 3, 1]  # 70 tokens: two tiles; a prefix of 37 and of 5
+    r = Ragged.build(cache, rows, starts, lens)
+    q = torch.randn(sum(lens), hkv * rep, d, device=DEV, dtype=ATTN_DTYPE)
+    out = ragged_attention(q, layer.k, layer.v, cache.table, r)
+    flat_k, flat_v = layer.k.flatten(0, 1).double(), layer.v.flatten(0, 1).double()
+    t = 0
+    for row, start, n in zip(rows, starts, lens):
+        for j in range(n):
+            pos = torch.arange(start + j + 1, device=DEV)
+            at = cache.at(torch.full_like(pos, row), pos)
+            for h in range(hkv * rep):
+                s = flat_k[at, h // rep] @ q[t, h].double() / d**0.5
+                want = s.softmax(0) @ flat_v[at, h // rep]
+                assert rel(out[t, h].cpu(), want.cpu()) < 5e-3, (row, j, h)
+            t += 1
+    assert rel(reference(q.float(), layer.k.float(), layer.v.float(), cache.table, r).cpu(), out.double().cpu()) < 5e-3

@@ -52,3 +52,24 @@ def test_paged_prompts_joining_together_write_their_own_blocks(tiny_mha):
     assert not written[NULL_BLOCK]
     paged.move(torch.tensor([2]), torch.tensor([1]))
     assert paged.table[1, :2].tolist() == [7, 1]
+
+
+def test_packed_prompts_give_the_logits_of_each_prompt_alone(tiny_gqa):
+    """Several sequences' new tokens in one forward (runtime.ragged): a whole prompt, a chunk after
+    a cached prefix, and a one-token chunk, packed end to end, give the logits each one's last token
+    gets from the static cache alone (CPU float32)."""
+    from llamactl.runtime.ragged import Ragged
+
+    model = _model(tiny_gqa)
+    torch.manual_seed(1)
+    paged = PagedCache.for_model(model, 3, 30, 8, 64)
+    paged.set_rows([0, 1, 2], [[5, 3, 9], [2, 11, 7, 4], [20, 21]])
+    a, b, c = (torch.randint(0, 8192, (1, n)) for n in (21, 27, 10))
+    with torch.inference_mode():
+        first = Ragged.build(paged, [1, 2], [0, 0], [16, 9])  # b's prefix and c's first 9
+        model(torch.cat([b[:, :16], c[:, :9]], 1), first.positions, paged, slot=first)
+        packed = Ragged.build(paged, [0, 1, 2], [0, 16, 9], [21, 11, 1])
+        got = model(torch.cat([a, b[:, 16:], c[:, 9:]], 1), packed.positions, paged, slot=packed)[:, -1]  # [3, V]
+        want = [model(x, torch.arange(x.shape[1]), StaticCache.for_model(model, 1, 64), slot=0)[:, -1]
+                for x in (a, b, c)]
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)

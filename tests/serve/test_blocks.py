@@ -52,11 +52,11 @@ def test_a_request_reuses_the_cached_full_blocks_of_its_prefix():
     again = _submit(s, list(range(1, 13)) + [99, 98])
     plan = s.schedule(busy=False)
     (p,) = plan.prefills
-    assert again.cached == 12 and p.start == 12 and p.valid == [2]
+    assert again.cached == 12 and p.starts == [12] and [len(c) for c in p.ids] == [2]
     assert again.blocks[:3] == first_blocks(s, again) and s.pool.hit_tokens == 12
     whole = _submit(s, list(range(1, 13)))  # all 12 tokens cached: the last block is computed again
     (p,) = s.schedule(busy=True).prefills
-    assert whole.cached == 8 and p.start == 8 and p.valid == [4]
+    assert whole.cached == 8 and p.starts == [8] and [len(c) for c in p.ids] == [4]
 
 
 def first_blocks(s, r):

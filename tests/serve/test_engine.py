@@ -1,7 +1,6 @@
-"""The serving engine on its own (no HTTP): continuous batching over the slotted cache on the
+"""The serving engine on its own (no HTTP): continuous batching over the paged cache on the
 embedded trained model (CPU float32), each request's tokens against `llamactl generate`'s; the
-GPU's ways (a step ahead, padded chunks, prompts prefilled together, the gather wait) forced on
-the CPU."""
+GPU's ways (a step ahead, prompt chunks packed in one forward, the gather wait) forced on the CPU."""
 
 from __future__ import annotations
 
@@ -24,12 +23,12 @@ def reference(embedded, prompt: str, n: int) -> str:
 
 @pytest.fixture
 def prefills_together(monkeypatch) -> list[int]:
-    """The prompts of each forward that prefills several at once (Decoder.prefill_slots), in order."""
+    """The chunks of each packed prefill forward (Decoder.prefill_packed), in order."""
     from llamactl.runtime.step import Decoder
 
-    calls, together = [], Decoder.prefill_slots
-    monkeypatch.setattr(Decoder, "prefill_slots", lambda self, ids, slots, valid: calls.append(len(slots))
-                        or together(self, ids, slots, valid))
+    calls, packed = [], Decoder.prefill_packed
+    monkeypatch.setattr(Decoder, "prefill_packed", lambda self, chunks, rows, starts: calls.append(len(chunks))
+                        or packed(self, chunks, rows, starts))
     return calls
 
 
@@ -113,30 +112,38 @@ def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
         eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
 
 
-def test_padded_prompt_chunks_give_the_same_tokens(embedded):
-    """On a GPU the engine pads prompt chunks to a multiple of 64 (fewer shapes to plan): the
-    padding changes no token (forced here on the CPU, float32)."""
+def test_packed_chunks_cut_mid_prompt_give_the_same_tokens(embedded, prefills_together):
+    """The GPU's packed prefill (forced on the CPU) with a budget of 8 tokens a step: prompts cut
+    into chunks packed with other prompts' chunks, after their earlier chunks in the cache, give
+    the tokens of prompts prefilled whole, one at a time (float32)."""
     from llamactl.serve.engine import Engine, Params
 
     art, model, tok = embedded
     out = {}
-    for pad in (1, 64):
-        eng = Engine(model, set(), max_batch=2, max_queue=4, max_seq=96, prefill_chunk=8)
-        eng.scheduler.pad_to = pad
+    for packed in (False, True):
+        eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=96, prefill_chunk=8)
+        eng.scheduler.batch_prefill = packed
+        got = [[], [], [], []]
+        on = [(lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i) for i in range(4)]
+        with eng.scheduler.cv:
+            running = [eng.submit(tok(p).input_ids, Params(max_tokens=30, temperature=0), on[i])
+                       for i, p in enumerate(PROMPTS[:2])]
         eng.start()
-        got = [[], []]
-        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0),
-                           (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
-                for i, p in enumerate(PROMPTS[4:6])]
-        while not all(r.finished for r in reqs):
+        while len(got[0]) < 2:
+            time.sleep(0.005)
+        with eng.scheduler.cv:  # two join two decoding rows: 8 tokens a step, packed
+            reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0), on[i + 2])
+                    for i, p in enumerate(PROMPTS[4:6])]
+        while not all(r.finished for r in [*running, *reqs]):
             time.sleep(0.01)
         eng.stop()
-        out[pad] = got
-    assert out[1] == out[64] and all(len(g) == 10 for g in out[1])
+        out[packed] = got
+    assert out[False] == out[True] and all(len(g) == 10 for g in out[True][2:])
+    assert prefills_together[0] == 2 and prefills_together.count(2) >= 2  # the two joined, then the joiners' chunks
 
 
 def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_together):
-    """Where the engine prefills the prompts that joined at once in one padded forward (the GPU's
+    """Where the engine prefills the prompts that joined at once in one packed forward (the GPU's
     way; forced here on the CPU), every request gets the tokens it gets prefilled alone."""
     from llamactl.serve.engine import Engine, Params
 
@@ -145,7 +152,7 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_toge
     out = {}
     for batched in (False, True):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
-        eng.scheduler.batch_prefill, eng.scheduler.pad_to = batched, 16
+        eng.scheduler.batch_prefill = batched
         got = [[] for _ in range(4)]
         reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
                            (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
@@ -314,7 +321,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_tog
     out, replays = {}, {}
     for graphs in (False, True):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
-        eng.scheduler.batch_prefill, eng.scheduler.pad_to, eng.scheduler.burst_pad_to = True, 16, 16
+        eng.scheduler.batch_prefill = True
         if graphs:
             d = eng.decoder
             d.prefill_graphs = PrefillGraphs(d._prefill_slots, 4, d.max_seq, d.device, capture=_eager_capture)

@@ -77,8 +77,8 @@ def test_admission_fills_free_rows_first_come_and_the_rest_wait():
     plan = s.schedule(busy=False)
     assert plan.joined == reqs[:2] and [r.slot for r in reqs[:2]] == [0, 1] and s.waiting == 1
     # no row decodes: every joined prompt whole, one forward each on the CPU (not batch_prefill)
-    assert [(p.requests, p.start, p.valid, p.last) for p in plan.prefills] == [([reqs[0]], 0, [3], True),
-                                                                             ([reqs[1]], 0, [5], True)]
+    assert [(p.requests, p.starts, [len(c) for c in p.ids], p.ends) for p in plan.prefills] == \
+        [([reqs[0]], [0], [3], [True]), ([reqs[1]], [0], [5], [True])]
     assert all(r.decoding and r.launched == 1 and r.computed == r.prompt_len for r in reqs[:2])
     step = s.decode()
     assert (step.requests, step.rows, step.positions, step.greedy) == (reqs[:2], 2, [3, 5], True)
@@ -94,24 +94,28 @@ def test_a_prompt_joining_decoding_rows_is_chunked_within_the_budget():
     chunks = []
     for _ in range(3):
         plan = s.schedule(busy=True)
-        chunks += [(p.start, p.valid[0], [t - long.tokens[0] + 1 for t in p.ids[0]], p.last) for p in plan.prefills]
+        chunks += [(p.starts[0], [t - long.tokens[0] + 1 for t in p.ids[0]], p.ends[0]) for p in plan.prefills]
         step = s.decode()
         assert step.requests == ([first, long] if long.decoding else [first])
         if long.decoding:  # its first step feeds the prefill's token, at the position after the prompt
             assert step.rows == 2 and step.positions[long.slot] == long.prompt_len
-    assert chunks == [(0, 4, [1, 2, 3, 4], False), (4, 4, [5, 6, 7, 8], False), (8, 2, [9, 10], True)]
+    assert chunks == [(0, [1, 2, 3, 4], False), (4, [5, 6, 7, 8], False), (8, [9, 10], True)]
 
 
-def test_gpu_shapes_pad_chunks_and_prefill_joining_prompts_together():
-    s, _ = make(max_seq=256, gpu=True)
+def test_gpu_packs_a_steps_chunks_into_one_forward_within_the_budget():
+    """On a GPU the prompts that joined go through one forward, packed unpadded; while rows decode
+    (and no more are starting than decoding) the chunks stop at prefill_chunk tokens, the last
+    one cut mid-prompt and finished the next step."""
+    s, _ = make(max_seq=256, chunk=32, gpu=True)
     a, b = submit(s, 5), submit(s, 20)
-    plan = s.schedule(busy=False)
-    (p,) = plan.prefills
-    assert p.together and p.requests == [a, b] and p.valid == [5, 20] and len(p.ids[0]) == len(p.ids[1]) == 32
-    c = submit(s, 70)
+    (p,) = s.schedule(busy=False).prefills
+    assert (p.requests, [len(c) for c in p.ids], p.starts, p.ends, p.whole) == ([a, b], [5, 20], [0, 0], [True] * 2, True)
+    c, d = submit(s, 20), submit(s, 20)
     s.decode()
-    (p,) = s.schedule(busy=True).prefills  # one prompt joining two decoding rows: a chunk, padded to 64s
-    assert p.requests == [c] and p.valid == [70] and len(p.ids[0]) == 128
+    s.schedule(busy=True)  # two starting, two decoding: 32 tokens this step
+    (p,) = s.schedule(busy=True).prefills
+    assert (p.requests, [len(x) for x in p.ids], p.starts, p.ends) == ([d], [8], [12], [True])
+    assert c.decoding and d.decoding and not p.whole
 
 
 def test_decode_steps_the_smallest_bucket_holding_every_row_and_stops_at_max_tokens():

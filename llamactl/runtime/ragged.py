@@ -1,0 +1,89 @@
+"""Several sequences' new tokens packed into one forward over a paged cache, without padding.
+
+A server prefills the prompt chunks of several requests at once: their tokens are laid end to end
+as one row of T tokens (`model(ids [1, T], pos [1, T], cache, slot=ragged)`), each token at its own
+position of its own cache row, whose earlier positions (a cached prefix, earlier chunks) are in
+the pool already. `Ragged` is what the forward needs to know about the packing, on the device,
+built once a forward: where each token's K/V go in the pool, each sequence's span, and the tiles
+of the prefill attention (kernels.prefill_attention on CUDA, `reference` elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TILE = 64  # query tokens of one sequence an attention program takes
+
+
+@dataclass
+class Ragged:
+    """n sequences, T tokens: sequence i's tokens are q_start[i]..q_start[i]+q_len[i]-1 of the
+    forward, at positions ctx[i].. of table row rows[i]."""
+
+    rows: torch.Tensor  # [n] int32: table rows
+    q_start: torch.Tensor  # [n] int32
+    q_len: torch.Tensor  # [n] int32
+    ctx: torch.Tensor  # [n] int32: positions cached before its tokens
+    tile_seq: torch.Tensor  # [tiles] int32: the sequence of each attention tile
+    tile_m: torch.Tensor  # [tiles] int32: its first query token within the sequence
+    positions: torch.Tensor  # [1, T] int64: each token's position
+    last: torch.Tensor  # [n] int64: each sequence's last token in the forward
+    where: torch.Tensor  # [T] int64: each token's place in the pool (block * block_size + offset)
+    tile: int = TILE
+
+    @classmethod
+    def build(cls, cache, rows: list[int], starts: list[int], lens: list[int]) -> "Ragged":
+        """Sequences of lens[i] new tokens at positions starts[i].. of table rows rows[i] of cache
+        (a runtime.kv_cache.PagedCache whose table holds their blocks)."""
+        if not (len(rows) == len(starts) == len(lens)) or any(n < 1 for n in lens) or any(s < 0 for s in starts):
+            raise ValueError(f"a packed prefill of rows {rows}, starts {starts}, lengths {lens}")
+        q_start, at = [], 0
+        for n in lens:
+            q_start.append(at)
+            at += n
+        tiles = [(i, m) for i, n in enumerate(lens) for m in range(0, n, TILE)]
+        device = cache.table.device
+        i32 = [torch.tensor(x, dtype=torch.int32).to(device)
+               for x in (rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles])]
+        positions = torch.tensor([[s + j for s, n in zip(starts, lens) for j in range(n)]], device=device)  # [1, T]
+        token_rows = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], device=device)  # [T]
+        last = torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device)
+        return cls(*i32, positions, last, cache.at(token_rows, positions[0]))
+
+    @property
+    def tokens(self) -> int:
+        return self.positions.shape[1]
+
+
+def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+           ragged: Ragged) -> torch.Tensor:
+    """q: [T, H, D] (rotated), pools [blocks, BS, H_kv, D] holding every sequence's K/V up to its
+    new tokens' (theirs written), table [rows, M] int32 -> [T, H, D], each token attending to its
+    sequence's positions up to its own: the Triton kernel on CUDA, else `reference`."""
+    if q.is_cuda:
+        from llamactl.kernels.prefill_attention import ragged_attention
+
+        return ragged_attention(q, k_pool, v_pool, table, ragged)
+    return reference(q, k_pool, v_pool, table, ragged)
+
+
+def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+              ragged: Ragged) -> torch.Tensor:
+    """`attend` in PyTorch: each sequence's keys gathered through its table row, SDPA with its
+    causal offset, the query heads of a KV head as more rows of it."""
+    t, h, d = q.shape
+    hkv, bs = k_pool.shape[2], k_pool.shape[1]
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # [N*BS, H_kv, D]
+    for start, n, c0, row in zip(*(x.tolist() for x in (ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows))):
+        pos = torch.arange(c0 + n, device=q.device)
+        at = table[row, pos // bs].long() * bs + pos % bs  # [c0 + n]
+        k, v = flat_k[at].transpose(0, 1), flat_v[at].transpose(0, 1)  # [H_kv, c0 + n, D]
+        qi = q[start : start + n].transpose(0, 1).reshape(hkv, h // hkv * n, d)  # [H_kv, rep * n, D]
+        qpos = (c0 + torch.arange(n, device=q.device)).repeat(h // hkv)  # [rep * n]
+        y = F.scaled_dot_product_attention(qi, k, v, attn_mask=pos[None, :] <= qpos[:, None])  # [H_kv, rep * n, D]
+        out[start : start + n] = y.reshape(h, n, d).transpose(0, 1)
+    return out
