@@ -373,10 +373,14 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
         device: torch.device, dtype: torch.dtype, on_result: Callable[[dict], None] = lambda r: None,
         profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,),
         pdl: tuple[bool | None, ...] = (None,), inputs: tuple[str | None, ...] = (None,),
-        options: RuntimeOptions | None = None, warn: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+        options: RuntimeOptions | None = None, warn: Callable[[str], None] = lambda m: None,
+        on_partial: Callable[[dict], None] = lambda r: None) -> dict[str, Any]:
     """Measure every target x variant (mode and options; see `variants`) x batch x prompt length;
     hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
-    and/or off (cuBLAS + SDPA). warn: what a plan's warnings go to (kernels that failed their check)."""
+    and/or off (cuBLAS + SDPA). warn: what a plan's warnings go to (kernels that failed their check).
+    on_partial: the result so far ("partial": true) after each row, for a file that loses nothing
+    when the run stops. A variant that fails is a row with its error ("failed": true), and the
+    others go on."""
     for t in targets:
         ctx = t.model.args.max_position_embeddings
         if max(trial.prompt_lens) + trial.gen_len > ctx:
@@ -385,13 +389,17 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
             raise InputError(f"--prompt-len {max(trial.prompt_lens)} + --gen-len {trial.gen_len} is longer than "
                              f"{t.label}'s context ({ctx})", "shorten them")
     bw = copy_bandwidth(device)
+    env = environment(device, dtype, bw)
     results = []
 
-    def add(base: dict, model, batch: int, p: int, raw: dict | None, skipped: str | None = None):
+    def add(base: dict, model, batch: int, p: int, raw: dict | None, skipped: str | None = None,
+            failed: bool = False):
         row = dict(base, batch=batch, prompt_len=p, gen_len=trial.gen_len, device=str(device),
                    dtype=str(dtype).replace("torch.", ""))
         if skipped:
             row["skipped"] = skipped
+            if failed:
+                row["failed"] = True
         else:
             row.update(summarize(raw, batch, p, trial.gen_len))
             row.update(ceiling(model, batch, p, trial.gen_len, bw))
@@ -405,13 +413,14 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 row["allreduce_ms_per_step"] = allreduce_ms_per_step(model, batch)
         results.append(row)
         on_result(row)
+        on_partial({"env": env, "results": list(results), "partial": True})
 
     try:
         _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the rows measured so far go with it (bench writes them)
-        e.partial = {"env": environment(device, dtype, bw), "results": results, "interrupted": True}
+        e.partial = {"env": env, "results": results, "interrupted": True}
         raise
-    return {"env": environment(device, dtype, bw), "results": results}
+    return {"env": env, "results": results}
 
 
 def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add):
@@ -435,7 +444,14 @@ def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels,
                         add({"model": target.label, "stage": "llamactl + CUDA graphs"}, target.model, batch, p, None,
                             "needs a CUDA device")
                         continue
-                    raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, opts)
+                    try:
+                        raw = time_llamactl(target.model, batch, p, trial.gen_len, trial, mode, profile_dir, opts)
+                    except Exception as e:  # one variant failing loses no other row
+                        _free(device)
+                        why = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                        add({"model": target.label, "stage": f"llamactl {mode}", "options": opts.as_dict()},
+                            target.model, batch, p, None, why, failed=True)
+                        continue
                     for w in raw["plan"].warnings:
                         warn(w)
                     add({"model": target.label, "stage": stage_name(mode, raw["plan"], device.type), "options": opts.as_dict()},

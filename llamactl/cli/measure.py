@@ -179,9 +179,13 @@ def bench(
             advance(1)
 
         try:
+            def so_far(partial: dict) -> None:  # -o holds every finished row, whatever stops the run
+                if output and not (world and world.rank):
+                    _write_result(partial, fmt, output)
+
             result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
                               profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
-                              inputs=inputs_list, options=options, warn=ui.warn)
+                              inputs=inputs_list, options=options, warn=ui.warn, on_partial=so_far)
         except KeyboardInterrupt as e:  # stopped: the finished rows are not lost
             partial = getattr(e, "partial", None)
             if output and partial and partial["results"] and not (world and world.rank):
@@ -203,6 +207,20 @@ def bench(
         return  # rank 0 reports for the group
     _emit_result(result, fmt, output,
                  f"{env['device_name']} | torch {env['torch']} | copy {env['copy_bandwidth_gbs']} GB/s")
+    failed = [r for r in result["results"] if r.get("failed")]
+    if failed:
+        raise InputError(f"{len(failed)} of {len(result['results'])} rows failed (the others are measured"
+                         f"{' and in ' + output if output else ''}): {failed[0]['stage']}: {failed[0]['skipped']}",
+                         "see each failed row's reason in the table")
+
+
+def _write_result(result: dict, fmt: str, output: str) -> None:
+    """A bench result in --format to -o's file (atomically)."""
+    from llamactl.bench import report
+    from llamactl.folder.artifact import atomic_write_text
+
+    text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
+    atomic_write_text(Path(output), (text or report.to_markdown)(result))
 
 
 def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None:
@@ -211,9 +229,7 @@ def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None
 
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
-        from llamactl.folder.artifact import atomic_write_text
-
-        atomic_write_text(Path(output), (text or report.to_markdown)(result))
+        _write_result(result, fmt, output)
     if text:
         ui.emit_text(text(result))
     else:

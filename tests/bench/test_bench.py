@@ -267,3 +267,30 @@ def test_a_stopped_bench_writes_the_rows_it_finished(tmp_path, monkeypatch):
     assert f"terminated; what was finished is in {out}" in r.output and "Traceback" not in r.output
     data = json.loads(out.read_text())
     assert data["interrupted"] is True and [row["prompt_len"] for row in data["results"]] == [16]
+
+
+def test_a_failed_mode_is_an_error_row_and_the_others_are_kept(tmp_path, monkeypatch):
+    """One variant raising mid-run (a mode that crashes on this model) is a row with its error, the
+    other rows are measured and written, -o holds each row as it lands, and bench exits non-zero
+    with one line naming the failure."""
+    from llamactl.bench import trials
+
+    timed, seen = trials.time_llamactl, []
+
+    def compile_fails(model, batch, p, gen_len, trial, mode, *a, **kw):
+        if seen:  # -o was written after the row before this one
+            assert len(json.loads(out.read_text())["results"]) == len(seen)
+        seen.append(mode)
+        if mode == "compile":
+            raise KeyError("model.lm_head.weight")
+        return timed(model, batch, p, gen_len, trial, mode, *a, **kw)
+
+    monkeypatch.setattr(trials, "time_llamactl", compile_fails)
+    out = tmp_path / "rows.json"
+    r = bench("--synthetic", "tiny", "--mode", "eager,compile", "--prompt-len", "16,32", "--gen-len", "4",
+              "--warmup", "0", "--repeat", "1", "--format", "json", "-o", out)
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "2 of 4 rows failed" in r.output and "KeyError" in r.output
+    rows = json.loads(out.read_text())["results"]
+    assert [(x["prompt_len"], bool(x.get("failed"))) for x in rows] == [(16, False), (16, True), (32, False), (32, True)]
+    assert all(x["decode_tok_s"] > 0 for x in rows if not x.get("failed"))
