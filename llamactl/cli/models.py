@@ -151,10 +151,15 @@ def convert_heads(
     manifest = run(model, output, opts, force=force, eval_file=eval_file, eval_tokens=eval_tokens, device=device,
                    progress=ui.progress, log=ui.log)
     m = manifest["metrics"]
+    q = m.get("quality")
+    lost = _quality_lost(q, merge, distill_steps)
     if json_out:
         ui.emit_json({"output": manifest["output"], "kv_bytes_per_token_before": m["kv_bytes_per_token_before"],
-                      "kv_bytes_per_token_after": m["kv_bytes_per_token_after"], "quality": m.get("quality"),
-                      "params": manifest["params"], "metrics": {k: v for k, v in m.items() if k != "quality"}})
+                      "kv_bytes_per_token_after": m["kv_bytes_per_token_after"], "quality": q,
+                      "params": manifest["params"], "metrics": {k: v for k, v in m.items() if k != "quality"},
+                      "warnings": [lost] if lost else []})
+        if lost:
+            ui.warn(lost)
         return
     h = ui.human_bytes
     rows = [("KV heads", manifest["params"]["kv_heads_before"], kv_heads),
@@ -162,7 +167,6 @@ def convert_heads(
             ("KV cache at 4K", h(m["kv_bytes_at_4k_before"]), h(m["kv_bytes_at_4k_after"])),
             ("KV cache at 32K", h(m["kv_bytes_at_32k_before"]), h(m["kv_bytes_at_32k_after"])),
             ("parameters", f"{m['params_before']:,}", f"{m['params_after']:,}")]
-    q = m.get("quality")
     if q:
         rows += [("perplexity", f"{q['ppl_parent']:.3f}", f"{q['ppl']:.3f} ({(q['ppl'] / q['ppl_parent'] - 1) * 100:+.2f}%)"),
                  ("KL(parent || child), mean", "0", f"{q['kl_mean']:.5f}"),
@@ -170,11 +174,19 @@ def convert_heads(
     if m.get("distill"):
         rows.append(("distillation KL (train)", f"{m['distill']['kl_first']:.4f}", f"{m['distill']['kl_last']:.4f}"))
     ui.table(f"convert-heads ({grouping}, {merge}) -> {manifest['output']}", ["", "parent", "child"], rows)
-    if q and q["kl_mean"] > LARGE_KL:
-        repair = [] if merge == "fit" else ["--merge fit"]
-        repair += [] if distill_steps >= 200 else ["--distill-steps 200"]
-        ui.warn(f"the child lost much quality (KL {q['kl_mean']:.3f} nats a token, top-1 agreement "
-                f"{q['top1_agreement'] * 100:.0f}%)" + (f"; {' and '.join(repair)} {'repair' if len(repair) > 1 else 'repairs'} most of it" if repair else ""))
+    if lost:
+        ui.warn(lost)
+
+
+def _quality_lost(q: dict | None, merge: str, distill_steps: int) -> str | None:
+    """The warning for a child that lost much quality, with what repairs most of it; None if it did not."""
+    if not q or q["kl_mean"] <= LARGE_KL:
+        return None
+    repair = [] if merge == "fit" else ["--merge fit"]
+    repair += [] if distill_steps >= 200 else ["--distill-steps 200"]
+    fix = f"; {' and '.join(repair)} {'repair' if len(repair) > 1 else 'repairs'} most of it" if repair else ""
+    return (f"the child lost much quality (KL {q['kl_mean']:.3f} nats a token, top-1 agreement "
+            f"{q['top1_agreement'] * 100:.0f}%){fix}")
 
 
 def convert(

@@ -114,7 +114,11 @@ def test_fit_beats_mean_on_the_trained_model(trained_model, tmp_path):
         r = convert(trained_model, "--kv-heads", "3", "--merge", merge, "-o", tmp_path / merge, "--n-samples", "8",
                     "--seq-len", "256", "--eval-tokens", "2048", "--json")
         assert r.exit_code == 0, r.output
-        kl[merge] = json.loads(r.stdout)["quality"]["kl_mean"]
+        report = json.loads(r.stdout)
+        kl[merge] = report["quality"]["kl_mean"]
+        if merge == "mean":  # the repair hint is in the JSON, and on stderr, in --json mode too
+            assert "--merge fit and --distill-steps 200 repair most of it" in report["warnings"][0]
+            assert "lost much quality" in r.stderr
     assert kl["mean"] > 1.0  # mean-pooling without training is catastrophic on a trained model
     assert kl["fit"] < 0.35 * kl["mean"]
 
