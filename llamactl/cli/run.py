@@ -177,6 +177,7 @@ def serve(
     gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
     model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The name clients pass as `model` (default: the folder's name).")] = None,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", min=1024, help="Most bytes of a request body; a larger one is a 413. Bodies must arrive within 30 s (else 408).")] = 8 << 20,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=0.0, help="Seconds SIGTERM waits for the streams in flight to end.")] = 30.0,
     mode: Annotated[str, typer.Option(help="The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).")] = "auto",
     prefill_graphs: Annotated[bool, typer.Option("--prefill-graphs/--no-prefill-graphs", help="With graphs or compile: prefills of at most 2,048 tokens (whole prompts joining) replay CUDA graphs captured at start, instead of eager launches.")] = True,
@@ -198,7 +199,7 @@ def serve(
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
                         model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
                         kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
-                        prefix_cache=prefix_cache, chat_template=chat_template)
+                        prefix_cache=prefix_cache, chat_template=chat_template, max_request_bytes=max_request_bytes)
     if chat_template is not None:
         from llamactl.runtime.chat import resolve
 
@@ -207,9 +208,12 @@ def serve(
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")
     world = tensor_parallel(tp, model, device, allow_pickle, synthetic, synthetic_quant)
-    stopped_by = run(model, device, dtype, allow_pickle, options, opts, lambda m: ui.log(m, markup=False), ui.warn,
-                     synthetic, synthetic_quant, world)
+    stopped_by, cut = run(model, device, dtype, allow_pickle, options, opts, lambda m: ui.log(m, markup=False),
+                          ui.warn, synthetic, synthetic_quant, world)
     ui.log(f"stopped ({stopped_by or 'the server ended'})", markup=False)
+    if cut:
+        raise InputError(f"{cut} request(s) were still running when --drain-timeout {drain_timeout:g} s ended: each "
+                         "got an error event and [DONE]", "give --drain-timeout more seconds to let streams finish")
     if stopped_by == "SIGINT":
         raise typer.Exit(130)
 

@@ -21,32 +21,42 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llamactl import ui
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.metrics import Metrics
-from llamactl.serve.protocol import ApiError, Ask, chunk, new_id, parse, usage, whole
+from llamactl.serve.protocol import MAX_BODY, ApiError, Ask, chunk, new_id, parse, usage, whole
 from llamactl.runtime.textstream import TextStream
 
-MAX_BODY = 8 << 20  # bytes of a request body
+BODY_TIMEOUT_S = 30.0  # a body that has not arrived in full by then is a 408 (a slow client holds nothing)
 
 
 class Service:
     """What the routes share: the engine, the tokenizer (one copy to encode on a worker thread,
     one to decode on the event loop), the model's name, the API key and the metrics."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, vocab_size: int, api_key: str | None = None):
+    def __init__(self, engine: Engine, tokenizer, model_name: str, vocab_size: int, api_key: str | None = None,
+                 max_body: int = MAX_BODY):
         self.engine, self.model_name, self.vocab_size, self.api_key = engine, model_name, vocab_size, api_key
+        self.max_body = max_body
         self.encoder, self.decoder = tokenizer, copy.deepcopy(tokenizer)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="llamactl-tokenize")
+        # a text longer than this cannot fit the context, however it tokenizes: refused before the
+        # tokenizer spends seconds on it while every request behind it waits
+        self.max_text_bytes = engine.max_seq * _longest_token_bytes(tokenizer)
         self.metrics = Metrics(engine)
         self.created = int(time.time())
 
     def encode(self, ask: Ask) -> list[int]:
         """The prompt's token ids (on the worker thread); ApiError when they cannot be made."""
         tok = self.encoder
+        size = _text_bytes(ask)
+        if size > self.max_text_bytes:
+            raise ApiError(400, f"the prompt has {size} bytes of text; no text over {self.max_text_bytes} bytes fits "
+                           f"this server's context of {self.engine.max_seq} tokens", "messages" if ask.chat else "prompt")
         if ask.chat:
             if not getattr(tok, "chat_template", None):
                 raise ApiError(400, "this model has no chat template: send the prompt to /v1/completions, or start "
@@ -72,6 +82,23 @@ class Service:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "a valid API key is required: send the header Authorization: Bearer KEY",
                            kind="authentication_error", code="invalid_api_key")
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token of the vocabulary stands for (an upper bound: a
+    byte-level or SentencePiece token's spelling is at least as long as its text)."""
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max(len(str(p).encode()) for p in pieces if p is not None) or 1
+    except Exception:  # a tokenizer without a vocabulary to list: the bound of any byte-level one
+        return 256
+
+
+def _text_bytes(ask: Ask) -> int:
+    """The bytes of text a request asks to tokenize (0 for token ids)."""
+    if ask.chat:
+        return sum(len(json.dumps(m, ensure_ascii=False).encode()) for m in ask.messages)
+    return len(ask.prompt.encode()) if isinstance(ask.prompt, str) else 0
 
 
 class Completion:
@@ -141,24 +168,37 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes (else 413), in full within BODY_TIMEOUT_S (else 408); a
+    client gone before it ends is one line in the log (499: nobody reads the answer)."""
     size = int(request.headers.get("content-length") or 0)
-    if size > MAX_BODY:
-        raise ApiError(413, f"the request body has {size} bytes; the most is {MAX_BODY}")
-    chunks, total = [], 0
-    async for part in request.stream():
-        total += len(part)
-        if total > MAX_BODY:
-            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
-        chunks.append(part)
-    return b"".join(chunks)
+    if size > limit:
+        raise ApiError(413, f"the request body has {size} bytes; the most is {limit} (--max-request-bytes)")
+
+    async def read() -> bytes:
+        chunks, total = [], 0
+        async for part in request.stream():
+            total += len(part)
+            if total > limit:
+                raise ApiError(413, f"the request body is over {limit} bytes (--max-request-bytes)")
+            chunks.append(part)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
+    except ClientDisconnect:
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        ui.log(f"{peer} went away before its request body ended", markup=False)
+        raise ApiError(499, "the client went away before its request body ended") from None
 
 
 async def _complete(request: Request, chat: bool) -> Response:
     svc: Service = request.app.state.service
     try:
         svc.check_key(request)
-        ask = parse(await _read_body(request), chat, svc.model_name)
+        ask = parse(await _read_body(request, svc.max_body), chat, svc.model_name)
         ids = await asyncio.get_running_loop().run_in_executor(svc.pool, svc.encode, ask)
         comp = Completion(svc, ask, len(ids))
         comp.submit(ids)

@@ -18,6 +18,8 @@ MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 SEED_MOD = 2**63
 
 
+MAX_BODY = 8 << 20  # bytes of a request body, by default (serve --max-request-bytes)
+
 class ApiError(Exception):
     """An answer other than 200: status, OpenAI's error object (message, type, param, code)."""
 

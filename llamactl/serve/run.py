@@ -8,6 +8,7 @@ from typing import Callable
 
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
+from llamactl.serve.protocol import MAX_BODY
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ServeOptions:
     block_size: int = 16
     prefix_cache: bool = True
     chat_template: str | None = None  # a built-in's name or a Jinja file (runtime.chat); None: the model's
+    max_request_bytes: int = MAX_BODY
 
 
 DEFAULT_MAX_SEQ = 4096  # positions a sequence may reach by default
@@ -92,8 +94,9 @@ def _warm_up(engine) -> None:
 
 def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
         serve: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None],
-        synthetic: str | None = None, synthetic_quant: str | None = None, world=None) -> str | None:
-    """Serve until SIGTERM or Ctrl-C; returns the signal's name. synthetic: random weights of
+        synthetic: str | None = None, synthetic_quant: str | None = None, world=None) -> tuple[str | None, int]:
+    """Serve until SIGTERM or Ctrl-C; returns the signal's name and how many streams were cut when
+    the drain time ended (serve.server.serve). synthetic: random weights of
     that shape instead of `model` (load tests). world: tensor parallelism (tp.World): rank 0
     serves HTTP and schedules; the other ranks load their shards and follow its steps."""
     from llamactl.runtime.generate import eos_ids
@@ -139,14 +142,14 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
 
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then says stop
             engine.follow()
-            return "rank 0 stopped"
+            return "rank 0 stopped", 0
         name = serve.model_name or label
         from llamactl.runtime import chat
         from llamactl.runtime.load import DEFAULT_MODEL
 
         embedded = not synthetic and art.path.resolve() == DEFAULT_MODEL.resolve()
         template = chat.apply(tok, serve.chat_template, "plain" if embedded else None)
-        app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key))
+        app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key, serve.max_request_bytes))
         cache = engine.runner.cache
 
         def ready(url: str) -> None:
@@ -162,7 +165,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                 f"{engine.max_batch} running, queue {serve.max_queue}, chat template {template or 'none'}, HTTP {' on '.join(http_stack())}, "
                 f"warmed up in {warm_s:.0f} s" + (", API key required" if serve.api_key else ""))
 
-        stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop)
+        stopped_by = serve_app(app, sock, serve.drain_s, ready, engine.run, engine.stop,
+                               lambda: engine.running + engine.waiting)
     finally:
         if sock is not None:
             sock.close()

@@ -15,6 +15,8 @@ from typing import Callable
 
 from llamactl.errors import InputError
 
+GRACE_S = 10  # after the drain time: for the cut streams' last events to go out before uvicorn cancels them
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: a free one); InputError when it cannot be had."""
@@ -58,14 +60,22 @@ def http_stack() -> tuple[str, str]:
 
 
 def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], None],
-          main: Callable[[], None], stop_main: Callable[[], None]) -> str | None:
+          main: Callable[[], None], stop_main: Callable[[], None],
+          open_streams: Callable[[], int] = lambda: 0) -> tuple[str | None, int]:
     """Run the app until SIGTERM or SIGINT, and main() (the step loop) on this thread meanwhile;
-    once the server has stopped, stop_main() ends main(). Returns the signal's name (None if the
-    server stopped by itself). A main() that ends first (a failed engine) leaves the server
-    answering until a signal."""
+    once the server has stopped, stop_main() ends main(). A signal stops the accepting; the
+    streams in flight get drain_s to end, then stop_main() ends those left (each gets an error
+    event and [DONE]: a client knows it was cut). Returns the signal's name (None if the server
+    stopped by itself) and how many streams (open_streams()) were cut. A main() that ends first (a
+    failed engine) leaves the server answering until a signal."""
     import uvicorn
 
     got: list[int] = []
+    cut: list[int] = []
+
+    def end_the_rest() -> None:  # the drain time is over: the streams left end with an error event
+        cut.append(open_streams())
+        stop_main()
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -80,12 +90,16 @@ def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], No
 
     parser, loop = http_stack()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=parser, loop=loop,
-                            timeout_graceful_shutdown=max(1, int(drain_s)), timeout_keep_alive=5)
+                            timeout_graceful_shutdown=int(drain_s) + GRACE_S, timeout_keep_alive=5)
     server = Server(config)
 
     def on_signal(sig, frame):  # uvicorn's own handler re-raises the signal once stopped: note it instead
         got.append(sig)
         server.handle_exit(sig, frame)
+        if len(got) == 1:
+            timer = threading.Timer(drain_s, end_the_rest)
+            timer.daemon = True
+            timer.start()
 
     failed: list[BaseException] = []
 
@@ -109,4 +123,4 @@ def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], No
             signal.signal(s, h)
     if failed:
         raise failed[0]
-    return signal.Signals(got[0]).name if got else None
+    return (signal.Signals(got[0]).name if got else None), sum(cut)

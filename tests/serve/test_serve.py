@@ -383,6 +383,28 @@ def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
         httpx.get(s.url + "/health", timeout=5)
 
 
+def test_sigterm_past_the_drain_time_ends_each_stream_with_an_error_and_exits_nonzero(long_model):
+    s = Server([str(long_model), "--max-batch", "2", "--max-seq", "4096", "--drain-timeout", "1"])
+    got: list = []
+
+    def stream():
+        got.append(_stream(s.client, "/v1/completions", {"prompt": [5] * 4, "max_tokens": 4000, "ignore_eos": True}))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.time() + 30
+    while _running(s.client) == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(120)
+    code = s.proc.wait(60)
+    events, _ = got[0]
+    log = "".join(s.lines)
+    assert events[-1] == "[DONE]" and "the server is stopping" in events[-2]["error"]["message"], events[-3:]
+    assert code not in (0, None) and "1 request(s) were still running when --drain-timeout 1 s ended" in log
+    assert "Traceback" not in log and "CancelledError" not in log
+
+
 def test_a_busy_port_is_one_line(server):
     port = server.url.rsplit(":", 1)[1]
     r = subprocess.run([sys.executable, "-m", "llamactl", "serve", "--port", port, "--device", "cpu"],
@@ -419,3 +441,52 @@ def test_a_failed_compile_of_the_step_is_one_line_naming_graphs():
     Broken.mode = "graphs"
     with pytest.raises(RuntimeError):
         _warm_up(Broken())
+
+
+def test_hostile_bodies_are_4xx_and_a_client_gone_mid_body_is_one_line(long_model):
+    """--max-request-bytes caps a body (413, by its header or by what arrives); a text that cannot
+    fit the context however it tokenizes is a 400 before the tokenizer spends time on it; a client
+    that goes away mid-body is one line in the log, no traceback; the server serves on."""
+    import socket
+
+    s = Server([str(long_model), "--max-batch", "1", "--max-seq", "64", "--max-request-bytes", "4096"])
+    try:
+        c = s.client
+        r = c.post("/v1/completions", content=b"{" + b" " * 5000 + b"}", headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+        t0 = time.time()
+        r = c.post("/v1/completions", json={"prompt": "word " * 700, "max_tokens": 1})  # 3,500 bytes, 64 tokens
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "context of 64" in r.text
+        assert time.time() - t0 < 5
+        host, port = s.url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port))) as raw:  # says 3,000 bytes, sends 10, leaves
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 3000\r\n\r\n{\"prompt\":")
+        deadline = time.time() + 10
+        while not any("went away before its request body ended" in l for l in s.lines) and time.time() < deadline:
+            time.sleep(0.05)
+        log = "".join(s.lines)
+        assert "went away before its request body ended" in log and "Traceback" not in log
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(monkeypatch):
+    import asyncio
+
+    from llamactl.serve import api
+    from llamactl.serve.protocol import ApiError
+
+    class Slow:
+        headers, client = {"content-length": "10"}, None
+
+        async def stream(self):
+            yield b"{"
+            await asyncio.sleep(5)
+            yield b"}"
+
+    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.2)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(api._read_body(Slow(), 1000))
+    assert e.value.status == 408
