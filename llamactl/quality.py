@@ -124,6 +124,31 @@ def _finite(logits: torch.Tensor, who: str) -> torch.Tensor:
     return logits
 
 
+GPU_EVAL_TOKENS = 32768  # a quality report's tokens on a GPU (seconds for an 8B model)
+# On the CPU the default follows the model: what parent and child score in about CPU_EVAL_S at
+# CPU_EVAL_FLOPS (float32 on 2 cores; a 135M model scored 32,768 tokens in 24 minutes on 2 busy
+# cores), between 2,048 and GPU_EVAL_TOKENS
+CPU_EVAL_S, CPU_EVAL_FLOPS = 120, 20e9
+
+
+def default_eval_tokens(device: torch.device, params: int) -> int:
+    """The tokens a quality report scores when --eval-tokens is not given."""
+    if device.type != "cpu":
+        return GPU_EVAL_TOKENS
+    n = int(CPU_EVAL_S * CPU_EVAL_FLOPS / (4 * max(params, 1)))  # parent and child: 2 FLOPs a weight a token each
+    return max(2048, min(GPU_EVAL_TOKENS, n // 512 * 512))
+
+
+def announce(eval_tokens: int | None, device: torch.device, art, log) -> int:
+    """The tokens to score (eval_tokens, or the device's default for this model), said in the log."""
+    from llamactl.folder.describe import params_from_config
+
+    n = eval_tokens if eval_tokens is not None else default_eval_tokens(device, params_from_config(art.args))
+    why = "" if eval_tokens is not None else f" (the default on the {device.type} for this model; --eval-tokens sets it)"
+    log(f"measuring quality against the parent on {n:,} tokens{why}")
+    return n
+
+
 def measure(parent_art, child_art, device: torch.device, eval_file: str | None, eval_tokens: int,
             progress=no_progress, parent_model=None, child_model=None, child_logits=prefill_logits) -> Quality:
     """Score child against parent on the eval text with llamactl's runtime (float32 on the CPU,

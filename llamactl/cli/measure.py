@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamactl import ui
-from llamactl.cli.options import (DeviceOpt, DtypeOpt, EvalOpt, EvalTokensOpt, PinsFileOpt, TpOpt, TrustCacheOpt,
+from llamactl.cli.options import (DeviceOpt, DtypeOpt, EvalOpt, PinsFileOpt, TpOpt, TrustCacheOpt,
                                   comma_choices, int_list, runtime_options)
 from llamactl.cli.run import rank_device, serve_mode, tensor_parallel
 from llamactl.errors import InputError
@@ -61,7 +61,7 @@ def bench(
     quality: Annotated[bool, typer.Option("--quality", help="Also perplexity, and KL/top-1 against --reference.")] = False,
     reference: Annotated[Optional[str], typer.Option(help="Reference model for KL (default: the root of the manifest chain).")] = None,
     eval_file: EvalOpt = None,
-    eval_tokens: EvalTokensOpt = 16384,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=0, help="Tokens --quality scores; 0 skips it.")] = 16384,
     fmt: Annotated[str, typer.Option("--format", help="table, json, csv or markdown.")] = "table",
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Also write the result in --format to this file.")] = None,
     profile: Annotated[Optional[str], typer.Option(help="Write a torch.profiler trace of the decode loop to this folder.")] = None,

@@ -14,7 +14,7 @@ import torch
 from llamactl.folder.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.gqa.heads import GROUPINGS, MERGES, convert_state, layer_stats
-from llamactl.quality import check_eval_file, measure, no_progress
+from llamactl.quality import announce, check_eval_file, measure, no_progress
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def validate(art, opts: HeadsOptions) -> None:
 
 
 def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, force: bool = False,
-                  eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
+                  eval_file: str | None = None, eval_tokens: int | None = None, device: str = "auto",
                   progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `model` to opts.kv_heads KV heads into `out`; returns the manifest written."""
     from llamactl.runtime.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device, resolve_model_path
@@ -61,7 +61,7 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
     out = Path(out)
-    if eval_tokens > 0:
+    if eval_tokens != 0:
         check_eval_file(eval_file)
     check_output(out, force, [art.path])
     dev = resolve_device(device)
@@ -94,9 +94,9 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
         metrics["params_after"] = sum(v.numel() for v in state.values())
         if distill:
             metrics["distill"] = distill
-        if eval_tokens > 0:
-            log("measuring quality against the parent")
-            metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress,
+        if eval_tokens != 0:
+            n = announce(eval_tokens, dev, art, log)
+            metrics["quality"] = measure(art, child, dev, eval_file, n, progress,
                                          parent_model=parent if dev.type == "cpu" else None).to_dict()
         params = asdict(opts) | {"groups_per_layer": groups["groups_per_layer"],
                                  "kv_heads_before": args.num_key_value_heads}

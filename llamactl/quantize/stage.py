@@ -16,7 +16,7 @@ from typing import Any, Callable
 from llamactl.folder.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
 from llamactl.errors import InputError
 from llamactl.folder.describe import params_from_config
-from llamactl.quality import check_eval_file, measure, no_progress
+from llamactl.quality import announce, check_eval_file, measure, no_progress
 
 from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
                                        scheme_label, target_linears, used_params)
@@ -115,7 +115,7 @@ def _require_engine(method: str) -> None:
 
 
 def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: bool = False,
-             eval_file: str | None = None, eval_tokens: int = 32768, device: str = "auto",
+             eval_file: str | None = None, eval_tokens: int | None = None, device: str = "auto",
              progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Quantize the model folder `model` into `out`; returns the manifest written.
 
@@ -125,7 +125,7 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
 
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
-    if eval_tokens > 0:
+    if eval_tokens != 0:
         check_eval_file(eval_file)
     out = Path(out)
     check_output(out, force, [art.path])
@@ -157,10 +157,10 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
         metrics["parent_weight_bytes"] = art.disk_bytes
         metrics["compression"] = round(art.disk_bytes / child.disk_bytes, 3)
         metrics["file_bpw"] = round(8 * child.disk_bytes / params_from_config(art.args), 3)
-        if eval_tokens > 0:
-            log("measuring quality against the parent")
+        if eval_tokens != 0:
+            n = announce(eval_tokens, dev, art, log)
             t1 = time.perf_counter()
-            metrics["quality"] = measure(art, child, dev, eval_file, eval_tokens, progress).to_dict()
+            metrics["quality"] = measure(art, child, dev, eval_file, n, progress).to_dict()
             metrics["eval_seconds"] = round(time.perf_counter() - t1, 2)
         params = used_params(opts) | {"engine": engine}
         return write_manifest(tmp, "quantize", art, params, metrics) | {"output": str(out)}

@@ -1,0 +1,25 @@
+"""The quality report's default size: a GPU's fixed count, a CPU's by the model (minutes, not hours)."""
+
+from __future__ import annotations
+
+import torch
+
+from llamactl.quality import GPU_EVAL_TOKENS, announce, default_eval_tokens
+
+
+def test_the_cpu_default_follows_the_model_and_the_gpu_keeps_its_count():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert default_eval_tokens(gpu, 8_000_000_000) == GPU_EVAL_TOKENS
+    assert default_eval_tokens(cpu, 17_000_000) == GPU_EVAL_TOKENS  # the embedded model: as before
+    small = default_eval_tokens(cpu, 135_000_000)  # the third-party chat model of issue 56
+    assert 2048 <= small <= 8192 and small % 512 == 0
+    assert default_eval_tokens(cpu, 8_000_000_000) == 2048
+
+
+def test_the_report_says_how_many_tokens_and_why(trained_model):
+    from llamactl.folder.artifact import open_artifact
+
+    art, lines = open_artifact(trained_model), []
+    assert announce(1000, torch.device("cpu"), art, lines.append) == 1000 and "1,000 tokens" in lines[0]
+    n = announce(None, torch.device("cpu"), art, lines.append)
+    assert f"{n:,} tokens (the default on the cpu for this model; --eval-tokens sets it)" in lines[1]
