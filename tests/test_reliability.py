@@ -164,6 +164,15 @@ def test_stdin_that_is_not_utf8_and_a_huge_seed_are_refused():
     assert r.exit_code == 2
 
 
+def test_an_unknown_users_home_a_missing_pins_file_and_a_profile_file_are_one_line(tmp_path, monkeypatch):
+    refused(["generate", "~nosuchuser-llamactl/m", "-p", "x", "-n", "1"], "no such user's home directory")
+    monkeypatch.setenv("LLAMACTL_PINS_FILE", str(tmp_path / "nope.json"))
+    refused(["generate", "-p", "x", "-n", "1"], "LLAMACTL_PINS_FILE", "no such file")
+    monkeypatch.delenv("LLAMACTL_PINS_FILE")
+    (tmp_path / "trace").write_text("")
+    refused(["bench", "--synthetic", "tiny", "--profile", tmp_path / "trace"], "is a file, not a folder")
+
+
 def test_inspect_refuses_what_the_loaders_refuse(folder):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["intermediate_size"] += 8

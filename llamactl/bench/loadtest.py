@@ -26,6 +26,7 @@ from typing import Any, Callable
 from pathlib import Path
 
 from llamactl.errors import InputError
+from llamactl.folder.artifact import user_path
 from llamactl.bench.stats import median, percentile
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be had it not were "
@@ -81,7 +82,7 @@ def requests_for(load: Load, n: int, seed: int) -> list[tuple[Any, int]]:
 def read_dataset(path: str) -> list[Any]:
     """The prompts of a JSONL file: a line is {"prompt": "..."}, {"messages": [...]} or "...";
     one clear error for a file that is none of these."""
-    p = Path(path).expanduser()
+    p = user_path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:

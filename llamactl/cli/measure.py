@@ -155,6 +155,8 @@ def bench(
         from llamactl.folder.artifact import check_writable_file
 
         check_writable_file(Path(output), "--output")
+    if profile and Path(profile).exists() and not Path(profile).is_dir():
+        raise InputError(f"--profile {profile} is a file, not a folder", "name a folder for the traces (made if missing)")
     if quality and eval_tokens > 0:
         from llamactl.quality import check_eval_file
 

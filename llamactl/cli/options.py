@@ -74,10 +74,12 @@ def runtime_options(kernels: str | None = None, pdl: str | None = None, quant_in
     from llamactl.options import RuntimeOptions
 
     on = {"on": True, "off": False, None: None}
-    if pins_file is not None and not Path(pins_file).is_file():
-        raise InputError(f"--pins-file {pins_file}: no such file", "write one with `llamactl bench --tune FILE`")
-    return RuntimeOptions.from_env().replace(kernels=on[kernels], pdl=on[pdl], quant_inputs=quant_inputs,
-                                             pins_file=pins_file)
+    options = RuntimeOptions.from_env().replace(kernels=on[kernels], pdl=on[pdl], quant_inputs=quant_inputs,
+                                                pins_file=pins_file)
+    if options.pins_file is not None and not Path(options.pins_file).is_file():
+        where = "--pins-file" if pins_file is not None else "LLAMACTL_PINS_FILE"
+        raise InputError(f"{where} {options.pins_file}: no such file", "write one with `llamactl bench --tune FILE`")
+    return options
 
 
 def comma_choices(option: str, value: str | None, choices: dict, hint: str) -> tuple:

@@ -125,6 +125,14 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def user_path(path: str | Path) -> Path:
+    """A path as the user typed it, ~ and ~user expanded; an unknown user is an InputError."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # "Could not determine home directory."
+        raise InputError(f"{path}: no such user's home directory", "give the path in full") from None
+
+
 def check_regular_file(path: Path, folder: Path | None = None) -> None:
     """Raise CheckpointError unless `path` is a regular file (a folder, a FIFO, a device or a
     dangling link would hang or crash a reader); with `folder`, a link must stay inside it or point
@@ -205,7 +213,7 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
 
 def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     """Validate a model folder; raises CheckpointError saying exactly what is wrong."""
-    path = Path(path).expanduser()
+    path = user_path(path)
     if not path.exists():
         raise CheckpointError(f"model folder {path} does not exist",
                               "pass a folder holding a Hugging Face LLaMA checkpoint")

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from llamactl.errors import InputError, MissingDependencyError
+from llamactl.folder.artifact import user_path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # llamactl/
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -56,7 +57,7 @@ def _spec_from_file(path: Path) -> CalibSpec:
 def resolve_spec(spec: str, n_samples: int | None = None, seq_len: int | None = None,
                  seed: int | None = None) -> CalibSpec:
     """A spec name, a spec .json file, or a data file; raises InputError naming the choices."""
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     named = calib_dir() / f"{spec}.json"
     if "/" not in spec and not path.suffix and named.is_file():
         s = _spec_from_file(named)
@@ -94,7 +95,7 @@ def check_spec(spec: CalibSpec) -> None:
 
 
 def _source_path(spec: CalibSpec) -> Path:
-    path = Path(spec.source["file"]).expanduser()
+    path = user_path(spec.source["file"])
     return path if path.is_absolute() else Path(spec.base_dir) / path
 
 

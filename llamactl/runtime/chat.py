@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llamactl.errors import InputError
+from llamactl.folder.artifact import user_path
 
 BUILTIN = {
     # "Role: content" lines, then "Assistant:": what a base model continues sensibly
@@ -25,7 +26,7 @@ def resolve(spec: str) -> str:
     """A built-in's name, or a Jinja file's path -> the template text; one clear error otherwise."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    path = Path(spec).expanduser()
+    path = user_path(spec)
     if not path.is_file():
         raise InputError(f"--chat-template {spec}: neither a built-in ({', '.join(BUILTIN)}) nor a file",
                          "name a built-in or a Jinja template file")
