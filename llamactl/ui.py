@@ -9,6 +9,7 @@ import sys
 from typing import Any, Iterable, Iterator, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -65,11 +66,11 @@ def table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any
     console = _console(stderr=stderr)
     if not console.is_terminal:  # piped: the table's own width, nothing squeezed or cut (scripts read it)
         console.width = 10_000
-    t = Table(title=title, show_header=True, header_style="bold")
+    t = Table(title=title and escape(title), show_header=True, header_style="bold")
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right")
+        t.add_column(escape(c), justify="left" if i == 0 else "right")
     for r in rows:
-        t.add_row(*(str(x) for x in r))
+        t.add_row(*(escape(str(x)) for x in r))  # data, not markup: "[parent missing]" is shown
     console.print(t)
 
 
@@ -78,7 +79,7 @@ def kv_table(title: str | None, items: Iterable[tuple[str, Any]]) -> None:
     t.add_column(style="bold")
     t.add_column()
     for k, v in items:
-        t.add_row(k, str(v))
+        t.add_row(escape(k), escape(str(v)))
     _console(stderr=False).print(t)
 
 

@@ -238,3 +238,30 @@ def test_a_nan_model_does_not_generate_and_a_broken_chat_template_is_one_line(fo
     sd[key] = sd[key] * float("nan")
     save_file(sd, str(f), metadata={"format": "pt"})
     refused(["generate", folder, "-p", "hi", "-n", "2"], "NaN or Inf")
+
+
+def test_lineage_notes_show_relative_parents_resolve_from_the_folder_and_depth_is_bounded(tmp_path, tiny_gqa):
+    """inspect shows "[parent missing]" (not eaten as markup); a hand-made manifest's relative
+    parent path is read from the folder, not the current directory; a chain longer than 32 says
+    so, and bench --quality refuses to take its 32nd ancestor for the root."""
+    from llamactl.folder.artifact import lineage, open_artifact, sha256_file
+
+    def child(name: str, parent: str, sha: str | None = None) -> Path:
+        d = tmp_path / name
+        shutil.copytree(tiny_gqa, d)
+        (d / "llamactl.json").write_text(json.dumps({"stage": "quantize",
+                                                     "parent": {"path": parent, "manifest_sha256": sha}}))
+        return d
+
+    r = runner.invoke(app, ["inspect", str(child("orphan", str(tmp_path / "gone")))])
+    assert r.exit_code == 0 and "[parent missing]" in r.stdout, r.stdout
+    rel = child("rel", "../base")
+    shutil.copytree(tiny_gqa, tmp_path / "base")
+    chain = lineage(open_artifact(rel))
+    assert Path(chain[1]["path"]).resolve() == (tmp_path / "base").resolve()
+    top = child("d40", "../base")
+    for i in range(39, -1, -1):  # d0 <- d1 <- ... <- d40 <- base, each link's hash intact
+        top = child(f"d{i}", f"../d{i + 1}", sha256_file(top / "llamactl.json"))
+    chain = lineage(open_artifact(top))
+    assert len(chain) == 32 and chain[-1]["parent_status"].startswith("not followed")
+    refused(["bench", top, "--quality", "--prompt-len", "8", "--gen-len", "2"], "not followed")

@@ -269,15 +269,18 @@ def lineage(art: Artifact, max_depth: int = 32) -> list[dict[str, Any]]:
     """The manifest chain from this artifact up to its root, checking each parent's manifest hash."""
     chain: list[dict[str, Any]] = []
     path, manifest = art.path, art.manifest
-    while manifest is not None and len(chain) < max_depth:
+    while manifest is not None:
         entry = {"path": str(path), "stage": manifest.get("stage"), "params": manifest.get("params", {})}
         parent = manifest.get("parent")
         chain.append(entry)
         if not parent:
             break
-        ppath = Path(parent["path"])
+        ppath = path / Path(parent["path"])  # a relative path (a hand-made manifest's): from the folder
         pman = ppath / MANIFEST
         entry["parent_path"] = str(ppath)
+        if len(chain) == max_depth:
+            entry["parent_status"] = f"not followed (the chain is longer than {max_depth} stages)"
+            break
         if not ppath.is_dir():
             entry["parent_status"] = "missing"
             break
