@@ -81,6 +81,11 @@ def load_stats(path: str | Path, art) -> Stats:
                 (fisher if kind == "fisher" else act2)[name] = f.get_tensor(k).float()
     except SafetensorError as e:
         raise InputError(f"--calib-stats {path} cannot be read ({e})", "write it again with `llamactl calibrate`") from None
+    bad = next((f"{kind}/{k}" for kind, d in (("fisher", fisher), ("act2", act2)) for k, t in d.items()
+                if not bool(torch.isfinite(t).all()) or bool((t < 0).any())), None)
+    if bad:  # squares and their sums: a negative or non-finite value is damage, and would steer the bit choice
+        raise InputError(f"--calib-stats {path}: {bad} holds negative or non-finite values (squares cannot)",
+                         "write it again with `llamactl calibrate`")
     stats = Stats(fisher, act2, int(head.get("tokens", 0)), json.loads(head.get("meta", "{}")))
     want = shape_of(art)
     if stats.meta.get("shape") != want:

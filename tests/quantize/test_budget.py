@@ -119,6 +119,22 @@ def test_calibrate_refuses_what_it_would_lose(tiny_gqa, stats_file, tmp_path):
     assert r.exit_code != 0 and Path("/dev/null").is_char_device()
 
 
+def test_damaged_stats_are_refused(tiny_gqa, stats_file, tmp_path):
+    """A stats file whose squares went negative (or NaN) steers the bit choice wrong: refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(stats_file), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k in tensors if k.startswith("fisher/"))
+    tensors[key] = -tensors[key]
+    damaged = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(damaged), metadata=meta)
+    r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(tmp_path / "q"), "--method", "rtn",
+                            "--target-bpw", "6", "--calib-stats", str(damaged), "--eval-tokens", "0"])
+    assert r.exit_code != 0 and "negative or non-finite" in r.output and not (tmp_path / "q").exists()
+
+
 def test_stats_of_another_model_are_refused(tiny_mha, stats_file, tmp_path):
     r = runner.invoke(app, ["quantize", str(tiny_mha), "-o", str(tmp_path / "q"), "--method", "rtn",
                             "--target-bpw", "6", "--calib-stats", str(stats_file), "--eval-tokens", "0"])
