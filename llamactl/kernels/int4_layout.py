@@ -46,7 +46,7 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
                     warps: int = 4) -> torch.Tensor:
     """The [N, K] weight in `dtype` (prefill runs cuBLAS on it; tests compare against it); high,
     high_bits: the high plane of 5- or 6-bit codes (kernels.gemv_int4.gemv_int4); block, warps:
-    words a program and its warps (scripts/int4_prefill_probe.py sweeps them)."""
+    words a program and its warps (`git show 48f0ab6:scripts/int4_prefill_probe.py` swept them)."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     _whole_groups(k, group_size)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)

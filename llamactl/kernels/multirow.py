@@ -14,7 +14,7 @@ split-K kernel instead: SPLIT programs share a column block's K and add their fl
 atomically (so the summation order, and the last bits of a sum, may differ between runs). It
 decodes up to 16 rows as the plane kernel does (8 nibble planes, 16-column dots), more with the
 nibbles unpacked to contiguous columns and one 128-column dot; measured against the plane kernel,
-torch's tinygemm and dequantize + cuBLAS in docs/bench/README.md (scripts/int4_batch_probe.py).
+torch's tinygemm and dequantize + cuBLAS in docs/bench/README.md (a probe: `git show 48f0ab6:scripts/int4_batch_probe.py`).
 """
 
 from __future__ import annotations

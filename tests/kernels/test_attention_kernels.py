@@ -32,7 +32,7 @@ def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, m
 @pytest.mark.parametrize("min_chunk,block_s,warps,stages", [(32, 32, 2, 2), (128, 64, 4, 3), (512, 32, 4, 1),
                                                             (1024, 64, 4, 2)])
 def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps, stages):
-    """The plans kernel_probe.py sweeps give the same attention as the default one (1024: one
+    """The plans a kernel sweep tries give the same attention as the default one (1024: one
     split over the 700-position cache, the output stored by the split kernel, no merge)."""
     torch.manual_seed(min_chunk)
     q = torch.randn(1, 2, 4, 64, device=DEV, dtype=ATTN_DTYPE)
