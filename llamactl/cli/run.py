@@ -26,6 +26,8 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="With --chat: this template instead of the model's: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
+    speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals one verify step checks.")] = 4,
     compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
     aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
     trust_cache: TrustCacheOpt = False,
@@ -47,6 +49,13 @@ def generate(
         raise typer.BadParameter("--aot and --compile: give one")
     if world and aot:
         raise InputError("--aot with --tp is not supported", "drop --aot")
+    if draft is not None:
+        from llamactl.runtime.speculate import DRAFTS
+
+        if draft not in DRAFTS:
+            raise typer.BadParameter(f"--draft {draft}: use {', '.join(DRAFTS)}")
+        if aot or compile_ or world:
+            raise InputError("--draft runs its verify steps eagerly, on one process", "drop --aot, --compile and --tp")
     if world and compile_:
         raise InputError("--compile with --tp is not supported yet", "drop --compile (CUDA graphs still capture each rank's step)")
     if prompt is None:
@@ -88,7 +97,7 @@ def generate(
         mode, buckets = "compile", (entry or {}).get("buckets")
     result = plan = None
     for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
-                           options):
+                           options, draft, speculate):
         if isinstance(ev, Plan):
             plan = ev
             for w in plan.warnings:
@@ -113,6 +122,11 @@ def generate(
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
            f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
            f"{result.extra.get('attention_backend')}[/dim]")
+    spec = result.extra.get("speculation")
+    if spec:
+        ui.log(f"[dim]speculation ({spec['draft']}, up to {spec['k']} a step): {spec['accepted']} of {spec['proposed']} "
+               f"proposals kept ({(spec['acceptance'] or 0) * 100:.0f}%), {spec['tokens_per_step'] or 0:.2f} tokens a "
+               f"verify step over {spec['verify_steps']} steps[/dim]")
 
 
 def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool, synthetic: str | None = None,

@@ -58,6 +58,14 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
     """
     if s.temperature <= 0:
         return logits.argmax(dim=-1)
+    logits = shaped(logits, s)
+    u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(min=1e-20, max=1 - 1e-7)
+    return (logits - torch.log(-torch.log(u))).argmax(dim=-1)
+
+
+def shaped(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [B, V] as the sampler draws from them (float, over temperature, top-k and top-p cut to
+    -inf): their softmax is the distribution a token is drawn from. temperature > 0."""
     logits = logits.float() / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]  # [B, 1]
@@ -68,8 +76,7 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
         drop = cum - sorted_logits.softmax(dim=-1) > s.top_p  # keep the token that crosses top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(min=1e-20, max=1 - 1e-7)
-    return (logits - torch.log(-torch.log(u))).argmax(dim=-1)
+    return logits
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -131,12 +138,15 @@ class _TokenReader:
 @torch.inference_mode()
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
              stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
-             buckets: list[int] | None = None, options: RuntimeOptions | None = None) -> Iterator[Plan | Step | Result]:
+             buckets: list[int] | None = None, options: RuntimeOptions | None = None,
+             draft: str | None = None, speculate: int = 4) -> Iterator[Plan | Step | Result]:
     """Prefill the prompt, then decode one token per step; yields the Plan of what runs, Steps,
     then one Result.
 
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
     eager otherwise. options: the runtime's choices (RuntimeOptions()'s defaults when None).
+    draft: speculative decoding with this drafter (runtime.speculate.DRAFTS), checking up to
+    `speculate` proposals a step (eager verify steps; Result.extra["speculation"] says what it did).
     Raises InputError when the prompt and new tokens do not fit the context.
     """
 
@@ -184,7 +194,11 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     stop_reason = "length"
     steps = 0  # decode steps whose token was read (the EOS one included)
     reader = _TokenReader(device)
-    while True:
+    tally = None
+    if draft is not None:
+        stop_reason, steps, tally = yield from _speculative(dec, prompt_ids, int(token.view(-1)[0]), max_new_tokens,
+                                                            stop_ids, stream, out, sampling, speculate)
+    while draft is None:
         # Queue the read of this token, then the step that makes the next one, then wait for the
         # read only: detokenizing and printing overlap the device's next step.
         reader.queue(token)
@@ -220,5 +234,36 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         dtype=str(model.dtype).replace("torch.", ""),
         extra={"mode": mode, "attention_backend": attention_backend(model, 1, dec.max_seq, device), "gemv": dec.plan.label,
                "plan": dec.plan.as_dict(),
+               **({"speculation": {"draft": draft, "k": speculate, **tally.as_dict()}} if tally else {}),
                **({"aot_cache": "loaded" if dec.aot_cached else "built"} if dec.aot_cached is not None else {})},
     )
+
+
+def _speculative(dec, prompt_ids: list[int], first: int, max_new_tokens: int, stop_ids: set[int], stream,
+                 out: list[int], sampling: Sampling, k: int):
+    """generate's loop with speculative decoding (runtime.speculate): each verify step checks the
+    prompt-lookup drafter's proposals after the last token, and hands out the tokens it keeps.
+    Yields Steps (appending to `out`); returns (stop reason, tokens made after the first, Tally)."""
+    from llamactl.runtime.speculate import NgramDraft, Tally, accept
+
+    drafter, tally = NgramDraft(), Tally()
+    drafter.extend(list(prompt_ids))
+    last, pos, new = first, len(prompt_ids), [first]  # `last` sits at pos, its K/V not computed yet
+    while True:
+        for t in new:
+            if t in stop_ids:
+                return "eos", tally.accepted + tally.verify_steps, tally
+            out.append(t)
+            drafter.extend([t])
+            yield Step(t, stream.add(t))
+            if len(out) >= max_new_tokens:
+                return "length", tally.accepted + tally.verify_steps, tally
+        proposal = drafter.propose(min(k, max_new_tokens - len(out) - 1))
+        logits = dec.verify([last] + proposal, pos)  # [1 + len(proposal), V]
+        probs = None if sampling.temperature <= 0 else shaped(logits, sampling).softmax(-1)
+        new = accept(logits, proposal, probs)
+        tally.verify_steps += 1
+        tally.proposed += len(proposal)
+        tally.accepted += len(new) - 1
+        pos += len(new)
+        last = new[-1]

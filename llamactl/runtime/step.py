@@ -230,6 +230,16 @@ class Decoder:
         return toks
 
     @torch.inference_mode()
+    def verify(self, ids: list[int], start: int) -> torch.Tensor:
+        """Tokens ids at positions start.. of cache row 0 in one forward (their K/V written) -> the
+        logits after each [len(ids), V]: a speculative step's check of its proposals (eager)."""
+        s = len(ids)
+        if not 0 <= start <= self.max_seq - s:
+            raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
+        pos = torch.arange(start, start + s, device=self.device)
+        return self.model(torch.tensor([ids], device=self.device), pos, self.cache, kv_len=start + s)[0]
+
+    @torch.inference_mode()
     def prefill_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
         """Several sequences' chunks in one forward, packed end to end without padding
         (runtime.ragged; a paged cache whose table rows `rows` hold their blocks): chunk i at

@@ -1,0 +1,90 @@
+"""Speculative decoding: a drafter proposes the next K tokens, the model checks them all in one
+forward of K + 1 positions, and every proposal it would have produced itself is kept.
+
+One forward reads the weights once whatever K is, so at batch 1 (bound by those reads) each
+accepted proposal is a token for almost nothing. Greedy decoding keeps a proposal that equals the
+model's argmax there, then adds the model's own token at the first mismatch (or after the last
+proposal): the output is plain greedy decoding's. Sampling keeps proposal d with probability p(d)
+(the drafter is deterministic: its distribution is all on d), and on a rejection draws from p with
+d taken out, renormalized: each token is distributed as plain sampling draws it (Leviathan et al.,
+2023, with a one-point draft distribution).
+
+Drafters: `NgramDraft` (prompt lookup: the tokens that followed the latest earlier occurrence of
+the text's last few tokens; free, and strong where the answer copies from the prompt: summaries,
+edits of code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DRAFTS = ("ngram",)
+
+
+class NgramDraft:
+    """Prompt lookup over a growing token list: for n = max_n..1, the tokens that followed the
+    latest earlier occurrence of the last n tokens."""
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # an n-gram -> where the token after its latest occurrence is
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            i = len(self.tokens)  # t's index: the n-grams ending at i - 1 now have a follower
+            for n in range(1, self.max_n + 1):
+                if i - n >= 0:
+                    self._after[tuple(self.tokens[i - n : i])] = i
+            self.tokens.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that may come next ([] when no suffix was seen before)."""
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(self.tokens)), 0, -1):
+            at = self._after.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                return self.tokens[at : at + k]
+        return []
+
+
+@dataclass
+class Tally:
+    """What speculation did over a run."""
+
+    verify_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"verify_steps": self.verify_steps, "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+                "tokens_per_step": round((self.accepted + self.verify_steps) / self.verify_steps, 3)
+                if self.verify_steps else None}
+
+
+def accept(logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None) -> list[int]:
+    """logits [len(draft) + 1, V]: the model's after the token before the draft and after each
+    proposal -> the tokens to keep: the accepted proposals, then one of the model's own. probs:
+    the sampling distribution of each row ([len(draft) + 1, V], from generate.shaped), or None
+    for greedy decoding. Draws from the default generator."""
+    if probs is None:
+        best = logits.argmax(-1).tolist()
+        kept = 0
+        while kept < len(draft) and draft[kept] == best[kept]:
+            kept += 1
+        return draft[:kept] + [best[kept]]
+    u = torch.rand(len(draft), device=probs.device).tolist() if draft else []
+    p_draft = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)].tolist() \
+        if draft else []
+    for j, d in enumerate(draft):
+        if u[j] >= p_draft[j]:  # rejected: draw from p without d
+            rest = probs[j].clone()
+            rest[d] = 0
+            if float(rest.sum()) <= 0:  # p was all on d (u >= 1 cannot happen; float safety)
+                return draft[: j + 1]
+            return draft[:j] + [int(torch.multinomial(rest / rest.sum(), 1))]
+    return draft + [int(torch.multinomial(probs[len(draft)], 1))]
