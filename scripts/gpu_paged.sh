@@ -10,6 +10,7 @@
 #   prefix-new      a 1,536-word shared prefix, 64:256 own words, 32:256 out, concurrency 64
 #   prefix-noprefix the same with --no-prefix-cache
 #   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100)
+#   chat-base       chat on OLD with chat-new's arguments (OLD a paged tree too)
 #   chat-kv16-new   chat with --kv-memory 16
 #   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
 # Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
@@ -20,6 +21,8 @@ new=$PWD
 site=${PYTHONPATH%%:*}
 rm -rf /tmp/old && mkdir -p /tmp/old
 if [ -f "$old" ]; then tar -x -C /tmp/old -f "$old"; else git archive "$old" | tar -x -C /tmp/old; fi || { echo "no $old here"; exit 1; }
+# a tar may leave the embedded model's weights out (the carry limit): the same files as this tree's
+cp -n "$new"/llamactl/assets/docs-llama-17m/*.safetensors /tmp/old/llamactl/assets/docs-llama-17m/ 2> /dev/null
 part=${PART:-chat}
 mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
@@ -50,6 +53,7 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     prefix-new) start "$run" "$new"; load "$run" "${PREFIX[@]}" ;;
     prefix-noprefix) start "$run" "$new" --no-prefix-cache; load "$run" "${PREFIX[@]}" ;;
     chat-old) start "$run" /tmp/old --max-batch 128 --max-seq 2624; load "$run" "${CHAT[@]}" ;;
+    chat-base) start "$run" /tmp/old; load "$run" "${CHAT[@]}" ;;
     chat-kv16-new) start "$run" "$new" --kv-memory 16; load "$run" "${CHAT[@]}" ;;
     chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
     *) echo "unknown run $run"; continue ;;

@@ -5,7 +5,7 @@ the llama3-8b-shape step (random bf16 weights) in a CUDA graph, every row at its
 --max-seq), timed over replays and profiled by kernel; the ceiling from the same call's copy
 bandwidth (scripts/gpu_rates.py).
 
-Usage: python scripts/paged_step_probe.py OUT.json [--rows 32,64,128,256] [--max-seq 8192]
+Usage: python scripts/paged_step_probe.py OUT.json [--rows 32,64,128,256] [--max-seq 8192] [--variants new,old]
 """
 
 from __future__ import annotations
@@ -37,7 +37,14 @@ def family(name: str) -> str:
     return "other"
 
 
-def probe(model, rows: int, max_seq: int, bandwidth: float) -> dict:
+# the attention's plans over the paged cache (kernels.attention): the default, and the ones before it
+VARIANTS = {"new": (True, 2), "chunks": (True, 4), "old": (False, 4)}  # (PAGED_ROW_CHUNKS, PAGED_FILL_PER_SM)
+
+
+def probe(model, rows: int, max_seq: int, bandwidth: float, variant: str = "new") -> dict:
+    from llamactl.kernels import attention
+
+    attention.PAGED_ROW_CHUNKS, attention.PAGED_FILL_PER_SM = VARIANTS[variant]
     rng = random.Random(rows)
     ctx = [rng.randint(200, 1200) for _ in range(rows)]
     need = [-(-(c + 2) // BLOCK) for c in ctx]
@@ -71,7 +78,7 @@ def probe(model, rows: int, max_seq: int, bandwidth: float) -> dict:
         weight_bytes += emb.numel() * emb.element_size()
     ceiling = (kv_bytes + weight_bytes) / bandwidth
     attn_us = groups.get("attention", 0) + groups.get("attention merge", 0)
-    out = {"rows": rows, "ctx_mean": sum(ctx) / rows, "max_seq": max_seq, "step_ms": round(step_s * 1e3, 3),
+    out = {"rows": rows, "variant": variant, "ctx_mean": sum(ctx) / rows, "max_seq": max_seq, "step_ms": round(step_s * 1e3, 3),
            "ceiling_ms": round(ceiling * 1e3, 3), "of_ceiling": round(ceiling / step_s, 3),
            "weight_gb": round(weight_bytes / 1e9, 2), "kv_gb": round(kv_bytes / 1e9, 2),
            "attention_us": round(attn_us, 1),
@@ -87,12 +94,13 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--rows", default="32,64,128,256")
     ap.add_argument("--max-seq", type=int, default=8192)
+    ap.add_argument("--variants", default="new", help=f"attention plans, a comma list of {', '.join(VARIANTS)}")
     a = ap.parse_args()
     r = rates()
     model = load_targets([], "llama3-8b", torch.device("cuda"), "bfloat16")[0].model
     runs = []
-    for rows in map(int, a.rows.split(",")):
-        runs.append(probe(model, rows, a.max_seq, r["copy_bytes_s"]))
+    for rows, variant in ((int(x), v) for x in a.rows.split(",") for v in a.variants.split(",")):
+        runs.append(probe(model, rows, a.max_seq, r["copy_bytes_s"], variant))
         print(json.dumps(runs[-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump({"rates": r, "torch": torch.__version__, "runs": runs}, f, indent=1)

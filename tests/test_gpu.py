@@ -270,19 +270,21 @@ def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
 
 
 def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
-    """The paged cache on the GPU (its decode kernel in CUDA graphs, prefills through the table):
-    requests sharing a 48-token prefix, in a pool too small for all of them (preemptions), against
-    each alone in a fresh pool: greedy tokens agree up to the first near-tie (printed)."""
+    """The paged cache on the GPU (its decode kernel in CUDA graphs, prefills packed and through the
+    table): requests sharing a 48-token prefix, in a pool too small for all of them (preemptions),
+    against each alone in a fresh pool (a whole prompt: a prefill graph), in float32, where the
+    kernels' sums differ by rounding only: the tokens agree (printed). In bf16 these synthetic
+    prompts meet near-ties within three tokens (one of four parted at the first on an H200)."""
     import time
 
     from llamactl.serve.engine import Engine, KvOptions, Params
 
-    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.float32)
     shared = list(range(500, 548))
     prompts = [shared + list(range(10 + 30 * i, 15 + 30 * i + i)) for i in range(4)]
     n = 24
     a = model.args
-    token_bytes = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+    token_bytes = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4
 
     def run(which, blocks):
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128,
@@ -296,8 +298,8 @@ def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
     print("paged, prefix hits and preemptions vs alone:", agree, "preemptions", eng.times.preemptions,
           "hit tokens", eng.scheduler.pool.hit_tokens)
     assert eng.times.preemptions > 0 and eng.scheduler.pool.hit_tokens > 0  # a preempted one reuses its blocks
-    assert all(len(together[i]) == n and together[i][:3] == alone[i][:3] for i in range(4))
-    assert sum(agree) / 4 >= 0.6
+    assert all(len(together[i]) == n and together[i][:8] == alone[i][:8] for i in range(4))
+    assert sum(agree) / 4 >= 0.9
 
 
 def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_model):

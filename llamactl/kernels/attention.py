@@ -56,7 +56,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
                   q_row, kn_row, vn_row, R: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr, D: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
                   HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False,
-                  table_ptr=None, T_ROW=0, PAGED: tl.constexpr = False, BS: tl.constexpr = 16):
+                  table_ptr=None, T_ROW=0, PAGED: tl.constexpr = False, BS: tl.constexpr = 16,
+                  ROW_CHUNKS: tl.constexpr = False):
     # q: [B, HKV, R, D] with q_row elements from one row b to the next (a slice of the fused qkv
     # projection's output: no copy), k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV
     # at its own; cos/sin then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
@@ -68,6 +69,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # PDL (programmatic dependent launch, see kernels.pdl): wait for the previous kernel first
     # PAGED: k/v are a pool [blocks, BS, HKV, D]; row b's position s is at block table[b, s // BS]
     # (table: [B, T_ROW] int32), offset s % BS
+    # ROW_CHUNKS: each row's own positions 0..pos cut into SPLITS chunks (whole tiles), not the
+    # cache's capacity into chunks of CHUNK: every split of a short row in a long table has work
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -77,8 +80,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     pos = tl.load(pos_ptr + row).to(tl.int32)
     q_at = q_ptr + b * q_row + h * R * D  # this KV head's query rows [R, D]
     n_ctx = pos + 1
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_ctx)
+    chunk = CHUNK
+    if ROW_CHUNKS:
+        chunk = tl.cdiv(tl.cdiv(n_ctx, SPLITS), BLOCK_S) * BLOCK_S
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_ctx)
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     kv_base = bh * S * D
@@ -88,7 +94,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         cos = tl.load(cos_ptr + row * D + d)
         sin = tl.load(sin_ptr + row * D + d)
         q = _rope(q_at, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
-        if pos // CHUNK == split:  # only this program reads position pos: no other program races it
+        if pos // chunk == split:  # only this program reads position pos: no other program races it
             one = tl.arange(0, 1)
             k_new = _rope(kn_ptr + b * kn_row + h * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
             v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :])
@@ -191,7 +197,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
     s = k_cache.shape[2] if table is None else table.shape[1] * k_cache.shape[1]  # positions a row may hold
     _check_head_dim(d)
     bh = b * hkv
-    splits, chunk = plan(s, min_chunk, bh, _fill(q.device))
+    fill = _fill(q.device) if table is None else _fill(q.device) * PAGED_FILL_PER_SM // FILL_PER_SM
+    splits, chunk = plan(s, min_chunk, bh, fill)
     block_r = max(16, triton.next_power_of_2(r))
     acc = torch.empty(bh, splits, block_r, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bh, splits, 2, block_r, dtype=torch.float32, device=q.device)
@@ -208,7 +215,8 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
                                 ROPE=rope is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                                 HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages,
                                 table_ptr=table, T_ROW=0 if table is None else table.stride(0), PAGED=table is not None,
-                                BS=16 if table is None else k_cache.shape[1], **launch)
+                                BS=16 if table is None else k_cache.shape[1],
+                                ROW_CHUNKS=table is not None and PAGED_ROW_CHUNKS, **launch)
     if splits > 1:
         _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
@@ -273,6 +281,12 @@ def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK
 
 
 FILL_PER_SM = 4  # split-kernel programs a streaming multiprocessor should have to choose from
+# The paged cache (a server's steps): a table as wide as --max-seq holds rows of any length, so its
+# splits cut each row's own positions (ROW_CHUNKS), and a plan splits only while the rows alone give
+# fewer than PAGED_FILL_PER_SM programs an SM (each split costs the merge kernel: 1.0 of a 6.6 ms
+# step of 64 rows at 2 splits on an H200, docs/decisions/2026-12-06-packed-prefill.md)
+PAGED_ROW_CHUNKS = True
+PAGED_FILL_PER_SM = 2
 
 
 def _fill(device: torch.device) -> int:
