@@ -361,12 +361,15 @@ def test_a_full_queue_is_429_at_once_and_a_disconnect_frees_the_slot(small_serve
     assert 'finish_reason="cancelled"' in c.get("/metrics").text
 
 
-def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
-    s = Server([str(long_model), "--max-batch", "2", "--max-seq", "1024"])
+def _sigterm_mid_stream(args: list[str], max_tokens: int) -> tuple["Server", int, list]:
+    """A server of args streaming one request of max_tokens, sent SIGTERM once it runs ->
+    (the server, its exit code, the stream's events)."""
+    s = Server(args)
     got: list = []
 
     def stream():
-        got.append(_stream(s.client, "/v1/completions", {"prompt": [5] * 4, "max_tokens": 600, "ignore_eos": True}))
+        got.append(_stream(s.client, "/v1/completions", {"prompt": [5] * 4, "max_tokens": max_tokens,
+                                                         "ignore_eos": True}))
 
     t = threading.Thread(target=stream)
     t.start()
@@ -375,8 +378,12 @@ def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
         time.sleep(0.01)
     s.proc.send_signal(signal.SIGTERM)
     t.join(120)
-    assert s.proc.wait(60) == 0
-    events, _ = got[0]
+    return s, s.proc.wait(60), got[0][0]
+
+
+def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
+    s, code, events = _sigterm_mid_stream([str(long_model), "--max-batch", "2", "--max-seq", "1024"], 600)
+    assert code == 0
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert "stopped (SIGTERM)" in "".join(s.lines)
     with pytest.raises(httpx.ConnectError):
@@ -384,21 +391,8 @@ def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
 
 
 def test_sigterm_past_the_drain_time_ends_each_stream_with_an_error_and_exits_nonzero(long_model):
-    s = Server([str(long_model), "--max-batch", "2", "--max-seq", "4096", "--drain-timeout", "1"])
-    got: list = []
-
-    def stream():
-        got.append(_stream(s.client, "/v1/completions", {"prompt": [5] * 4, "max_tokens": 4000, "ignore_eos": True}))
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.time() + 30
-    while _running(s.client) == 0 and time.time() < deadline:
-        time.sleep(0.01)
-    s.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    code = s.proc.wait(60)
-    events, _ = got[0]
+    s, code, events = _sigterm_mid_stream([str(long_model), "--max-batch", "2", "--max-seq", "4096",
+                                           "--drain-timeout", "1"], 4000)
     log = "".join(s.lines)
     assert events[-1] == "[DONE]" and "the server is stopping" in events[-2]["error"]["message"], events[-3:]
     assert code not in (0, None) and "1 request(s) were still running when --drain-timeout 1 s ended" in log
