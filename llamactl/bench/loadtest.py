@@ -51,6 +51,7 @@ class Load:
     slo_itl_ms: float | None = None
     gpu_hourly_cost: float | None = None  # USD an hour of the server's GPU(s): $ per million output tokens
     rate: float | None = None  # requests a second (Poisson); None: closed loop
+    ramp_up_s: float = 0.0  # closed loop: the clients start this many seconds apart in all (not at once)
     model: str | None = None  # None: the first of the server's /v1/models
     api_key: str | None = None
     timeout_s: float = 600.0
@@ -173,11 +174,12 @@ async def _level(post, load: Load, model: str, concurrency: int, texts: list[tup
     if load.rate is None:
         todo = iter(texts)
 
-        async def worker():
+        async def worker(i: int):
+            await asyncio.sleep(i * load.ramp_up_s / concurrency)  # client i joins i/concurrency of the ramp in
             for text, gen in todo:
                 results.append(await _one(post, load, model, text, gen))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
     else:
         rng, gate, tasks = random.Random(load.seed), asyncio.Semaphore(concurrency), []
 
@@ -298,7 +300,8 @@ async def _levels(client, post, load: Load, on_row: Callable[[dict], None]) -> l
         before = await _server_metrics(client)
         results, wall = await _level(post, load, model, c, requests_for(load, load.requests, load.seed + c))
         after = await _server_metrics(client)
-        row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else "closed loop"),
+        loop = "closed loop" + (f", {load.ramp_up_s:g} s ramp-up" if load.ramp_up_s else "")
+        row = {"model": model, "stage": "server " + (f"rate {load.rate:g}/s" if load.rate else loop),
                "batch": c, "concurrency": c, "prompt_len": _span(load.prompt_len, load.prompt_max),
                "gen_len": _span(load.gen_len, load.gen_max), "url": load.url, **summarize(results, wall, load)}
         if load.shared_prefix:

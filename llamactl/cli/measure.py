@@ -75,6 +75,7 @@ def bench(
     concurrency: Annotated[str, typer.Option("--concurrency", help="Load test: clients sending at once; a comma list sweeps.", callback=lambda v: int_list("--concurrency", v))] = "1",
     requests: Annotated[int, typer.Option("--requests", min=1, help="Load test: requests per concurrency level.")] = 64,
     rate: Annotated[Optional[float], typer.Option("--rate", min=0.001, help="Load test: Poisson arrivals of this many requests a second (at most --concurrency in flight) instead of a closed loop.")] = None,
+    ramp_up: Annotated[float, typer.Option("--ramp-up", min=0.0, help="Load test, closed loop: start the clients evenly over this many seconds, not all at once (a cold burst's queue otherwise sets the TTFT percentiles).")] = 0.0,
     shared_prefix: Annotated[int, typer.Option("--shared-prefix", min=0, help="Load test: words every prompt begins with (a system prompt), before its own --prompt-len.")] = 0,
     prefix_groups: Annotated[int, typer.Option("--prefix-groups", min=1, help="Load test: how many different shared prefixes (each request takes one at random).")] = 1,
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="Load test: prompts from a JSONL file, a line {\"prompt\": ...}, {\"messages\": [...]} (sent as chats) or a string.")] = None,
@@ -103,7 +104,7 @@ def bench(
                              gen_len=g_lo, prompt_max=p_hi, gen_max=g_hi, shared_prefix=shared_prefix,
                              prefix_groups=prefix_groups, dataset=dataset, slo_ttft_ms=slo_ttft_ms,
                              slo_itl_ms=slo_itl_ms, gpu_hourly_cost=gpu_hourly_cost, rate=rate,
-                             model=served_model, api_key=api_key or key_from_env())
+                             ramp_up_s=ramp_up, model=served_model, api_key=api_key or key_from_env())
         if dataset:
             loadtest.read_dataset(dataset)  # a bad file fails before a server starts
         _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, serve_mode(mode), fmt, output)

@@ -275,12 +275,13 @@ def test_a_load_test_of_traffic_like_requests(server, tmp_path):
     data.write_text('{"prompt": "The capital of France is"}\n"Hello there"\n'
                     '{"messages": [{"role": "user", "content": "Name a fruit."}]}\n')
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--requests", "3",
-                        "--gen-len", "3", "--dataset", str(data), "--format", "json", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                        "--concurrency", "3", "--ramp-up", "1.5", "--gen-len", "3", "--dataset", str(data),
+                        "--format", "json", "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(out.read_text())["results"]
     # the chat went to /v1/chat/completions (the embedded model's built-in template)
     assert row["errors"] == 0 and row["output_tokens_mean"] == 3 and row["dataset"] == str(data)
+    assert row["stage"] == "server closed loop, 1.5 s ramp-up" and row["duration_s"] >= 1.0  # the third client at 1 s
     data.write_text('{"text": 1}\n')
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--dataset", str(data)],
                        capture_output=True, text=True, timeout=300)
