@@ -485,3 +485,27 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(monkeypatch):
     with pytest.raises(ApiError) as e:
         asyncio.run(api._read_body(Slow(), 1000))
     assert e.value.status == 408
+
+
+def test_the_official_openai_sdk_against_the_server(server):
+    """The README's requests through OpenAI's own Python SDK: a chat on the embedded model (its
+    built-in template), a completion, both streamed too, and a bad request as the SDK's error."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.completion_tokens <= 8 and chat.choices[0].finish_reason in ("stop", "length")
+    done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert done.choices[0].text and done.usage.prompt_tokens > 0
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
+        stream=True) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content  # streamed: the same greedy text
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+    assert text == done.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=4, temperature=-1)
+    assert "temperature" in str(e.value)
