@@ -50,6 +50,19 @@ def _signature(entry: dict) -> str:
     return hmac.new(signing_key(), json.dumps(signed, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
+def signed_cache_here(art, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the folder holds a compile cache for this machine that this user's key signed (one
+    `llamactl compile` made here): what `generate` runs without --compile."""
+    entries = ((art.manifest or {}).get("metrics") or {}).get("compile_cache") or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("key"), dict) for e in entries):
+        return False
+    try:
+        return any(e["key"] == cache_key(device, dtype, e["key"].get("mode"))
+                   and hmac.compare_digest(str(e.get("signature", "")), _signature(e)) for e in entries)
+    except InputError:  # no usable signing key: nothing is trusted
+        return False
+
+
 def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Callable[[str], None],
                        trust: bool = False) -> dict | None:
     """Load the folder's compile cache for this machine; returns its manifest entry or None. The

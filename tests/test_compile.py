@@ -117,7 +117,10 @@ def test_generate_uses_the_cache_and_matches_eager(compiled, monkeypatch):
     with inductor_config.patch(compile_threads=2):  # restored after it
         warm = runner.invoke(app, args + ["--compile"])
         threads = inductor_config.compile_threads
-    eager = runner.invoke(app, args)
+    eager = runner.invoke(app, args + ["--no-compile"])
+    assert json.loads(eager.stdout)["compile_cache"] is None
+    default = runner.invoke(app, args)  # no flag: the folder's cache made on this machine is the fast path
+    assert json.loads(default.stdout)["compile_cache"] == "loaded" and "using the compile cache" in default.stderr
     assert warm.exit_code == 0, warm.output
     assert "warning" not in warm.stderr
     w = json.loads(warm.stdout)

@@ -28,7 +28,7 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
     draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
     speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals one verify step checks.")] = 4,
-    compile_: Annotated[bool, typer.Option("--compile", help="torch.compile the decode step (uses the folder's compile cache from `llamactl compile` on this machine).")] = False,
+    compile_: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the decode step (loading the folder's compile cache from `llamactl compile` on this machine) [default: on where the folder holds such a cache, on the CPU; else off].", show_default=False)] = None,
     aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
     trust_cache: TrustCacheOpt = False,
     quant_inputs: QuantInputsOpt = None,
@@ -77,6 +77,12 @@ def generate(
     if chat_template is not None:
         chats.resolve(chat_template)  # a bad name or file fails before the model loads
     art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
+    if compile_ is None:  # the fast path a user expects: the folder's own compile cache, made on this machine
+        from llamactl.compile import signed_cache_here
+
+        compile_ = not (aot or draft or world) and m.device.type == "cpu" and signed_cache_here(art, m.device, m.dtype)
+        if compile_:
+            ui.log(f"using the compile cache in {art.path}, made on this machine (--no-compile: eager)")
     if chat:
         chats.apply(tok, chat_template, "plain" if art.path.resolve() == DEFAULT_MODEL.resolve() else None)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
