@@ -9,6 +9,7 @@ from llamactl.folder.artifact import open_artifact
 from llamactl.runtime.step import Decoder
 from llamactl.runtime.load import load_model
 from llamactl.runtime.kv_cache import StaticCache
+from llamactl.runtime.settings import Sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -260,7 +261,7 @@ def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
 
     eng.start()
     out = {i: [] for i in which}
-    reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0),
+    reqs = [eng.submit(prompts[i], Params(n, Sampling(temperature=0)),
                        (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i)) for i in which]
     deadline = time.time() + 120
     while not all(r.finished for r in reqs) and time.time() < deadline:
@@ -322,11 +323,11 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills_on_the_gpu(trained_mod
         eng.start()
         out = {i: [] for i in range(4)}
         on = lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token)  # noqa: E731
-        reqs = [eng.submit(prompts[i], Params(max_tokens=n, temperature=0), on(i)) for i in range(3)]
+        reqs = [eng.submit(prompts[i], Params(n, Sampling(temperature=0)), on(i)) for i in range(3)]
         deadline = time.time() + 120
         while not all(r.finished for r in reqs) and time.time() < deadline:
             time.sleep(0.01)
-        reqs.append(eng.submit(prompts[3], Params(max_tokens=n, temperature=0), on(3)))  # alone
+        reqs.append(eng.submit(prompts[3], Params(n, Sampling(temperature=0)), on(3)))  # alone
         while not reqs[-1].finished and time.time() < deadline:
             time.sleep(0.01)
         eng.stop()

@@ -92,7 +92,7 @@ def generate(
         from llamactl.runtime.tp import shared_seed
 
         seed = shared_seed()  # every rank must draw the same tokens
-    sampling = gen.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = gen.Sampling(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed)
     mode, buckets, entry = ("aot" if aot else None), None, None
     if compile_:
         from llamactl.compile import load_compile_cache, skip_compile_workers

@@ -13,15 +13,8 @@ from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.settings import Sampling
 from llamactl.runtime.textstream import TextStream
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.8  # 0 means greedy
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
 
 
 @dataclass
@@ -56,7 +49,7 @@ def sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None 
     graph. Without a generator it draws from the default one (seeded by torch.manual_seed), which
     is the one CUDA graphs know how to advance between replays.
     """
-    if s.temperature <= 0:
+    if s.greedy:
         return logits.argmax(dim=-1)
     logits = shaped(logits, s)
     u = torch.rand(logits.shape, device=logits.device, generator=generator).clamp_(min=1e-20, max=1 - 1e-7)
@@ -67,7 +60,7 @@ def shaped(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] as the sampler draws from them (float, over temperature, top-k and top-p cut to
     -inf): their softmax is the distribution a token is drawn from. temperature > 0."""
     logits = logits.float() / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
+    if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if s.top_p < 1.0:
@@ -162,7 +155,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         torch.manual_seed(sampling.seed)  # seeds the CPU and every CUDA device's default generator
     if mode is None:
         mode = "graphs" if device.type == "cuda" else "eager"
-    sampler = None if sampling.temperature <= 0 else (lambda logits: sample(logits, sampling))
+    sampler = None if sampling.greedy else (lambda logits: sample(logits, sampling))
     dec = Decoder(model, 1, n + max_new_tokens, mode, sample=sampler, buckets=buckets, options=options)
     yield dec.plan
     stop_ids = set() if ignore_eos else (stop_ids or set())
@@ -260,7 +253,7 @@ def _speculative(dec, prompt_ids: list[int], first: int, max_new_tokens: int, st
                 return "length", tally.accepted + tally.verify_steps, tally
         proposal = drafter.propose(min(k, max_new_tokens - len(out) - 1))
         logits = dec.verify([last] + proposal, pos)  # [1 + len(proposal), V]
-        probs = None if sampling.temperature <= 0 else shaped(logits, sampling).softmax(-1)
+        probs = None if sampling.greedy else shaped(logits, sampling).softmax(-1)
         new = accept(logits, proposal, probs)
         tally.verify_steps += 1
         tally.proposed += len(proposal)

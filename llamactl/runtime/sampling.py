@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llamactl.runtime.settings import Sampling
+
 @torch.library.custom_op("llamactl::cumsum_last", mutates_args=())
 def cumsum_last(x: torch.Tensor) -> torch.Tensor:
     """x.cumsum(-1), opaque to Inductor: with a dynamic row count (a server's compiled buckets) its
@@ -70,14 +72,13 @@ class RowSampling:
             self.ids = vocab_hash(vocab, self.seed.device)
 
     @classmethod
-    def make(cls, rows: list[dict], device) -> "RowSampling":
-        """rows: [{"temperature", "top_k", "top_p", "seed"}] (missing: greedy, off, off, 0)."""
-        def col(key, default, dtype):
-            return torch.tensor([r.get(key, default) if r.get(key) is not None else default for r in rows],
-                                dtype=dtype, device=device)
+    def make(cls, rows: list[Sampling], device) -> "RowSampling":
+        """Each row's settings (runtime.settings.Sampling; a seed of None draws with seed 0)."""
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(col("temperature", 0.0, torch.float32), col("top_k", 0, torch.long), col("top_p", 1.0, torch.float32),
-                   col("seed", 0, torch.long))
+        return cls(col([r.temperature for r in rows], torch.float32), col([r.top_k for r in rows], torch.long),
+                   col([r.top_p for r in rows], torch.float32), col([r.seed or 0 for r in rows], torch.long))
 
     def sample(self, logits: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [B, V] for rows `rows` ([B] indexes of the settings; None: the first B), the

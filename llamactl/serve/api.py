@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llamactl import ui
+from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.metrics import Metrics
 from llamactl.serve.protocol import MAX_BODY, ApiError, Ask, chunk, new_id, parse, usage, whole
@@ -118,7 +119,7 @@ class Completion:
             param = "max_tokens" if len(ids) < engine.max_seq else ("messages" if ask.chat else "prompt")
             raise ApiError(400, why, param, code="context_length_exceeded")
         seed = ask.seed if ask.seed is not None else secrets.randbits(63)
-        params = Params(max_tokens, ask.temperature, ask.top_p, ask.top_k, seed, ask.ignore_eos)
+        params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos)
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:

@@ -14,6 +14,7 @@ import torch
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.sampling import RowSampling
+from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
 from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill
 from llamactl.serve.staging import Launched, Staging
@@ -65,7 +66,7 @@ class Runner:
         do (not under tensor parallelism: untried there). blocks: the KV pool's (kv_blocks)."""
         self.device, self.mode, self.world = model.device, mode, world
         self.max_batch = max_batch
-        self.rows = RowSampling.make([{}] * max_batch, self.device)
+        self.rows = RowSampling.make([Sampling(temperature=0)] * max_batch, self.device)
         if blocks < 2:
             from llamactl.errors import InputError
 
@@ -80,7 +81,8 @@ class Runner:
         self._followers_stopped = False
 
     def set_sampling(self, slot: int, p: Params) -> None:
-        self._do(("row", slot, p.temperature, p.top_k, p.top_p, p.seed))
+        s = p.sampling
+        self._do(("row", slot, s.temperature, s.top_k, s.top_p, s.seed or 0))
 
     def arrange(self, moves: list[tuple[int, int]], tables: dict[int, list[int]]) -> None:
         """Rows moved (table, settings, last token), then table rows set (a plan's, a step's)."""

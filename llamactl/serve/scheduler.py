@@ -24,18 +24,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from llamactl.runtime.settings import Sampling
 from llamactl.serve.blocks import BlockPool, chain
 
 
 @dataclass(frozen=True)
 class Params:
-    """What one request asks for. temperature 0: greedy; top_k 0: off; top_p 1: off."""
+    """What one request asks for: at most max_tokens, drawn as `sampling` says, ending at EOS
+    unless ignore_eos."""
 
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    sampling: Sampling = Sampling()
     ignore_eos: bool = False
 
 
@@ -467,7 +466,7 @@ class Scheduler:
             return None
         b = next(b for b in self.buckets if b > max(r.slot for r in live))
         pos = [0 if r is None else min(r.pos, self.max_seq - 1) for r in self.slots[:b]]
-        greedy = all(r.params.temperature == 0 for r in self.slots[:b] if r is not None)
+        greedy = all(r.params.sampling.greedy for r in self.slots[:b] if r is not None)
         kv_len = min(self.max_seq, -(-(max(pos) + 1) // 64) * 64)
         for r in live:
             r.launched += 1

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llamactl.errors import InputError
+from llamactl.runtime.settings import Sampling
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gqa", "tiny_mha"])
@@ -46,7 +47,7 @@ def test_aot_is_for_greedy_cpu_steps_of_one_batch(tiny_gqa):
     with pytest.raises(InputError, match="greedy decoding on the CPU"):
         Decoder(model, 1, 24, "aot", sample=lambda logits: logits.argmax(-1))
     with pytest.raises(InputError, match="greedy decoding on the CPU"):
-        Decoder(model, 2, 24, "aot", rows=RowSampling.make([{}, {}], "cpu"))
+        Decoder(model, 2, 24, "aot", rows=RowSampling.make([Sampling(temperature=0)] * 2, "cpu"))
 
 
 def test_generate_aot_writes_the_eager_text(tiny_gqa):

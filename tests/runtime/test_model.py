@@ -223,7 +223,7 @@ def test_a_compiled_step_serves_its_batch_buckets_with_one_compile(tiny_gqa):
     out = {}
     with torch.inference_mode():
         for mode in ("eager", "compile"):
-            dec = Decoder(model, 4, 40, mode, rows=RowSampling.make([{}] * 4, "cpu"))
+            dec = Decoder(model, 4, 40, mode, rows=RowSampling.make([Sampling(temperature=0)] * 4, "cpu"))
             dec.rows.greedy = True
             toks = torch.cat([dec.prefill(p.view(1, -1), slot=r) for r, p in enumerate(prompts)])
             pos = torch.tensor([p.numel() for p in prompts])

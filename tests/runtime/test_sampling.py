@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llamactl.runtime.settings import Sampling
+
 from llamactl.runtime.sampling import RowSampling, uniforms
 
 
@@ -22,8 +24,8 @@ def test_uniforms_are_uniform_and_independent_of_the_batch():
 def test_row_settings_sample_as_asked():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
-    rs = RowSampling.make([{"temperature": 0}, {"temperature": 1.0, "top_k": 1, "seed": 5},
-                           {"temperature": 0.7, "top_p": 1e-6, "seed": 6}, {"temperature": 1.0, "seed": 7}], "cpu")
+    rs = RowSampling.make([Sampling(temperature=0), Sampling(temperature=1.0, top_k=1, seed=5),
+                           Sampling(temperature=0.7, top_p=1e-6, seed=6), Sampling(temperature=1.0, seed=7)], "cpu")
     pos = torch.tensor([3, 3, 3, 3])
     out = rs.sample(logits, pos)
     best = logits.argmax(-1)
@@ -44,8 +46,8 @@ def test_a_sampled_row_draws_the_same_tokens_alone_and_in_a_batch(which, request
 
     model = load_model(open_artifact(request.getfixturevalue(which)), torch.device("cpu"), torch.float32)
     prompts = [torch.arange(10, 15), torch.arange(100, 109), torch.arange(300, 313)]
-    settings = [{"temperature": 0.9, "seed": 1}, {"temperature": 0}, {"temperature": 1.2, "top_k": 40, "top_p": 0.9,
-                                                                      "seed": 3}]
+    settings = [Sampling(temperature=0.9, seed=1), Sampling(temperature=0),
+                Sampling(temperature=1.2, top_k=40, top_p=0.9, seed=3)]
     n = 8
     with torch.inference_mode():
         want = []

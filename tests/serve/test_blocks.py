@@ -6,6 +6,7 @@ from __future__ import annotations
 from llamactl.serve.blocks import BlockPool, chain
 from llamactl.serve.scheduler import Params, Scheduler, buckets
 from test_scheduler import FakeClock, FakeCondition
+from llamactl.runtime.settings import Sampling
 
 
 def test_chain_names_full_blocks_by_everything_before_them():
@@ -41,7 +42,7 @@ def _sched(blocks, max_batch=4, block_size=4, max_seq=64):
 
 
 def _submit(s, ids, max_tokens=8):
-    return s.submit(ids, Params(max_tokens=max_tokens, temperature=0.0), lambda ev: None)
+    return s.submit(ids, Params(max_tokens, Sampling(temperature=0.0)), lambda ev: None)
 
 
 def test_a_request_reuses_the_cached_full_blocks_of_its_prefix():

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from llamactl.runtime import generate as gen
+from llamactl.runtime.settings import Sampling
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "Hello", "In 1905, Albert Einstein",
            "A list of fruits: apple,", "The quick brown fox", "Water boils at"]
@@ -65,8 +66,8 @@ def test_engine_rows_give_the_tokens_they_give_alone(embedded):
 
     art, model, tok = embedded
     eos = gen.eos_ids(model, tok, art)
-    reqs = [(tok(p).input_ids, Params(max_tokens=6 + 2 * i, temperature=0.0 if i % 2 == 0 else 0.9,
-                                      top_k=0 if i % 3 else 40, top_p=1.0 if i % 4 else 0.9, seed=i))
+    reqs = [(tok(p).input_ids, Params(6 + 2 * i, Sampling(temperature=0.0 if i % 2 == 0 else 0.9, top_k=0 if i % 3 else 40,
+                                                          top_p=1.0 if i % 4 else 0.9, seed=i)))
             for i, p in enumerate(PROMPTS[:6])]
     together = _run_engine(model, eos, reqs, max_batch=3, prefill_chunk=4)  # 6 requests, 3 slots: some wait
     for i, r in enumerate(reqs):
@@ -75,7 +76,7 @@ def test_engine_rows_give_the_tokens_they_give_alone(embedded):
         assert alone[1] in ("length", "stop") and len(alone[0]) <= r[1].max_tokens
     for i in (0, 2, 4):  # greedy rows: the text `llamactl generate` prints
         assert tok.decode(together[i][0], skip_special_tokens=True) == reference(embedded, PROMPTS[i], reqs[i][1].max_tokens)
-    sampled = _run_engine(model, eos, [(reqs[1][0], Params(max_tokens=7, temperature=0.9, seed=12345))])[0]
+    sampled = _run_engine(model, eos, [(reqs[1][0], Params(7, Sampling(temperature=0.9, seed=12345)))])[0]
     assert sampled != together[1]  # another seed, other tokens
 
 
@@ -86,7 +87,7 @@ def test_an_engine_a_step_ahead_gives_the_same_tokens(embedded):
     from llamactl.serve.engine import Params
 
     art, model, tok = embedded
-    reqs = [(tok(p).input_ids, Params(max_tokens=9, temperature=0.0 if i % 2 == 0 else 0.8, seed=i))
+    reqs = [(tok(p).input_ids, Params(9, Sampling(temperature=0.0 if i % 2 == 0 else 0.8, seed=i)))
             for i, p in enumerate(PROMPTS[:5])]
     plain = _run_engine(model, set(), reqs[:1], max_batch=2, overlap=False)[0][0]
     eos = {plain[3]}  # the first row stops at its 4th token (or before, if it came earlier)
@@ -103,13 +104,13 @@ def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
     art, model, tok = embedded
     eng = Engine(model, set(), max_batch=1, max_queue=1, max_seq=64)  # not started: nothing leaves the queue
     with pytest.raises(Rejected, match="exceed this server's context of 64"):
-        eng.submit([1] * 10, Params(max_tokens=60), lambda ev: None)
+        eng.submit([1] * 10, Params(60), lambda ev: None)
     with pytest.raises(Rejected, match="the prompt has 64 tokens"):
-        eng.submit([1] * 64, Params(max_tokens=1), lambda ev: None)
+        eng.submit([1] * 64, Params(1), lambda ev: None)
     for _ in range(2):  # one for the free row, one waiting for a row
-        eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+        eng.submit([1, 2], Params(4), lambda ev: None)
     with pytest.raises(QueueFull):
-        eng.submit([1, 2], Params(max_tokens=4), lambda ev: None)
+        eng.submit([1, 2], Params(4), lambda ev: None)
 
 
 def test_packed_chunks_cut_mid_prompt_give_the_same_tokens(embedded, prefills_together):
@@ -126,13 +127,13 @@ def test_packed_chunks_cut_mid_prompt_give_the_same_tokens(embedded, prefills_to
         got = [[], [], [], []]
         on = [(lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i) for i in range(4)]
         with eng.scheduler.cv:
-            running = [eng.submit(tok(p).input_ids, Params(max_tokens=30, temperature=0), on[i])
+            running = [eng.submit(tok(p).input_ids, Params(30, Sampling(temperature=0)), on[i])
                        for i, p in enumerate(PROMPTS[:2])]
         eng.start()
         while len(got[0]) < 2:
             time.sleep(0.005)
         with eng.scheduler.cv:  # two join two decoding rows: 8 tokens a step, packed
-            reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=10, temperature=0), on[i + 2])
+            reqs = [eng.submit(tok(p).input_ids, Params(10, Sampling(temperature=0)), on[i + 2])
                     for i, p in enumerate(PROMPTS[4:6])]
         while not all(r.finished for r in [*running, *reqs]):
             time.sleep(0.01)
@@ -154,7 +155,7 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_toge
         eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=64)
         eng.scheduler.batch_prefill = batched
         got = [[] for _ in range(4)]
-        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
+        reqs = [eng.submit(tok(p).input_ids, Params(8, Sampling(temperature=0 if i % 2 else 0.7, seed=i)),
                            (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
                 for i, p in enumerate(PROMPTS[:4])]
         eng.start()  # all four are queued before the loop starts: they join together
@@ -181,11 +182,11 @@ def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefi
         return lambda ev: ev.kind == "token" and got[i].append(ev.token)
 
     eng.start()
-    first = eng.submit(tok(PROMPTS[0]).input_ids, Params(max_tokens=30, temperature=0), on(0))
+    first = eng.submit(tok(PROMPTS[0]).input_ids, Params(30, Sampling(temperature=0)), on(0))
     while len(got[0]) < 2:
         time.sleep(0.005)
     with eng.scheduler.cv:  # the loop admits all three at its next step boundary
-        burst = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0), on(i + 1))
+        burst = [eng.submit(tok(p).input_ids, Params(8, Sampling(temperature=0)), on(i + 1))
                  for i, p in enumerate(PROMPTS[1:4])]
     while not all(r.finished for r in [first, *burst]):
         time.sleep(0.01)
@@ -210,7 +211,7 @@ def test_requests_arriving_together_from_idle_are_gathered(embedded, prefills_to
     eng.start()
     reqs = []
     for i, p in enumerate(PROMPTS[1:4]):  # 20 ms apart: within the 200 ms window, not at once
-        reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=6, temperature=0),
+        reqs.append(eng.submit(tok(p).input_ids, Params(6, Sampling(temperature=0)),
                                (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
         time.sleep(0.02)
     while not all(r.finished for r in reqs):
@@ -242,7 +243,7 @@ def test_a_lone_request_is_not_held_for_others_after_a_burst_of_one(embedded, pr
     def burst(prompts, apart=0.02, n=4):
         got, reqs = [[] for _ in prompts], []
         for i, p in enumerate(prompts):
-            reqs.append(eng.submit(tok(p).input_ids, Params(max_tokens=n, temperature=0),
+            reqs.append(eng.submit(tok(p).input_ids, Params(n, Sampling(temperature=0)),
                                    (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i)))
             time.sleep(apart)
         while not all(r.finished for r in reqs):
@@ -326,13 +327,13 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefills(embedded, prefills_tog
             d = eng.decoder
             d.prefill_graphs = PrefillGraphs(d._prefill_slots, 4, d.max_seq, d.device, capture=_eager_capture)
         got = [[] for _ in range(4)]
-        reqs = [eng.submit(tok(p).input_ids, Params(max_tokens=8, temperature=0 if i % 2 else 0.7, seed=i),
+        reqs = [eng.submit(tok(p).input_ids, Params(8, Sampling(temperature=0 if i % 2 else 0.7, seed=i)),
                            (lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i))
                 for i, p in enumerate(PROMPTS[:3])]
         eng.start()  # three queued before the loop starts: one forward of three rows (a bucket of 4)
         while not all(r.finished for r in reqs):
             time.sleep(0.01)
-        late = eng.submit(tok(PROMPTS[3]).input_ids, Params(max_tokens=8, temperature=0),  # alone: one row
+        late = eng.submit(tok(PROMPTS[3]).input_ids, Params(8, Sampling(temperature=0)),  # alone: one row
                           lambda ev: ev.kind == "token" and got[3].append(ev.token))
         while not late.finished:
             time.sleep(0.01)
@@ -378,7 +379,7 @@ def test_prefix_hits_and_preemption_give_the_tokens_of_a_fresh_run(embedded):
     art, model, tok = embedded
     eos = set()
     shared = tok(" ".join(PROMPTS)).input_ids[:40]
-    reqs = [(shared + tok(p).input_ids, Params(max_tokens=12, temperature=0.0 if i % 2 else 0.7, seed=i))
+    reqs = [(shared + tok(p).input_ids, Params(12, Sampling(temperature=0.0 if i % 2 else 0.7, seed=i)))
             for i, p in enumerate(PROMPTS[:4])]
     alone = [_run_engine(model, eos, [r], kv=KvOptions(prefix_cache=False))[0] for r in reqs]
     eng = Engine(model, eos, max_batch=4, max_queue=16, max_seq=128, kv=KvOptions(block_size=8)).start()

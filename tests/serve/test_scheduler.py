@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from llamactl.serve.scheduler import GATHER_SPAN, Params, QueueFull, Rejected, Scheduler
+from llamactl.runtime.settings import Sampling
 
 
 class FakeClock:
@@ -63,7 +64,7 @@ def submit(s, n=5, max_tokens=4, temperature=0.0, tokens=None):
     """A request of n tokens of its own (no prefix shared with another's), or of `tokens`."""
     first = next(_first)
     ids = tokens if tokens is not None else list(range(first, first + n))
-    return s.submit(ids, Params(max_tokens=max_tokens, temperature=temperature), lambda ev: None)
+    return s.submit(ids, Params(max_tokens, Sampling(temperature=temperature)), lambda ev: None)
 
 
 def test_the_scheduler_imports_no_torch():
@@ -147,7 +148,7 @@ def test_what_does_not_fit_is_rejected_and_a_full_queue_refused():
     with pytest.raises(Rejected, match=r"\+ max_tokens 12 exceed this server's context of 16"):
         submit(s, 5, max_tokens=12)
     with pytest.raises(Rejected, match="the prompt is empty"):
-        s.submit([], Params(max_tokens=1), lambda ev: None)
+        s.submit([], Params(1), lambda ev: None)
     submit(s)  # for the free row
     submit(s)  # waiting for a row
     with pytest.raises(QueueFull):
