@@ -281,12 +281,14 @@ def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK
 
 
 FILL_PER_SM = 4  # split-kernel programs a streaming multiprocessor should have to choose from
-# The paged cache (a server's steps): a table as wide as --max-seq holds rows of any length, so its
-# splits cut each row's own positions (ROW_CHUNKS), and a plan splits only while the rows alone give
-# fewer than PAGED_FILL_PER_SM programs an SM (each split costs the merge kernel: 1.0 of a 6.6 ms
-# step of 64 rows at 2 splits on an H200, docs/decisions/2026-12-06-packed-prefill.md)
-PAGED_ROW_CHUNKS = True
-PAGED_FILL_PER_SM = 2
+# The paged cache (a server's steps): a table as wide as --max-seq holds rows of any length. With
+# PAGED_ROW_CHUNKS the splits cut each row's own positions, not the table's capacity, and a plan
+# splits only while the rows alone give fewer than PAGED_FILL_PER_SM programs an SM (each split
+# costs the merge kernel: 1.0 of a 6.6 ms step of 64 rows at 2 splits on an H200). Off (the plan
+# measured so far) until scripts/paged_step_probe.py --variants new,old measures it on a GPU:
+# docs/decisions/2026-12-06-packed-prefill.md
+PAGED_ROW_CHUNKS = False
+PAGED_FILL_PER_SM = FILL_PER_SM
 
 
 def _fill(device: torch.device) -> int:

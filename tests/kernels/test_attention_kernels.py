@@ -215,10 +215,13 @@ def _scatter_pool(k: torch.Tensor, block_size: int, seed: int) -> tuple[torch.Te
     return pool, table.to(k.device)
 
 
+@pytest.mark.parametrize("row_chunks", [False, True], ids=["capacity-chunks", "row-chunks"])
 @pytest.mark.parametrize("block_size,rep", [(16, 4), (32, 1)])
-def test_paged_decode_attention_reads_each_row_through_its_block_table(block_size, rep):
+def test_paged_decode_attention_reads_each_row_through_its_block_table(block_size, rep, row_chunks, monkeypatch):
     """The paged kernel against a float64 softmax over each row's own positions, rows at different
-    lengths, the blocks of the rows interleaved in the pool."""
+    lengths, the blocks of the rows interleaved in the pool; its splits cutting the table's
+    capacity or each row's own positions (PAGED_ROW_CHUNKS)."""
+    monkeypatch.setattr(attention, "PAGED_ROW_CHUNKS", row_chunks)
     torch.manual_seed(block_size)
     b, kv, d, s = 3, 2, 64, 256
     q = torch.randn(b, kv, rep, d, device=DEV, dtype=ATTN_DTYPE)
@@ -234,9 +237,11 @@ def test_paged_decode_attention_reads_each_row_through_its_block_table(block_siz
         assert rel(out[i].cpu(), ref.cpu()) < 5e-3, p
 
 
-def test_paged_decode_attention_with_rope_writes_its_block_and_nothing_else():
+@pytest.mark.parametrize("row_chunks", [False, True], ids=["capacity-chunks", "row-chunks"])
+def test_paged_decode_attention_with_rope_writes_its_block_and_nothing_else(row_chunks, monkeypatch):
     from llamactl.runtime.model import apply_rope
 
+    monkeypatch.setattr(attention, "PAGED_ROW_CHUNKS", row_chunks)
     torch.manual_seed(9)
     b, kv, rep, d, s, bs = 2, 2, 2, 64, 128, 16
     k = torch.randn(b, kv, s, d, device=DEV, dtype=ATTN_DTYPE)
