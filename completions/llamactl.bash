@@ -49,15 +49,15 @@ _llamactl() {
         return
     fi
     case "$cmd" in
-        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --tp --help -h" ;;
+        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --ramp-up --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --tp --help -h" ;;
         calibrate) opts="--output -o --calib --n-samples --seq-len --device --force --json --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert) opts="--output -o --to --type --dtype --tokenizer --context --dequantize --eval-tokens --allow-pickle --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
-        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --chat-template --ignore-eos --compile --aot --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --tp --help -h" ;;
+        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --chat-template --ignore-eos --draft --speculate --compile --no-compile --aot --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --tp --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
         quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --head-bits --embed-bits --calib --n-samples --seq-len --target-bpw --widths --calib-stats --eval --eval-tokens --device --force --json --help -h" ;;
-        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --prefill-chunk --gather-ms --api-key --served-model-name --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --tp --help -h" ;;
+        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --prefill-chunk --gather-ms --api-key --served-model-name --max-request-bytes --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --tp --help -h" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then
