@@ -26,7 +26,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="With --chat: this template instead of the model's: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
-    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt) or a model folder with the same tokenizer (a smaller model, or this one's `llamactl quantize` output). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
     speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals one verify step checks.")] = 4,
     compile_: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the decode step (loading the folder's compile cache from `llamactl compile` on this machine) [default: on where the folder holds such a cache, on the CPU; else off].", show_default=False)] = None,
     aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
@@ -50,10 +50,6 @@ def generate(
     if world and aot:
         raise InputError("--aot with --tp is not supported", "drop --aot")
     if draft is not None:
-        from llamactl.runtime.speculate import DRAFTS
-
-        if draft not in DRAFTS:
-            raise typer.BadParameter(f"--draft {draft}: use {', '.join(DRAFTS)}")
         if aot or compile_ or world:
             raise InputError("--draft runs its verify steps eagerly, on one process", "drop --aot, --compile and --tp")
     if world and compile_:
@@ -85,6 +81,7 @@ def generate(
             ui.log(f"using the compile cache in {art.path}, made on this machine (--no-compile: eager)")
     if chat:
         chats.apply(tok, chat_template, "plain" if art.path.resolve() == DEFAULT_MODEL.resolve() else None)
+    drafter = draft if draft in (None, "ngram") else _draft_model(draft, tok, m, allow_pickle, options)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
@@ -103,7 +100,7 @@ def generate(
         mode, buckets = "compile", (entry or {}).get("buckets")
     result = plan = None
     for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
-                           options, draft, speculate):
+                           options, drafter, speculate):
         if isinstance(ev, Plan):
             plan = ev
             for w in plan.warnings:
@@ -133,6 +130,18 @@ def generate(
         ui.log(f"[dim]speculation ({spec['draft']}, up to {spec['k']} a step): {spec['accepted']} of {spec['proposed']} "
                f"proposals kept ({(spec['acceptance'] or 0) * 100:.0f}%), {spec['tokens_per_step'] or 0:.2f} tokens a "
                f"verify step over {spec['verify_steps']} steps[/dim]")
+
+
+def _draft_model(path: str, tok, target, allow_pickle: bool, options):
+    """--draft FOLDER: its model on the target's device and in its dtype; its tokenizer must be the
+    target's (proposals are token ids)."""
+    from llamactl.runtime.load import load
+
+    art, model, dtok, _ = load(path, str(target.device), str(target.dtype).replace("torch.", ""), allow_pickle, options)
+    if dtok.get_vocab() != tok.get_vocab():
+        raise InputError(f"--draft {path}: its tokenizer is not the model's (proposals are token ids)",
+                         "draft with a model of the same family and tokenizer, or --draft ngram")
+    return model
 
 
 def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool, synthetic: str | None = None,

@@ -132,14 +132,15 @@ class _TokenReader:
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
              stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
              buckets: list[int] | None = None, options: RuntimeOptions | None = None,
-             draft: str | None = None, speculate: int = 4) -> Iterator[Plan | Step | Result]:
+             draft: "str | torch.nn.Module | None" = None, speculate: int = 4) -> Iterator[Plan | Step | Result]:
     """Prefill the prompt, then decode one token per step; yields the Plan of what runs, Steps,
     then one Result.
 
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
     eager otherwise. options: the runtime's choices (RuntimeOptions()'s defaults when None).
-    draft: speculative decoding with this drafter (runtime.speculate.DRAFTS), checking up to
-    `speculate` proposals a step (eager verify steps; Result.extra["speculation"] says what it did).
+    draft: speculative decoding with proposals from prompt lookup ("ngram") or a draft model (a
+    LlamaModel with the same tokenizer), checking up to `speculate` a step (eager verify steps;
+    Result.extra["speculation"] says what it did).
     Raises InputError when the prompt and new tokens do not fit the context.
     """
 
@@ -189,8 +190,11 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     reader = _TokenReader(device)
     tally = None
     if draft is not None:
-        stop_reason, steps, tally = yield from _speculative(dec, prompt_ids, int(token.view(-1)[0]), max_new_tokens,
-                                                            stop_ids, stream, out, sampling, speculate)
+        from llamactl.runtime.speculate import ModelDraft, NgramDraft
+
+        drafter = NgramDraft() if draft == "ngram" else ModelDraft(draft, dec.max_seq, mode if mode != "aot" else "eager")
+        stop_reason, steps, tally = yield from _speculative(dec, drafter, prompt_ids, int(token.view(-1)[0]),
+                                                            max_new_tokens, stop_ids, stream, out, sampling, speculate)
     while draft is None:
         # Queue the read of this token, then the step that makes the next one, then wait for the
         # read only: detokenizing and printing overlap the device's next step.
@@ -227,19 +231,20 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         dtype=str(model.dtype).replace("torch.", ""),
         extra={"mode": mode, "attention_backend": attention_backend(model, 1, dec.max_seq, device), "gemv": dec.plan.label,
                "plan": dec.plan.as_dict(),
-               **({"speculation": {"draft": draft, "k": speculate, **tally.as_dict()}} if tally else {}),
+               **({"speculation": {"draft": draft if isinstance(draft, str) else "model", "k": speculate,
+                                   **tally.as_dict()}} if tally else {}),
                **({"aot_cache": "loaded" if dec.aot_cached else "built"} if dec.aot_cached is not None else {})},
     )
 
 
-def _speculative(dec, prompt_ids: list[int], first: int, max_new_tokens: int, stop_ids: set[int], stream,
+def _speculative(dec, drafter, prompt_ids: list[int], first: int, max_new_tokens: int, stop_ids: set[int], stream,
                  out: list[int], sampling: Sampling, k: int):
     """generate's loop with speculative decoding (runtime.speculate): each verify step checks the
-    prompt-lookup drafter's proposals after the last token, and hands out the tokens it keeps.
-    Yields Steps (appending to `out`); returns (stop reason, tokens made after the first, Tally)."""
-    from llamactl.runtime.speculate import NgramDraft, Tally, accept
+    drafter's proposals after the last token, and hands out the tokens it keeps. Yields Steps
+    (appending to `out`); returns (stop reason, tokens made after the first, Tally)."""
+    from llamactl.runtime.speculate import Tally, accept
 
-    drafter, tally = NgramDraft(), Tally()
+    tally = Tally()
     drafter.extend(list(prompt_ids))
     last, pos, new = first, len(prompt_ids), [first]  # `last` sits at pos, its K/V not computed yet
     while True:

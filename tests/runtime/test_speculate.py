@@ -60,3 +60,37 @@ def test_sampled_acceptance_keeps_the_models_distribution():
         chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
         assert chi2 < 18.5, (proposal, counts.tolist())  # 4 degrees of freedom, p = 0.001
 
+
+
+def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_refused(embedded, tmp_path, tiny_gqa):
+    """--draft FOLDER: the embedded model's own 4-bit RTN copy drafts for it; greedy output equals
+    plain decoding's and most proposals are kept; a model with another tokenizer is one line."""
+    from typer.testing import CliRunner
+
+    from llamactl.cli.app import app
+    from llamactl.runtime.load import DEFAULT_MODEL, load
+
+    runner = CliRunner()
+    q = tmp_path / "int4"
+    r = runner.invoke(app, ["quantize", str(DEFAULT_MODEL), "-o", str(q), "--method", "rtn", "--group-size", "64",
+                            "--eval-tokens", "0", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    art, model, tok = embedded
+    _, draft, _, _ = load(str(q), "cpu", "float32")
+    ids = tok(PROMPTS[1]).input_ids
+    plain = list(gen.generate(model, tok, ids, 24, gen.Sampling(temperature=0), set(), True))[-1]
+    spec = list(gen.generate(model, tok, ids, 24, gen.Sampling(temperature=0), set(), True, draft=draft))[-1]
+    s = spec.extra["speculation"]
+    assert spec.token_ids == plain.token_ids and s["draft"] == "model" and s["acceptance"] > 0.5, s
+    import json
+    import shutil
+
+    other = tmp_path / "other"  # the random model, its tokenizer's ids 300 and 301 swapped
+    shutil.copytree(tiny_gqa, other)
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (t for t, i in vocab.items() if i in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    r = runner.invoke(app, ["generate", "-p", "x", "-n", "2", "--draft", str(other)])
+    assert r.exit_code == 1 and "its tokenizer is not the model's" in r.stderr
