@@ -135,12 +135,14 @@ def test_an_upward_import_would_be_found():
 
 
 def test_the_scheduler_imports_no_torch():
-    for module, allowed in (("scheduler", {"llamactl.serve.blocks"}), ("blocks", set())):
-        tree = ast.parse((PACKAGE / "serve" / f"{module}.py").read_text())
+    """The scheduler with its block pool and the sampling-settings type, alone."""
+    for module, allowed in (("serve/scheduler", {"llamactl.serve.blocks", "llamactl.runtime.settings"}),
+                            ("serve/blocks", set()), ("runtime/settings", set())):
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not {n for n in names if n.split(".")[0] in ("torch", "numpy", "triton")}, names
-        assert not {n for n in names if n.startswith("llamactl")} - allowed, names  # with its block pool, alone
+        assert not {n for n in names if n.startswith("llamactl")} - allowed, names
 
 
 def test_the_model_holds_no_cache_tensors(tiny_gqa):
