@@ -40,13 +40,17 @@ class NgramDraft:
             self.tokens.append(t)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that may come next ([] when no suffix was seen before)."""
+        """k tokens that may come next ([] when no suffix was seen before). A continuation that runs
+        into the end goes on with itself: a text repeating a short period proposes its next period."""
         if k <= 0:
             return []
         for n in range(min(self.max_n, len(self.tokens)), 0, -1):
             at = self._after.get(tuple(self.tokens[-n:]))
             if at is not None:
-                return self.tokens[at : at + k]
+                out: list[int] = []
+                for i in range(at, at + k):
+                    out.append(self.tokens[i] if i < len(self.tokens) else out[i - len(self.tokens)])
+                return out
         return []
 
 

@@ -21,6 +21,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert d2.propose(3) == [7, 8, 1]  # "2 3": its latest earlier occurrence
     d.extend([4])
     assert d.propose(2) == [5, 9]  # "1 2 3 4" -> 5 9
+    p = NgramDraft()
+    p.extend([7, 1, 2, 1, 2])
+    assert p.propose(5) == [1, 2, 1, 2, 1]  # "1 2" last seen just before: its period goes on
     assert NgramDraft().propose(4) == [] and d.propose(0) == []
     e = NgramDraft()
     e.extend([5, 6])
