@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -26,7 +27,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template when it has one.")] = False,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="With --chat: this template instead of the model's: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at the end-of-sequence token.")] = False,
-    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt) or a model folder with the same tokenizer (a smaller model, or this one's `llamactl quantize` output). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (prompt lookup: proposes the tokens that followed the text's last few tokens earlier; strong where the answer copies from the prompt) a model folder with the same tokenizer (a smaller model, or this one's `llamactl quantize` output), or self-int4 / self-int8 (this model's round-to-nearest copy, made at start). The output is what plain decoding gives (greedy: the same tokens; sampled: the same distribution).")] = None,
     speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals one verify step checks.")] = 4,
     compile_: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the decode step (loading the folder's compile cache from `llamactl compile` on this machine) [default: on where the folder holds such a cache, on the CPU; else off].", show_default=False)] = None,
     aot: Annotated[bool, typer.Option("--aot", help="On the CPU, greedy (--temperature 0): compile the decode step ahead of time with AOTInductor, one C++ call a step with no Python around it; built once (tens of seconds for a small model, minutes for a large one) and loaded from ~/.cache/llamactl/aot after.")] = False,
@@ -81,7 +82,7 @@ def generate(
             ui.log(f"using the compile cache in {art.path}, made on this machine (--no-compile: eager)")
     if chat:
         chats.apply(tok, chat_template, "plain" if art.path.resolve() == DEFAULT_MODEL.resolve() else None)
-    drafter = draft if draft in (None, "ngram") else _draft_model(draft, tok, m, allow_pickle, options)
+    drafter = draft if draft in (None, "ngram") else _draft_model(draft, art, tok, m, allow_pickle, options)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
@@ -132,14 +133,28 @@ def generate(
                f"verify step over {spec['verify_steps']} steps[/dim]")
 
 
-def _draft_model(path: str, tok, target, allow_pickle: bool, options):
-    """--draft FOLDER: its model on the target's device and in its dtype; its tokenizer must be the
-    target's (proposals are token ids)."""
+def _draft_model(draft: str, art, tok, target, allow_pickle: bool, options):
+    """--draft FOLDER: its model on the target's device and in its dtype, its tokenizer the target's
+    (proposals are token ids); self-int4 / self-int8: the target's RTN copy (group 128 / per
+    channel), made now into a temporary folder."""
+    import tempfile
+
     from llamactl.runtime.load import load
 
-    art, model, dtok, _ = load(path, str(target.device), str(target.dtype).replace("torch.", ""), allow_pickle, options)
+    device, dtype = str(target.device), str(target.dtype).replace("torch.", "")
+    if draft in ("self-int4", "self-int8"):
+        from llamactl.quantize.options import QuantOptions
+        from llamactl.quantize.stage import quantize
+
+        bits = int(draft[-1])
+        with tempfile.TemporaryDirectory(prefix="llamactl-draft-") as tmp:
+            ui.log(f"--draft {draft}: quantizing a round-to-nearest copy of {art.path}")
+            quantize(art.path, Path(tmp) / "draft", QuantOptions(method="rtn", bits=bits, group_size=128 if bits == 4 else -1),
+                     eval_tokens=0, device=device, log=lambda m: None)
+            return load(str(Path(tmp) / "draft"), device, dtype, allow_pickle, options)[1]
+    _, model, dtok, _ = load(draft, device, dtype, allow_pickle, options)
     if dtok.get_vocab() != tok.get_vocab():
-        raise InputError(f"--draft {path}: its tokenizer is not the model's (proposals are token ids)",
+        raise InputError(f"--draft {draft}: its tokenizer is not the model's (proposals are token ids)",
                          "draft with a model of the same family and tokenizer, or --draft ngram")
     return model
 

@@ -88,6 +88,12 @@ def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_r
     import json
     import shutil
 
+    args = ["generate", "-p", PROMPTS[1], "-n", "12", "--temperature", "0", "--ignore-eos", "--json", "--device", "cpu"]
+    plain_cli = json.loads(runner.invoke(app, args).stdout)
+    r = runner.invoke(app, args + ["--draft", "self-int4"])  # the copy made on the fly
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["token_ids"] == plain_cli["token_ids"] and "round-to-nearest copy" in r.stderr
+
     other = tmp_path / "other"  # the random model, its tokenizer's ids 300 and 301 swapped
     shutil.copytree(tiny_gqa, other)
     data = json.loads((other / "tokenizer.json").read_text())
