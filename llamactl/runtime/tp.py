@@ -188,6 +188,16 @@ def send(message: Any, world: World) -> None:
     dist.broadcast_object_list([message], src=0, group=world.control)
 
 
+def smallest(value: int, world: World) -> int:
+    """The smallest of every rank's value (each rank sizes its own KV pool from its own free
+    memory; the leader's block ids must exist on every rank)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.control)
+    return int(t)
+
+
 def receive(world: World) -> Any:
     """Ranks above 0: the next message rank 0 sends."""
     import torch.distributed as dist

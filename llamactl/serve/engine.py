@@ -91,6 +91,10 @@ class Engine:
         chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
         blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
                            max(chunk, BATCH_PREFILL_TOKENS))
+        if world is not None:  # every rank holds the pool of the rank with the least memory
+            from llamactl.runtime.tp import smallest
+
+            blocks = smallest(blocks, world)
         self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
                              block_size=kv.block_size)
         self.max_seq = self.runner.max_seq
