@@ -386,7 +386,8 @@ class LlamaModel(nn.Module):
         cache row `slot` alone (it joins while the other rows keep theirs), or slot: [B] the cache
         rows of B whole prompts joining at once (input_pos [B, S], each row 0..S-1), or a
         runtime.ragged.Ragged: idx [1, T] is several sequences' new tokens packed end to end over a
-        paged cache (their positions its own), and the logits are each one's last [n, 1, vocab]. kv_len: SDPA reads only
+        paged cache (their positions its own), and the logits are each one's last [n, 1, vocab].
+        kv_len: SDPA reads only
         the first kv_len cache positions (more than every position of input_pos; a length known
         on the host, so for eager calls, not a captured step). last_at: with last_only, the logits
         of position last_at of idx instead of its last (a prompt padded to a common length).

@@ -201,8 +201,8 @@ def buckets(max_batch: int) -> list[int]:
 class Scheduler:
     """The queue, the batch rows and the KV blocks. submit(), stop() and the counters from any
     thread; the rest on the engine's. gpu: a step's prompt chunks go through one forward, packed
-    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`). pool: the KV blocks (serve.blocks.BlockPool; its block count and size are
-    the paged cache's)."""
+    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`).
+    pool: the KV blocks (serve.blocks.BlockPool; its block count and size are the paged cache's)."""
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
                  gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter,
