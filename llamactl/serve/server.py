@@ -16,6 +16,7 @@ from typing import Callable
 from llamactl.errors import InputError
 
 GRACE_S = 10  # after the drain time: for the cut streams' last events to go out before uvicorn cancels them
+HEADER_TIMEOUT_S = 10.0  # a connection whose first request's headers have not ended by then is closed
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -59,15 +60,47 @@ def http_stack() -> tuple[str, str]:
     return ("httptools" if have("httptools") else "h11"), ("uvloop" if have("uvloop") else "asyncio")
 
 
+def with_header_deadline(protocol: type, seconds: float) -> type:
+    """uvicorn's HTTP protocol class, closing a connection whose first request's headers have not
+    ended `seconds` after it opened (uvicorn has no such timeout: a client sending its headers a
+    byte at a time held a connection for as long as it liked). After the first request, uvicorn's
+    keep-alive timeout bounds the idle time."""
+
+    class Protocol(protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_deadline = self.loop.call_later(seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            if self.cycle is None:  # no request's headers have ended on this connection
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def _protocol(parser: str, header_timeout_s: float) -> type:
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return with_header_deadline(base, header_timeout_s)
+
+
 def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], None],
           main: Callable[[], None], stop_main: Callable[[], None],
-          open_streams: Callable[[], int] = lambda: 0) -> tuple[str | None, int]:
+          open_streams: Callable[[], int] = lambda: 0,
+          header_timeout_s: float = HEADER_TIMEOUT_S) -> tuple[str | None, int]:
     """Run the app until SIGTERM or SIGINT, and main() (the step loop) on this thread meanwhile;
     once the server has stopped, stop_main() ends main(). A signal stops the accepting; the
     streams in flight get drain_s to end, then stop_main() ends those left (each gets an error
     event and [DONE]: a client knows it was cut). Returns the signal's name (None if the server
     stopped by itself) and how many streams (open_streams()) were cut. A main() that ends first (a
-    failed engine) leaves the server answering until a signal."""
+    failed engine) leaves the server answering until a signal. header_timeout_s: a connection's
+    first request must have sent its headers by then (with_header_deadline)."""
     import uvicorn
 
     got: list[int] = []
@@ -89,7 +122,8 @@ def serve(app, sock: socket.socket, drain_s: float, on_ready: Callable[[str], No
                 on_ready(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
     parser, loop = http_stack()
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=parser, loop=loop,
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            http=_protocol(parser, header_timeout_s), loop=loop,
                             timeout_graceful_shutdown=int(drain_s) + GRACE_S, timeout_keep_alive=5)
     server = Server(config)
 

@@ -55,3 +55,41 @@ def test_the_loop_runs_on_the_main_thread_and_sigterm_stops_the_server_then_the_
     assert seen == {"loop_on_main": True, "answered_on": "llamactl-http", "loop_running_then": True,
                     "loop_stopped": True}
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler again
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_client_slow_to_send_its_headers_is_closed(parser, monkeypatch):
+    """A connection whose request headers have not ended after header_timeout_s is closed (a
+    slow-headers client holds nothing); a prompt client is answered."""
+    import socket
+    import time
+
+    from llamactl.serve import server
+
+    if parser == "httptools":
+        pytest.importorskip("httptools")
+    monkeypatch.setattr(server, "http_stack", lambda: (parser, "asyncio"))
+    app = Starlette(routes=[Route("/thread", _thread_name)])
+    sock = bind("127.0.0.1", 0)
+    stop, seen = threading.Event(), {}
+
+    def ready(url: str) -> None:
+        def client():
+            host, port = url.split("//")[1].split(":")
+            with socket.create_connection((host, int(port))) as slow:
+                slow.sendall(b"GET /thread HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+                t0 = time.perf_counter()
+                slow.settimeout(10)
+                seen["closed"] = slow.recv(100) == b""  # the server closed it
+                seen["after_s"] = time.perf_counter() - t0
+            with urllib.request.urlopen(url + "/thread", timeout=10) as r:
+                seen["answered"] = r.status == 200
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=client, daemon=True).start()
+
+    try:
+        serve(app, sock, 1.0, ready, lambda: stop.wait(30), stop.set, header_timeout_s=0.5)
+    finally:
+        sock.close()
+    assert seen["closed"] and 0.3 < seen["after_s"] < 5 and seen["answered"], seen
