@@ -127,9 +127,8 @@ class PagedLayer(nn.Module):
         b, _, s, _ = k.shape
         table = self.owner.rows(slot, b)  # [B, M]
         where = self.owner.slots(table, input_pos.expand(b, s) if input_pos.dim() == 1 else input_pos)  # [B, S]
-        flat_k, flat_v = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [N*BS, H_kv, D]
-        flat_k.index_copy_(0, where.reshape(-1), k.transpose(1, 2).reshape(b * s, *k.shape[1::2]))
-        flat_v.index_copy_(0, where.reshape(-1), v.transpose(1, 2).reshape(b * s, *v.shape[1::2]))
+        self.write_at(where.reshape(-1), k.transpose(1, 2).reshape(b * s, *k.shape[1::2]),
+                      v.transpose(1, 2).reshape(b * s, *v.shape[1::2]))  # [B*S, H_kv, D]
         return table
 
 

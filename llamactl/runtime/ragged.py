@@ -53,10 +53,6 @@ class Ragged:
         last = torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device)
         return cls(*i32, positions, last, cache.at(token_rows, positions[0]))
 
-    @property
-    def tokens(self) -> int:
-        return self.positions.shape[1]
-
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
            ragged: Ragged) -> torch.Tensor:
