@@ -12,6 +12,7 @@
 #   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100)
 #   chat-base       chat on OLD with chat-new's arguments (OLD a paged tree too)
 #   chat-ramp       chat with the 256 clients starting over 10 s (--ramp-up 10): steady-state TTFT
+#   chat-nomix      chat with --no-mixed-steps (decode steps apart from the prefill forwards)
 #   chat-kv16-new   chat with --kv-memory 16
 #   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
 # Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
@@ -56,6 +57,7 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     chat-old) start "$run" /tmp/old --max-batch 128 --max-seq 2624; load "$run" "${CHAT[@]}" ;;
     chat-base) start "$run" /tmp/old; load "$run" "${CHAT[@]}" ;;
     chat-ramp) start "$run" "$new"; load "$run" "${CHAT[@]}" --ramp-up 10 ;;
+    chat-nomix) start "$run" "$new" --no-mixed-steps; load "$run" "${CHAT[@]}" ;;
     chat-kv16-new) start "$run" "$new" --kv-memory 16; load "$run" "${CHAT[@]}" ;;
     chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
     *) echo "unknown run $run"; continue ;;

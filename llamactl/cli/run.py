@@ -217,6 +217,7 @@ def serve(
     block_size: Annotated[int, typer.Option("--block-size", min=1, max=256, help="Tokens a KV block holds (prefixes are reused by whole blocks).")] = 16,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="The chat template of /v1/chat/completions: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompts' shared prefixes (system prompts, earlier turns) instead of computing them again.")] = True,
+    mixed_steps: Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", help="On a GPU, the running rows' decode step goes through the same forward as the prompt chunks prefilled with it (the weights read once for both).")] = True,
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].")] = None,
     gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require Authorization: Bearer KEY on /v1/* (default: LLAMACTL_API_KEY; none: open).")] = None,
@@ -243,7 +244,8 @@ def serve(
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
                         model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
                         kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
-                        prefix_cache=prefix_cache, chat_template=chat_template, max_request_bytes=max_request_bytes)
+                        prefix_cache=prefix_cache, chat_template=chat_template, max_request_bytes=max_request_bytes,
+                        mixed_steps=mixed_steps)
     if chat_template is not None:
         from llamactl.runtime.chat import resolve
 

@@ -210,7 +210,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None]), apply_rope(k.transpose(1, 2), cos[:, None],
                                                                                            sin[:, None])
         cache.write_at(ragged.where, k[0].transpose(0, 1), v.view(t, self.n_kv_heads, d))  # [T, H_kv, D]
-        y = attend(q[0].transpose(0, 1), cache.k, cache.v, cache.owner.table, ragged)  # [T, H, D]
+        y = attend(q[0].transpose(0, 1), cache.k, cache.v, cache.owner.table, ragged, self.attn_min_chunk)  # [T, H, D]
         return add_linear(self.o_proj, y.reshape(1, t, self.n_heads * d), residual, self.tp_group)
 
 

@@ -6,6 +6,11 @@ position of its own cache row, whose earlier positions (a cached prefix, earlier
 the pool already. `Ragged` is what the forward needs to know about the packing, on the device,
 built once a forward: where each token's K/V go in the pool, each sequence's span, and the tiles
 of the prefill attention (kernels.prefill_attention on CUDA, `reference` elsewhere).
+
+The same forward carries the step's decode rows (a "mixed" step): the first `decode` sequences are
+one token each, a running row's next token, so the weights are read once for both. On CUDA their
+attention is the decode kernel's (kernels.attention.paged_decode_attention, split over the cache),
+not a prefill tile of one useful query row.
 """
 
 from __future__ import annotations
@@ -32,38 +37,57 @@ class Ragged:
     positions: torch.Tensor  # [1, T] int64: each token's position
     last: torch.Tensor  # [n] int64: each sequence's last token in the forward
     where: torch.Tensor  # [T] int64: each token's place in the pool (block * block_size + offset)
+    decode: int = 0  # the first `decode` sequences are single decode tokens (tiles only for the rest)
+    decode_table: torch.Tensor | None = None  # [decode, M] int32: their table rows
     tile: int = TILE
 
     @classmethod
-    def build(cls, cache, rows: list[int], starts: list[int], lens: list[int]) -> "Ragged":
+    def build(cls, cache, rows: list[int], starts: list[int], lens: list[int], decode: int = 0) -> "Ragged":
         """Sequences of lens[i] new tokens at positions starts[i].. of table rows rows[i] of cache
-        (a runtime.kv_cache.PagedCache whose table holds their blocks)."""
-        if not (len(rows) == len(starts) == len(lens)) or any(n < 1 for n in lens) or any(s < 0 for s in starts):
-            raise ValueError(f"a packed prefill of rows {rows}, starts {starts}, lengths {lens}")
+        (a runtime.kv_cache.PagedCache whose table holds their blocks); the first `decode` of them
+        decode rows (one token each)."""
+        if (not (len(rows) == len(starts) == len(lens)) or any(n < 1 for n in lens) or any(s < 0 for s in starts)
+                or not 0 <= decode <= len(rows) or any(n != 1 for n in lens[:decode])):
+            raise ValueError(f"a packed forward of rows {rows}, starts {starts}, lengths {lens}, {decode} decoding")
         q_start, at = [], 0
         for n in lens:
             q_start.append(at)
             at += n
-        tiles = [(i, m) for i, n in enumerate(lens) for m in range(0, n, TILE)]
+        tiles = [(i, m) for i, n in enumerate(lens) if i >= decode for m in range(0, n, TILE)]
         device = cache.table.device
         i32 = [torch.tensor(x, dtype=torch.int32).to(device)
                for x in (rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles])]
         positions = torch.tensor([[s + j for s, n in zip(starts, lens) for j in range(n)]], device=device)  # [1, T]
         token_rows = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], device=device)  # [T]
         last = torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device)
-        return cls(*i32, positions, last, cache.at(token_rows, positions[0]))
+        table = cache.table[i32[0][:decode].long()] if decode else None  # [decode, M]
+        return cls(*i32, positions, last, cache.at(token_rows, positions[0]), decode, table)
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-           ragged: Ragged) -> torch.Tensor:
+           ragged: Ragged, min_chunk: int = 64) -> torch.Tensor:
     """q: [T, H, D] (rotated), pools [blocks, BS, H_kv, D] holding every sequence's K/V up to its
     new tokens' (theirs written), table [rows, M] int32 -> [T, H, D], each token attending to its
-    sequence's positions up to its own: the Triton kernel on CUDA, else `reference`."""
-    if q.is_cuda:
-        from llamactl.kernels.prefill_attention import ragged_attention
+    sequence's positions up to its own: `kernels` on CUDA, else `reference`."""
+    return (kernels(q, k_pool, v_pool, table, ragged, min_chunk) if q.is_cuda
+            else reference(q, k_pool, v_pool, table, ragged))
 
-        return ragged_attention(q, k_pool, v_pool, table, ragged)
-    return reference(q, k_pool, v_pool, table, ragged)
+
+def kernels(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+            ragged: Ragged, min_chunk: int = 64) -> torch.Tensor:
+    """`attend` in Triton: the prefill kernel for the prompt chunks, the paged decode kernel for
+    the decode rows (min_chunk: its smallest split of the cache)."""
+    from llamactl.kernels.attention import paged_decode_attention
+    from llamactl.kernels.prefill_attention import ragged_attention
+
+    out = ragged_attention(q, k_pool, v_pool, table, ragged)  # [T, H, D]; the decode rows' left unset
+    d, (_, h, dim) = ragged.decode, q.shape
+    if d:
+        hkv = k_pool.shape[2]
+        pos = ragged.ctx[:d].long()  # [d]: each decode token's position
+        out[:d] = paged_decode_attention(q[:d].reshape(d, hkv, h // hkv, dim), k_pool, v_pool, ragged.decode_table,
+                                         pos, min_chunk).reshape(d, h, dim)
+    return out
 
 
 def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -242,21 +242,27 @@ class Decoder:
         return self.model(torch.tensor([ids], device=self.device), pos, self.cache)[0]
 
     @torch.inference_mode()
-    def prefill_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
+    def prefill_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int],
+                       decode: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         """Several sequences' chunks in one forward, packed end to end without padding
         (runtime.ragged; a paged cache whose table rows `rows` hold their blocks): chunk i at
         positions starts[i].. of row rows[i] -> the token after each chunk [n] (with `rows`'
-        settings of its row)."""
+        settings of its row). decode: (tokens [d] on the device, their rows, their positions),
+        a decode step of d rows carried by the same forward, their next tokens first -> [d + n]."""
         from llamactl.runtime.ragged import Ragged
 
-        packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks])
-        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T]
-        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
+        tok, drows, dpos = decode or (None, [], [])
+        lens = [1] * len(drows) + [len(c) for c in chunks]
+        packed = Ragged.build(self.cache, drows + rows, dpos + starts, lens, decode=len(drows))
+        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T - d]
+        if drows:
+            ids = torch.cat([tok.view(1, -1), ids], 1)  # [1, T]
+        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [d + n, V]
         self.prefill_finite = torch.isfinite(logits).all()
         if self.rows is None:
             return self.sample(logits)
-        ends = torch.tensor([s + len(c) for s, c in zip(starts, chunks)], device=self.device)
-        return self.rows.sample(logits, ends, torch.tensor(rows, device=self.device))
+        ends = torch.tensor([p + 1 for p in dpos] + [s + len(c) for s, c in zip(starts, chunks)], device=self.device)
+        return self.rows.sample(logits, ends, torch.tensor(drows + rows, device=self.device))
 
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []

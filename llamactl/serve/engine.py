@@ -74,13 +74,15 @@ class Engine:
     def __init__(self, model, eos_ids: set[int], max_batch: int = 8, max_queue: int = 64,
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
                  prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
-                 gather_s: float | None = None, prefill_graphs: bool = True, kv: "KvOptions | None" = None):
+                 gather_s: float | None = None, prefill_graphs: bool = True, kv: "KvOptions | None" = None,
+                 mix: bool | None = None):
         """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
         on a GPU, 0 on the CPU).
         overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules, the other ranks' engines
-        only follow() its runner's actions. kv: the KV pool's size and the prefix cache."""
+        only follow() its runner's actions. kv: the KV pool's size and the prefix cache.
+        mix: a step's decode rows go through its prefill forward (None: on a GPU; Scheduler.mix)."""
         gpu = model.device.type == "cuda"
         ctx = model.args.max_position_embeddings
         self.device, self.max_batch = model.device, max_batch
@@ -103,7 +105,7 @@ class Engine:
         pool = BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
         self.scheduler = Scheduler(max_batch, max_queue, self.max_seq, chunk, gpu,
                                    (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times,
-                                   pool=pool)
+                                   pool=pool, mix=mix)
         self.overlap = gpu if overlap is None else overlap
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._last_read = 0.0
@@ -189,16 +191,23 @@ class Engine:
             self.runner.set_sampling(r.slot, r.params)
         for r in plan.cancelled:
             self._finish(r, "cancelled")
+        step, launched = plan.decode, None
         for work in plan.prefills:
             t0 = time.perf_counter()
-            first = self.runner.prefill(work)
+            if step is not None:  # the decode rows ride in the prefill forward (scheduler.mix)
+                first, launched = self.runner.mixed(work, step)
+                step = None
+            else:
+                first = self.runner.prefill(work)
             now = time.perf_counter()
             self.times.prefilled(now - t0, work.tokens)
             for r, tok, end in zip(work.requests, first or [], work.ends):
                 if end:
                     self._emit(r, tok, now)
-        step = self.scheduler.decode()
-        launched = self.runner.launch(step) if step is not None else None
+        if not self.scheduler.mix or not self.scheduler.batch_prefill:
+            step = self.scheduler.decode()
+        if step is not None:
+            launched = self.runner.launch(step)
         if self.overlap:
             self._collect(self._inflight)
             self._inflight = launched
@@ -213,12 +222,14 @@ class Engine:
             return
         tokens = step.tokens()
         now = time.perf_counter()
-        self.times.decode_s += now - max(step.launched, self._last_read)
+        if not step.mixed:  # a mixed step's time is its prefill forward's
+            self.times.decode_s += now - max(step.launched, self._last_read)
+            self.times.decode_steps += 1
         self._last_read = now
-        self.times.decode_steps += 1
         for r, row in zip(step.rows, step.at):
             if not r.finished:
                 self.times.decode_rows += 1
+                self.times.mixed_rows += step.mixed
                 self._emit(r, tokens[row], now)
         self.times.emit_s += time.perf_counter() - now
 

@@ -37,6 +37,7 @@ class Metrics:
                              ("decode_s", "Seconds in decode steps (each with its host read)."),
                              ("decode_steps", "Decode steps run."),
                              ("decode_rows", "Tokens the decode steps gave to requests."),
+                             ("mixed_rows", "Of those, tokens of rows that decoded in a prefill forward (a mixed step)."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
                              ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed).")):

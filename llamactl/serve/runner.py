@@ -101,10 +101,21 @@ class Runner:
             ids = [c + [0] * (longest - len(c)) for c in work.ids]
             toks = self._do(("prefill_slots", ids, slots, [len(c) for c in work.ids]))  # [k]
         elif len(slots) > 1 or self.device.type == "cuda":
-            toks = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends))  # [k]
+            toks = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends, [], []))  # [k]
         else:
             toks = self._do(("prefill", work.ids[0], slots[0], work.starts[0], work.ends[0]))  # [1]
         return toks.tolist() if any(work.ends) else None
+
+    def mixed(self, work: Prefill, step: Decode) -> tuple[list[int] | None, Launched]:
+        """One packed forward of a prefill's chunks and a decode step's rows (a mixed step): the
+        chunks' next tokens as prefill() returns them, the rows' as launch() does."""
+        t0 = time.perf_counter()
+        drows, dpos = list(step.at), [step.positions[i] for i in step.at]
+        toks = self._do(("prefill_packed", work.ids, [r.slot for r in work.requests], work.starts, work.ends,
+                         drows, dpos))  # [d + k]
+        d = len(drows)
+        launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True)
+        return (toks[d:].tolist() if any(work.ends) else None), launched
 
     def launch(self, step: Decode) -> Launched:
         """Start one decode step; its tokens come back through the Launched (nothing read here)."""
@@ -142,12 +153,16 @@ class Runner:
             if last:
                 self._tok[slot] = tok[0]
             return tok  # [1]
-        elif kind == "prefill_packed":  # chunks of several rows in one forward; the prompts' last set their tokens
-            chunks, slots, starts, ends = a
-            toks = self.decoder.prefill_packed(chunks, slots, starts)  # [k]
-            done = [i for i, e in enumerate(ends) if e]
+        elif kind == "prefill_packed":  # chunks of several rows in one forward, and decode rows first (mixed)
+            chunks, slots, starts, ends, drows, dpos = a
+            d = len(drows)
+            at = torch.tensor(drows, dtype=torch.long, device=self.device)
+            toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None)
+            done = [d + i for i, e in enumerate(ends) if e]  # [d + k]: the rows' tokens, then the chunks'
+            if d:
+                self._tok[at] = toks[:d]
             if done:
-                self._tok[torch.tensor([slots[i] for i in done], device=self.device)] = toks[done]
+                self._tok[torch.tensor([slots[i - d] for i in done], device=self.device)] = toks[done]
             return toks
         elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
             ids, slots, lens = a
@@ -199,7 +214,8 @@ class Runner:
     def warm_up(self, sched) -> None:
         """One decode step per batch bucket of sched (serve.scheduler.Scheduler) with every row free
         (captures the CUDA graphs before the first request; free rows write position 0, which a
-        prefill overwrites before it is read), then the prefill graphs and packed prefills."""
+        prefill overwrites before it is read), then the prefill graphs and packed prefills (one
+        mixed with a decode row)."""
         for greedy in (True, False):  # a graph each: argmax alone, or the per-row draw
             self.rows.greedy = greedy
             for b in sched.buckets:
@@ -214,6 +230,7 @@ class Runner:
             # largest forward the scheduler plans
             s = min(16, self.max_seq // 2)
             self.decoder.prefill_packed([[0] * s, [0] * s], [0, 1 % self.max_batch], [0, s])
+            self.decoder.prefill_packed([[0] * s], [0], [0], (self._tok[:1], [1 % self.max_batch], [s]))  # mixed
             n = min(1024, self.max_seq)
             k = max(1, max(BATCH_PREFILL_TOKENS, sched.prefill_chunk) // n)
             self.decoder.prefill_packed([[0] * n] * k, [0] * k, [0] * k)

@@ -5,8 +5,11 @@ torch here): the runner turns a plan into model calls (serve.runner), the engine
 
 A step is the prefills the scheduler plans (`schedule`: whole prompts joining together, or chunks
 within a token budget while other rows decode), then one decode step of every row that then
-decodes (`decode`). A request holds its token ids (prompt, then output), how many of them have
-their K/V computed, and the KV blocks that hold them (serve.blocks; a table row of the paged cache,
+decodes (`decode`). Where it mixes (a GPU), the decode step is planned first, of the rows decoding
+already, and rides in the prefill forward when there is one (a mixed step: the weights read once).
+
+A request holds its token ids (prompt, then output), how many of them have their K/V computed,
+and the KV blocks that hold them (serve.blocks; a table row of the paged cache,
 runtime.kv_cache.PagedCache). While it runs it has a batch row (its slot): rows are kept packed
 (a request leaving row 3 while row 7 runs moves row 7's table, settings and last token to row 3),
 so a decode step of n requests runs the smallest bucket of rows >= n. Its prompt's longest cached
@@ -65,6 +68,7 @@ class EngineTimes:
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
     gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Scheduler._gather)
+    mixed_rows: int = 0  # of decode_rows, those a prefill forward carried (a mixed step: no decode step of its own)
     preemptions: int = 0  # requests whose blocks were taken back mid-generation (recomputed later)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
@@ -189,6 +193,9 @@ class StepPlan:
     prefills: list[Prefill] = field(default_factory=list)
     moves: list[tuple[int, int]] = field(default_factory=list)
     tables: dict[int, list[int]] = field(default_factory=dict)
+    # where the scheduler mixes: this step's decode step, planned before its prefills (the rows
+    # decoding already), to go through the prefill forward where there is one
+    decode: Decode | None = None
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -201,12 +208,13 @@ def buckets(max_batch: int) -> list[int]:
 class Scheduler:
     """The queue, the batch rows and the KV blocks. submit(), stop() and the counters from any
     thread; the rest on the engine's. gpu: a step's prompt chunks go through one forward, packed
-    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`).
+    (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`),
+    and mix (None: gpu) the step's decode rows with them.
     pool: the KV blocks (serve.blocks.BlockPool; its block count and size are the paged cache's)."""
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
                  gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter,
-                 pool: BlockPool | None = None):
+                 pool: BlockPool | None = None, mix: bool | None = None):
         self.max_batch, self.max_queue, self.max_seq = max_batch, max_queue, max_seq
         self.prefill_chunk, self.gather_s, self.clock = prefill_chunk, gather_s, clock
         self.times = times or EngineTimes()
@@ -216,6 +224,7 @@ class Scheduler:
         # blocks kept free at admission for the running requests' next tokens (fewer preemptions)
         self.watermark = max(1, self.pool.blocks // 100)
         self.batch_prefill = gpu  # a step's prompt chunks in one packed forward
+        self.mix = gpu if mix is None else mix  # ... which carries the step's decode rows too (with batch_prefill)
         self.buckets = buckets(max_batch)
         self.slots: list[Request | None] = [None] * max_batch
         self.queue: deque[Request] = deque()
@@ -306,8 +315,12 @@ class Scheduler:
                 plan.cancelled.append(r)
             plan.moves = self._pack()
             plan.joined = self._admit(plan.cancelled)
+        if self.mix and self.batch_prefill:
+            plan.decode = self.decode()
         plan.prefills = self._prefills()
         plan.tables, self._tables = self._tables, {}
+        if plan.decode is not None:  # its rows' tables are set with the plan's
+            plan.tables, plan.decode.tables = {**plan.decode.tables, **plan.tables}, {}
         return plan
 
     def _idle(self, busy: bool) -> bool:

@@ -12,8 +12,9 @@ class Launched:
     at[i]), its tokens on their way to the host."""
 
     def __init__(self, rows: list, at: list[int], host: torch.Tensor, ready: "torch.cuda.Event | None",
-                 launched: float):
+                 launched: float, mixed: bool = False):
         self.rows, self.at, self._host, self._ready, self.launched = rows, at, host, ready, launched
+        self.mixed = mixed  # carried by a prefill forward
 
     def tokens(self) -> list[int]:
         if self._ready is not None:
@@ -66,8 +67,9 @@ class Staging:
         self._pos.copied(i)
         return dev
 
-    def read_later(self, out: torch.Tensor, rows: list, at: list[int], launched: float) -> Launched:
+    def read_later(self, out: torch.Tensor, rows: list, at: list[int], launched: float,
+                   mixed: bool = False) -> Launched:
         """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
         i, host = self._tok.take(out.numel())
         host.copy_(out, non_blocking=self.gpu)
-        return Launched(rows, at, host, self._tok.copied(i), launched)
+        return Launched(rows, at, host, self._tok.copied(i), launched, mixed)

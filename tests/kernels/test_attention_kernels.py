@@ -300,3 +300,29 @@ def test_packed_prefill_attention_matches_softmax_over_each_sequence(block_size,
                 assert rel(out[t, h].cpu(), want.cpu()) < 5e-3, (row, j, h)
             t += 1
     assert rel(reference(q.float(), layer.k.float(), layer.v.float(), cache.table, r).cpu(), out.double().cpu()) < 5e-3
+
+
+def test_a_mixed_forwards_decode_rows_attend_through_the_decode_kernel():
+    """Decode rows packed before prompt chunks (a mixed step, runtime.ragged.kernels): the rows'
+    single tokens go through the paged decode kernel, the chunks through the prefill kernel, and
+    together they match the PyTorch reference, which treats each row as a one-token chunk."""
+    from llamactl.runtime.kv_cache import PagedCache
+    from llamactl.runtime.ragged import Ragged, kernels, reference
+
+    torch.manual_seed(3)
+    hkv, rep, d, bs, blocks = 2, 4, 64, 16, 48
+    cache = PagedCache(1, 4, blocks, bs, 320, hkv, d, ATTN_DTYPE, DEV)
+    order = (torch.randperm(blocks - 1)[:40] + 1).tolist()
+    cache.set_rows([0, 1, 2, 3], [order[:10], order[10:20], order[20:30], order[30:40]])
+    layer = cache.layers[0]
+    layer.k.normal_(), layer.v.normal_()
+    # rows 3 and 1 decode at positions 140 and 7; row 0 prefills 70 tokens after 20, row 2 its first 5
+    rows, starts, lens = [3, 1, 0, 2], [140, 7, 20, 0], [1, 1, 70, 5]
+    r = Ragged.build(cache, rows, starts, lens, decode=2)
+    assert r.tile_seq.tolist() == [2, 2, 3]  # no prefill tiles for the decode rows
+    q = torch.randn(sum(lens), hkv * rep, d, device=DEV, dtype=ATTN_DTYPE)
+    got = kernels(q, layer.k, layer.v, cache.table, r)
+    want = reference(q.float(), layer.k.float(), layer.v.float(), cache.table, r)
+    assert rel(got.double().cpu(), want.double().cpu()) < 5e-3
+    with pytest.raises(ValueError):
+        Ragged.build(cache, rows, starts, [1, 2, 70, 5], decode=2)  # a decode row of two tokens

@@ -28,8 +28,8 @@ def prefills_together(monkeypatch) -> list[int]:
     from llamactl.runtime.step import Decoder
 
     calls, packed = [], Decoder.prefill_packed
-    monkeypatch.setattr(Decoder, "prefill_packed", lambda self, chunks, rows, starts: calls.append(len(chunks))
-                        or packed(self, chunks, rows, starts))
+    monkeypatch.setattr(Decoder, "prefill_packed", lambda self, chunks, rows, starts, decode=None:
+                        calls.append(len(chunks)) or packed(self, chunks, rows, starts, decode))
     return calls
 
 
@@ -116,13 +116,14 @@ def test_engine_refuses_what_does_not_fit_and_a_full_queue(embedded):
 def test_packed_chunks_cut_mid_prompt_give_the_same_tokens(embedded, prefills_together):
     """The GPU's packed prefill (forced on the CPU) with a budget of 8 tokens a step: prompts cut
     into chunks packed with other prompts' chunks, after their earlier chunks in the cache, give
-    the tokens of prompts prefilled whole, one at a time (float32)."""
+    the tokens of prompts prefilled whole, one at a time (float32); so do they where the decoding
+    rows' step rides in those forwards (mixed steps)."""
     from llamactl.serve.engine import Engine, Params
 
     art, model, tok = embedded
     out = {}
-    for packed in (False, True):
-        eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=96, prefill_chunk=8)
+    for packed, mix in ((False, False), (True, False), (True, True)):
+        eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=96, prefill_chunk=8, mix=mix)
         eng.scheduler.batch_prefill = packed
         got = [[], [], [], []]
         on = [(lambda i: lambda ev: ev.kind == "token" and got[i].append(ev.token))(i) for i in range(4)]
@@ -138,9 +139,11 @@ def test_packed_chunks_cut_mid_prompt_give_the_same_tokens(embedded, prefills_to
         while not all(r.finished for r in [*running, *reqs]):
             time.sleep(0.01)
         eng.stop()
-        out[packed] = got
-    assert out[False] == out[True] and all(len(g) == 10 for g in out[True][2:])
-    assert prefills_together[0] == 2 and prefills_together.count(2) >= 2  # the two joined, then the joiners' chunks
+        out[packed, mix] = got
+        # every token but each request's first (its prefill's) from a decode row
+        assert (eng.times.mixed_rows > 0) == mix and eng.times.decode_rows == 2 * 29 + 2 * 9
+    assert out[False, False] == out[True, False] == out[True, True] and all(len(g) == 10 for g in out[True, True][2:])
+    assert prefills_together[0] == 2 and prefills_together.count(2) >= 4  # the two joined, then the joiners' chunks
 
 
 def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_together):
@@ -168,13 +171,13 @@ def test_prompts_joining_together_prefill_in_one_forward(embedded, prefills_toge
 
 def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefills_together):
     """Three prompts arriving while one row decodes (more starting than decoding) go through one
-    forward on the GPU's path (forced on the CPU), not prefill_chunk tokens a step, and each one
-    gets the greedy tokens it gets alone."""
+    forward on the GPU's path (forced on the CPU; the decoding row's step in it too), not
+    prefill_chunk tokens a step, and each one gets the greedy tokens it gets alone."""
     from llamactl.serve.engine import Engine, Params
 
     art, model, tok = embedded
     calls = prefills_together
-    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=4)
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=96, prefill_chunk=4, mix=True)
     eng.scheduler.batch_prefill = True
     got = [[] for _ in range(4)]
 
@@ -191,7 +194,7 @@ def test_a_burst_is_prefilled_in_one_forward_while_a_row_decodes(embedded, prefi
     while not all(r.finished for r in [first, *burst]):
         time.sleep(0.01)
     eng.stop()
-    assert calls == [3]
+    assert calls == [3] and eng.times.mixed_rows >= 1
     for i in range(1, 4):
         assert tok.decode(got[i], skip_special_tokens=True) == reference(embedded, PROMPTS[i], 8)
 

@@ -50,9 +50,9 @@ class FakeCondition:
         self.clock.now = end
 
 
-def make(max_batch=4, max_queue=8, max_seq=64, chunk=512, gpu=False, gather_s=0.0):
+def make(max_batch=4, max_queue=8, max_seq=64, chunk=512, gpu=False, gather_s=0.0, mix=False):
     clock = FakeClock()
-    s = Scheduler(max_batch, max_queue, max_seq, chunk, gpu, gather_s, clock=clock)
+    s = Scheduler(max_batch, max_queue, max_seq, chunk, gpu, gather_s, clock=clock, mix=mix)
     s.cv = FakeCondition(clock)
     return s, clock
 
@@ -117,6 +117,24 @@ def test_gpu_packs_a_steps_chunks_into_one_forward_within_the_budget():
     (p,) = s.schedule(busy=True).prefills
     assert (p.requests, [len(x) for x in p.ids], p.starts, p.ends) == ([d], [8], [12], [True])
     assert c.decoding and d.decoding and not p.whole
+
+
+def test_a_mixed_step_plans_the_rows_decoding_already_and_its_tables_go_with_the_plan():
+    """Where the scheduler mixes (a GPU), schedule() plans the decode step before the prefills: of
+    the rows decoding already (a prompt whose last chunk is in this step's forward decodes from the
+    next), the blocks they grew and the joiners' tables all in the plan's tables."""
+    s, _ = make(max_seq=256, chunk=8, gpu=True, mix=True, max_batch=4)
+    a = submit(s, 16, max_tokens=40)
+    first = s.schedule(busy=False)
+    assert first.decode is None and first.prefills[0].requests == [a]  # nothing decoded before it
+    b = submit(s, 12)
+    plan = s.schedule(busy=True)  # a decodes at 16 (a new block), b's first 8 tokens
+    assert plan.decode.requests == [a] and plan.decode.positions[a.slot] == 16 and plan.decode.tables == {}
+    assert plan.prefills[0].requests == [b] and plan.tables[a.slot] == a.blocks and plan.tables[b.slot] == b.blocks
+    plan = s.schedule(busy=True)  # b's last 4 tokens: b decodes from the next step on
+    assert plan.decode.requests == [a] and plan.prefills[0].ends == [True] and b.decoding
+    plan = s.schedule(busy=True)
+    assert plan.decode.requests == [a, b] and plan.prefills == [] and plan.decode.positions[b.slot] == 12
 
 
 def test_decode_steps_the_smallest_bucket_holding_every_row_and_stops_at_max_tokens():
