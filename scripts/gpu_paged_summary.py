@@ -25,14 +25,15 @@ if row.get("prompt_tokens_mean") and row.get("output_tokens_mean"):
     row["of_bound"] = row["output_tok_s"] / row["bound_output_tok_s"]
     eng = row.get("engine", {})
     if eng.get("decode_steps"):
-        rows = eng["decode_rows"] / eng["decode_steps"]
+        rows = (eng["decode_rows"] - eng.get("mixed_rows", 0)) / eng["decode_steps"]  # steps of their own
         ms = 1000 * eng["decode_seconds"] / eng["decode_steps"]
         ceiling_ms = 1000 * (2 * PARAMS + rows * (prompt + out / 2) * KV_TOKEN) / rates["copy_bytes_s"]
         row["decode_step"] = {"rows_mean": rows, "ms_mean": ms, "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / ms}
     if eng.get("prefill_seconds"):  # the server's prefill forwards: tokens a second, and of the GEMM rate
         rate = eng["prefill_tokens"] / eng["prefill_seconds"]
         row["prefill"] = {"tok_s": rate, "of_gemm_rate": rate * 2 * PARAMS / rates["bf16_flop_s"],
-                          "seconds": eng["prefill_seconds"], "forwards": eng["prefill_forwards"]}
+                          "seconds": eng["prefill_seconds"], "forwards": eng["prefill_forwards"],
+                          "decode_rows_carried": eng.get("mixed_rows", 0)}
 data = json.loads(summary.read_text()) if summary.exists() else {"rates": rates, "runs": {}}
 data["runs"][name] = row
 tmp = summary.with_suffix(".tmp")
