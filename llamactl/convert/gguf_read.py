@@ -37,10 +37,28 @@ def open_gguf(path: Path):
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        reader = GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors ... on bad bytes
         raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})",
                               "the file may be truncated; download or convert it again")
+    _check_layout(reader, path)
+    return reader
+
+
+def _check_layout(reader, path: Path) -> None:
+    """Each tensor's data at a multiple of the file's alignment from the data section's start, and
+    no two overlapping (a damaged offset otherwise reads another tensor's bytes, silently)."""
+    align = getattr(reader, "alignment", 32)
+    end = 0
+    for t in sorted(reader.tensors, key=lambda t: t.data_offset):
+        rel = t.data_offset - reader.data_offset
+        if rel % align:
+            raise CheckpointError(f"{path}: tensor {t.name}'s data is at offset {rel}, not a multiple of the file's "
+                                  f"alignment {align}", "the file is damaged; download or convert it again")
+        if rel < end:
+            raise CheckpointError(f"{path}: tensor {t.name}'s data (offset {rel}) overlaps the tensor before it",
+                                  "the file is damaged; download or convert it again")
+        end = rel + int(t.n_bytes)
 
 
 def _field(reader, key: str, default: Any = None, where: str = "") -> Any:

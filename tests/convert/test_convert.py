@@ -334,6 +334,18 @@ def _set_u32(data: bytes, key: str, value: int) -> bytes:
     return data[: at + 4] + struct.pack("<I", value) + data[at + 8 :]
 
 
+def _shift_offset(data: bytes, tensor: str, by: int) -> bytes:
+    """A GGUF file's bytes with tensor's data offset (in its header entry) moved by `by` bytes."""
+    import struct
+
+    name = struct.pack("<Q", len(tensor)) + tensor.encode()
+    at = data.index(name) + len(name)
+    dims = struct.unpack("<I", data[at : at + 4])[0]
+    at += 4 + 8 * dims + 4  # n_dims, dims, type: then the offset
+    offset = struct.unpack("<Q", data[at : at + 8])[0]
+    return data[:at] + struct.pack("<Q", offset + by) + data[at + 8 :]
+
+
 @needs_gguf
 def test_gguf_bad_inputs(tmp_path):
     src = trained_model_path()
@@ -352,6 +364,11 @@ def test_gguf_bad_inputs(tmp_path):
         bad = tmp_path / "header.gguf"
         bad.write_bytes(_set_u32(data, key, value))  # counts in the header are checked, not trusted
         refused(convert(bad, "-o", tmp_path / "o"), says)
+    bad = tmp_path / "offset.gguf"
+    bad.write_bytes(_shift_offset(data, "blk.0.attn_q.weight", 2))  # it would read its neighbour's bytes
+    refused(convert(bad, "-o", tmp_path / "o"), "not a multiple of the file's alignment")
+    bad.write_bytes(_shift_offset(data, "blk.0.attn_q.weight", 32))
+    refused(convert(bad, "-o", tmp_path / "o"), "overlaps the tensor before it")
     import gguf
 
     other = tmp_path / "gpt2.gguf"
