@@ -49,9 +49,27 @@ def _spec_from_file(path: Path) -> CalibSpec:
         raise InputError(f"calibration spec {path} is not valid JSON ({e})")
     if not isinstance(raw, dict) or "source" not in raw:
         raise InputError(f"calibration spec {path} has no 'source'", "see calib/README.md for the fields")
+    _check_fields(raw, path)
     keys = {"name", "source", "text_field", "n_samples", "seq_len", "seed"}
     return CalibSpec(**{k: v for k, v in raw.items() if k in keys} | {"name": raw.get("name", path.stem)},
                      base_dir=str(path.parent))
+
+
+def _check_fields(raw: dict, path: Path) -> None:
+    """A spec's fields of the types CalibSpec holds: InputError naming the first that is not."""
+    src = raw["source"]
+    checks = [(k, raw.get(k), "a string", lambda v: isinstance(v, str)) for k in ("name", "text_field")]
+    checks += [(k, raw.get(k), f"an integer >= {least}", lambda v, least=least: type(v) is int and v >= least)
+               for k, least in (("n_samples", 1), ("seq_len", 8), ("seed", 0))]
+    checks.append(("source", src, 'an object with one of "file" or "hub"',
+                   lambda v: isinstance(v, dict) and ("file" in v) != ("hub" in v)))
+    if isinstance(src, dict):
+        checks += [(f"source.{k}", src.get(k), "a string", lambda v: isinstance(v, str))
+                   for k in ("file", "hub", "config", "split")]
+    for key, value, want, ok in checks:
+        if value is not None and not ok(value):
+            raise InputError(f"calibration spec {path}: {key} is {json.dumps(value)[:80]}, not {want}",
+                             "see calib/README.md for the fields")
 
 
 def resolve_spec(spec: str, n_samples: int | None = None, seq_len: int | None = None,
@@ -111,7 +129,12 @@ def load_texts(spec: CalibSpec) -> list[str]:
         check_spec(spec)
         path = _source_path(spec)
         if path.suffix == ".txt":  # one document per blank-line separated paragraph block
-            blocks = [b.strip() for b in path.read_text(errors="replace").split("\n\n")]
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"calibration file {path} is not UTF-8 text (byte {e.start} is not)",
+                                 "pass a text file: calibrating on other bytes would measure nothing real")
+            blocks = [b.strip() for b in text.split("\n\n")]
             return [b for b in blocks if b]
         kind = LOCAL_SUFFIXES.get(path.suffix)
         if kind is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from importlib.util import find_spec
 
 import pytest
@@ -335,3 +336,31 @@ def test_calib_specs_and_packing(tmp_path):
     assert packed.shape == (3, 64)  # short texts are packed to the sequence length
     assert torch.equal(build_samples(resolve_spec("docs", n_samples=2, seq_len=64, seed=1), tok),
                        build_samples(resolve_spec("docs", n_samples=2, seq_len=64, seed=1), tok))
+
+
+@pytest.mark.parametrize("spec,says", [
+    ({"name": ["a"], "source": {"file": "x.txt"}}, 'name is ["a"], not a string'),
+    ({"source": ["x.txt"]}, 'source is ["x.txt"], not an object with one of "file" or "hub"'),
+    ({"source": {"file": "x.txt", "hub": "y"}}, "not an object with one of"),
+    ({"source": {"file": 3}}, "source.file is 3, not a string"),
+    ({"source": {"file": "x.txt"}, "n_samples": "8"}, 'n_samples is "8", not an integer >= 1'),
+    ({"source": {"file": "x.txt"}, "seq_len": True}, "seq_len is true, not an integer >= 8"),
+])
+def test_a_calibration_spec_of_wrong_types_is_one_line(tmp_path, spec, says):
+    from llamactl.errors import InputError
+    from llamactl.quantize.calib import resolve_spec
+
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(InputError, match=re.escape(says)):
+        resolve_spec(str(path))
+
+
+def test_calibrating_on_bytes_that_are_not_text_is_refused(tmp_path):
+    from llamactl.errors import InputError
+    from llamactl.quantize.calib import load_texts, resolve_spec
+
+    path = tmp_path / "random.txt"
+    path.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(InputError, match="is not UTF-8 text"):
+        load_texts(resolve_spec(str(path)))
