@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llamactl.errors import InputError
+from llamactl.errors import CheckpointError, InputError
 from llamactl.quantize.options import EMBED
 FORMAT = "llamactl-calib-stats/1"
 
@@ -123,6 +123,9 @@ def collect(art, spec, device: torch.device, progress, seed: int = 0) -> Stats:
         with progress("calibration stats", n) as advance:
             for i in range(n):
                 logits = model(samples[i : i + 1].to(device), torch.arange(length, device=device))[0].float()  # [L, V]
+                if not torch.isfinite(logits).all():
+                    raise CheckpointError(f"{art.path}: the model's logits on calibration sample {i + 1} are not finite "
+                                          "(NaN or infinite weights?)", "check the checkpoint, or convert it again")
                 with torch.no_grad():
                     y = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=gen)[:, 0]  # [L] the model's own draws
                 F.cross_entropy(logits, y, reduction="sum").backward()

@@ -119,6 +119,24 @@ def test_calibrate_refuses_what_it_would_lose(tiny_gqa, stats_file, tmp_path):
     assert r.exit_code != 0 and Path("/dev/null").is_char_device()
 
 
+def test_calibrating_a_model_with_nan_weights_is_one_line(tiny_gqa, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_gqa, model)
+    shard = sorted(model.glob("*.safetensors"))[0]
+    weights = load_file(shard)
+    name = next(k for k in weights if "q_proj" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, shard, metadata={"format": "pt"})
+    out = tmp_path / "stats.safetensors"
+    r = runner.invoke(app, ["calibrate", str(model), "-o", str(out), "--n-samples", "2", "--seq-len", "16"])
+    assert r.exit_code == 1 and "logits on calibration sample 1 are not finite" in r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
 def test_damaged_stats_are_refused(tiny_gqa, stats_file, tmp_path):
     """A stats file whose squares went negative (or NaN) steers the bit choice wrong: refused."""
     from safetensors import safe_open
