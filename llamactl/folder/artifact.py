@@ -211,6 +211,21 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
     return files, fmt
 
 
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
+
+def _check_floating(files: list[Path]) -> None:
+    """A model without quantization_config holds floating-point weights alone: an integer dtype in
+    a header (a damaged entry of the right size) would load as its integers' values, silently.
+    (Other entries, such as an old export's position_ids buffer, the loader ignores.)"""
+    for f in files:
+        for name, meta in read_safetensors_header(f).items():
+            if name.endswith((".weight", ".bias")) and meta["dtype"] not in FLOAT_DTYPES:
+                raise CheckpointError(f"{f}: tensor {name!r} is {meta['dtype']}; an unquantized model's tensors are "
+                                      "floating point (config.json has no quantization_config)",
+                                      "the file's header is damaged: re-download or re-export it")
+
+
 def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     """Validate a model folder; raises CheckpointError saying exactly what is wrong."""
     path = user_path(path)
@@ -230,6 +245,8 @@ def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
         raise CheckpointError(f"{cfg_path}: quantization_config is {quant!r}; expected an object with a quant_method")
     files, fmt = _weight_files(path, allow_pickle)
+    if quant is None and fmt == "safetensors":
+        _check_floating(files)
     gen = path / "generation_config.json"
     if gen.exists() or gen.is_symlink():
         gcfg = _read_json(gen, "JSON")

@@ -134,6 +134,27 @@ def test_truncated_safetensors_is_detected(tmp_path, tiny_gqa):
         open_artifact(bad)
 
 
+def test_an_integer_dtype_in_an_unquantized_models_header_is_refused(tmp_path, tiny_gqa):
+    """A header entry damaged to I16 (the same bytes as BF16's, so every size checks out) would load
+    as integers; a model without quantization_config refuses it."""
+    import struct
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_gqa, bad)
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    name = next(k for k in header if k.endswith("q_proj.weight"))
+    width = {"BF16": "I16", "F16": "I16", "F32": "I32"}[header[name]["dtype"]]
+    header[name]["dtype"] = width
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(CheckpointError, match=f"tensor '{name}' is {width}; an unquantized model's tensors are floating"):
+        open_artifact(bad)
+
+
 def test_pickled_weights_need_the_flag(tmp_path, tiny_gqa):
     from safetensors.torch import load_file
 
