@@ -124,7 +124,7 @@ def _meta(src: Path, tmp: Path, writer, dtype, opts: ConvertOptions, log) -> tup
     config, facts = convert_meta(src, writer, dtype, load_tensor_pickle, opts.context, log)
     if opts.tokenizer:
         facts["tokenizer"] = {"kind": "copied", "from": str(Path(opts.tokenizer).resolve()),
-                              "files": copy_hf_tokenizer(Path(opts.tokenizer), tmp)}
+                              "files": copy_hf_tokenizer(Path(opts.tokenizer), tmp, config["vocab_size"])}
     else:
         facts["tokenizer"] = convert_meta_tokenizer(src / "tokenizer.model", tmp, config["vocab_size"],
                                                     config["max_position_embeddings"])

@@ -20,8 +20,9 @@ LLAMA3_SPECIAL = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_t
                   + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)])
 
 
-def copy_hf_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy a Hugging Face folder's tokenizer files; returns their names."""
+def copy_hf_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
+    """Copy a Hugging Face folder's tokenizer files, checked: they load (transformers, offline) and
+    their tokens fit the model's vocab_size embedding rows; returns their names."""
     if not src.is_dir():
         raise CheckpointError(f"--tokenizer {src} is not a folder", "point at a Hugging Face folder with tokenizer.json")
     names = [n for n in HF_TOKENIZER_FILES if (src / n).is_file()]
@@ -30,6 +31,17 @@ def copy_hf_tokenizer(src: Path, dst: Path) -> list[str]:
                               "point at a Hugging Face folder with a tokenizer")
     for n in names:
         shutil.copyfile(src / n, dst / n)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(dst), local_files_only=True)
+    except Exception as e:
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        raise CheckpointError(f"--tokenizer {src}: its tokenizer does not load ({type(e).__name__}: {why})",
+                              "point at a folder whose tokenizer transformers loads")
+    if len(tok) > vocab_size:
+        raise CheckpointError(f"--tokenizer {src} has {len(tok)} tokens but the model's embedding has {vocab_size} rows",
+                              "take the tokenizer of this model's release")
     return names
 
 

@@ -199,6 +199,17 @@ def test_meta_bad_inputs(gqa, tmp_path):
     out = tmp_path / "o"
     refused(convert(meta, "-o", out, "--tokenizer", gqa), "pickled weights", "--allow-pickle")
     refused(convert(meta, "-o", out, "--allow-pickle"), "no tokenizer.model", "--tokenizer")
+    broken = tmp_path / "broken-tok"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 7}}')  # not a tokenizer
+    ctx = ("--context", "256")  # (else a note on the context comes first)
+    refused(convert(meta, "-o", out, "--allow-pickle", *ctx, "--tokenizer", broken), "its tokenizer does not load")
+    from llamactl.convert.tokenizer import copy_hf_tokenizer
+    from llamactl.errors import CheckpointError
+
+    (tmp_path / "small").mkdir()
+    with pytest.raises(CheckpointError, match="has 8192 tokens but the model's embedding has 100 rows"):
+        copy_hf_tokenizer(trained_model_path(), tmp_path / "small", 100)
     (meta / "consolidated.01.pth").rename(meta / "consolidated.02.pth")
     refused(convert(meta, "-o", out, "--allow-pickle", "--tokenizer", gqa), "numbered [0, 2]")
     (meta / "consolidated.02.pth").rename(meta / "consolidated.01.pth")
