@@ -157,6 +157,31 @@ def test_sigterm_removes_the_staging_folder_and_exits_143(tmp_path, tiny_gqa):
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_in_a_librarys_writer_is_one_line(tmp_path, tiny_gqa, monkeypatch):
+    """safetensors' Rust writer and numpy's tofile do not raise an OSError of errno ENOSPC on a full
+    disk (a SafetensorError saying "os error 28"; "N requested and M written"): still the machine's
+    state, one line and exit 1, and the staging folder gone."""
+    import safetensors
+    import safetensors.torch
+
+    def full(*a, **k):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "q"
+    refused(["quantize", tiny_gqa, "-o", out, "--method", "rtn", "--group-size", "32", "--eval-tokens", "0"],
+            "no space left on the device", "free some space")
+    pytest.importorskip("gguf")
+    import gguf
+
+    def short(*a, **k):
+        raise OSError("393216 requested and 321280 written")  # numpy's tofile, as gguf's writer calls it
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", short)
+    refused(["convert", tiny_gqa, "-o", tmp_path / "m.gguf"], "no space left on the device")
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_stdin_that_is_not_utf8_and_a_huge_seed_are_refused():
     r = runner.invoke(app, ["generate", "-n", "2"], input=b"\xff\xfe abc")
     assert r.exit_code == 1 and "UTF-8" in r.stderr

@@ -40,12 +40,11 @@ class ErrorBoundary(TyperGroup):
                 traceback.print_exc()
             ui.error(e.message, e.hint)
             raise typer.Exit(1)
-        except OSError as e:
-            if e.errno not in _ENVIRONMENT_ERRNOS:
+        except Exception as e:
+            said = _environment(e)
+            if said is None:
                 raise  # anything else is a bug: keep its traceback
-            ui.error(f"{e.strerror}: {e.filename or 'writing the output'}",
-                     "free some space or choose another -o path" if e.errno in (errno.ENOSPC, errno.EDQUOT)
-                     else "choose a path you can write")
+            ui.error(*said)
             raise typer.Exit(1)
         except KeyboardInterrupt as e:
             terminated = isinstance(e, Terminated)
@@ -53,6 +52,22 @@ class ErrorBoundary(TyperGroup):
             ui.error(f"{'terminated' if terminated else 'interrupted'}; "
                      + (f"what was finished is in {written}" if written else "nothing was written"))
             raise typer.Exit(143 if terminated else 130)
+
+
+def _environment(e: Exception) -> tuple[str, str] | None:
+    """(line, hint) where e is the machine's state (a full, read-only or forbidden disk), not a
+    bug: an OSError of such an errno, or a library's wrapping of one (safetensors' Rust writer
+    says "os error 28"; numpy's tofile a short write, "N requested and M written")."""
+    if isinstance(e, OSError) and e.errno in _ENVIRONMENT_ERRNOS:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return (f"{e.strerror}: {e.filename or 'writing the output'}",
+                "free some space or choose another -o path" if full else "choose a path you can write")
+    text = str(e)
+    codes = {f"os error {n}" for n in (errno.ENOSPC, errno.EDQUOT)}
+    if any(c in text for c in codes) or (isinstance(e, OSError) and e.errno is None and " requested and " in text
+                                         and text.endswith(" written")):
+        return "no space left on the device while writing the output", "free some space or choose another -o path"
+    return None
 
 
 class Terminated(KeyboardInterrupt):
