@@ -182,6 +182,36 @@ def test_a_full_disk_in_a_librarys_writer_is_one_line(tmp_path, tiny_gqa, monkey
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_a_library_turns_into_its_own_error_is_still_an_interrupt(monkeypatch):
+    """transformers' lazy imports turn a KeyboardInterrupt into a ModuleNotFoundError (and the
+    tokenizer loader that into "could not be loaded"): a Ctrl-C that came is said as one, exit 130."""
+    from llamactl.folder import describe
+
+    real = describe.describe
+
+    def interrupted_inside(art):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the boundary's handler raises KeyboardInterrupt here
+            time.sleep(1)
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'")  # no chain, as transformers
+        return real(art)
+
+    monkeypatch.setattr(describe, "describe", interrupted_inside)
+    r = runner.invoke(app, ["inspect", "embedded"])
+    assert r.exit_code == 130 and "interrupted; nothing was written" in r.stderr and "Traceback" not in r.stderr
+    monkeypatch.setattr(describe, "describe", real)
+    r = runner.invoke(app, ["generate", "~nosuchuser-llamactl/m", "-p", "x"])  # the next command is itself again
+    assert r.exit_code == 1 and "no such user" in r.stderr
+
+
+def test_a_ctrl_c_while_the_cli_imports_is_one_line():
+    """Before a command starts, Ctrl-C ends the process with the line a later one gets."""
+    code = "import os, signal; from llamactl.__main__ import _interrupted_at_start as h; h(signal.SIGINT, None)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 130 and p.stderr == "error: interrupted; nothing was written\n"
+
+
 def test_stdin_that_is_not_utf8_and_a_huge_seed_are_refused():
     r = runner.invoke(app, ["generate", "-n", "2"], input=b"\xff\xfe abc")
     assert r.exit_code == 1 and "UTF-8" in r.stderr

@@ -31,27 +31,50 @@ class ErrorBoundary(TyperGroup):
         return super().parse_args(ctx, flags + rest)
 
     def invoke(self, ctx):
+        import signal
+        import threading
+
+        global _signalled
+        _signalled = None
+        if threading.current_thread() is threading.main_thread():  # Ctrl-C: a KeyboardInterrupt from here on
+            signal.signal(signal.SIGINT, _on_sigint)
         try:
             return super().invoke(ctx)
-        except LlamactlError as e:
-            from llamactl.options import debug
-
-            if debug():
-                traceback.print_exc()
-            ui.error(e.message, e.hint)
-            raise typer.Exit(1)
+        except KeyboardInterrupt as e:
+            _stopped(e)
         except Exception as e:
+            if _signalled:  # a library turned the Ctrl-C into an error of its own (transformers' imports)
+                _stopped(Terminated() if _signalled == "SIGTERM" else KeyboardInterrupt())
+            if isinstance(e, LlamactlError):
+                from llamactl.options import debug
+
+                if debug():
+                    traceback.print_exc()
+                ui.error(e.message, e.hint)
+                raise typer.Exit(1)
             said = _environment(e)
             if said is None:
                 raise  # anything else is a bug: keep its traceback
             ui.error(*said)
             raise typer.Exit(1)
-        except KeyboardInterrupt as e:
-            terminated = isinstance(e, Terminated)
-            written = getattr(e, "written", None)  # a command that saved what it had finished says where
-            ui.error(f"{'terminated' if terminated else 'interrupted'}; "
-                     + (f"what was finished is in {written}" if written else "nothing was written"))
-            raise typer.Exit(143 if terminated else 130)
+
+
+_signalled: str | None = None  # "SIGINT" or "SIGTERM" once one came
+
+
+def _on_sigint(signum, frame):
+    global _signalled
+    _signalled = "SIGINT"
+    raise KeyboardInterrupt
+
+
+def _stopped(e: BaseException):
+    """Ctrl-C or SIGTERM: one line (where a command saved what it had finished, where), exit 130 or 143."""
+    terminated = isinstance(e, Terminated)
+    written = getattr(e, "written", None)
+    ui.error(f"{'terminated' if terminated else 'interrupted'}; "
+             + (f"what was finished is in {written}" if written else "nothing was written"))
+    raise typer.Exit(143 if terminated else 130)
 
 
 def _environment(e: Exception) -> tuple[str, str] | None:
@@ -75,6 +98,8 @@ class Terminated(KeyboardInterrupt):
 
 
 def _on_sigterm(signum, frame):
+    global _signalled
+    _signalled = "SIGTERM"
     raise Terminated()
 
 
