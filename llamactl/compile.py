@@ -77,11 +77,13 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
     for e in entries:
         if e["key"] == want:
             path = art.path / CACHE_DIR / str(e.get("file"))
-            if not trust and not hmac.compare_digest(str(e.get("signature", "")), _signature(e)):
-                warn(f"compile cache in {art.path} was not built by this user on this machine (or was changed since): "
-                     "it holds native code, so it is not loaded; compiling from scratch "
-                     "(--trust-compile-cache loads it anyway)")
-                return None
+            if not hmac.compare_digest(str(e.get("signature", "")), _signature(e)):
+                if not trust:
+                    warn(f"compile cache in {art.path} was not built by this user on this machine (or was changed "
+                         "since): it holds native code, so it is not loaded; compiling from scratch "
+                         "(--trust-compile-cache loads it anyway)")
+                    return None
+                private_caches()  # trusted for this run alone: later runs do not find its code
             if e.get("sha256") and (not path.is_file() or sha256_file(path) != e["sha256"]):
                 warn(f"compile cache {path} is missing or damaged; compiling from scratch")
                 return None
@@ -105,6 +107,25 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
     have = ", ".join(f"{e['key']['device_name']} torch {e['key']['torch']}" for e in entries)
     warn(f"compile cache in {art.path} was made for {have}, not {want['device_name']} torch {want['torch']}; compiling from scratch")
     return None
+
+
+def private_caches() -> Path:
+    """Inductor's and Triton's caches in a folder of this process's own, removed at its exit (its
+    path returned): a cache loaded with --trust-compile-cache lands there, not in the user's
+    caches, where later runs would load its native code without being asked."""
+    import atexit
+
+    d = Path(tempfile.mkdtemp(prefix="llamactl-trusted-cache-"))
+    atexit.register(shutil.rmtree, d, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    from llamactl.kernels.device import triton_version
+
+    if triton_version() is not None:  # the knob follows the environment unless set in code
+        from triton import knobs
+
+        del knobs.cache.dir
+    return d
 
 
 def skip_compile_workers() -> None:

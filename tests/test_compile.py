@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from llamactl.cli.app import app
+from llamactl.kernels.device import triton_version
 from llamactl.layers import cpu as lcpu
 
 runner = CliRunner()
@@ -95,7 +98,12 @@ def test_a_cache_from_elsewhere_is_not_loaded_without_trust(compiled, tmp_path, 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))
     assert comp.load_compile_cache(art, torch.device("cpu"), CPU_DTYPE, warnings.append) is None
     assert len(warnings) == 1 and "not built by this user on this machine" in warnings[0]
+    users = tmp_path / "users-inductor-cache"  # where later runs would look
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(users))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users-triton-cache"))
     assert comp.load_compile_cache(art, torch.device("cpu"), CPU_DTYPE, warnings.append, trust=True) is not None
+    private = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # trusted for this run alone: its code went here
+    assert not users.exists() and list(private.rglob("*.so")) and "llamactl-trusted-cache-" in str(private)
     monkeypatch.undo()
     man = json.loads((copy / "llamactl.json").read_text())
     man["metrics"]["compile_cache"][0]["cpu_build_sha256"] = {"x/evil.so": "0" * 64}  # a swapped build list
