@@ -57,7 +57,7 @@ _llamactl() {
         generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --chat-template --ignore-eos --draft --speculate --compile --no-compile --aot --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --tp --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
         quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --head-bits --embed-bits --calib --n-samples --seq-len --target-bpw --widths --calib-stats --eval --eval-tokens --device --force --json --help -h" ;;
-        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --mixed-steps --no-mixed-steps --prefill-chunk --gather-ms --api-key --served-model-name --max-request-bytes --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --tp --help -h" ;;
+        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --draft --speculate --speculate-rows --mixed-steps --no-mixed-steps --prefill-chunk --gather-ms --api-key --served-model-name --max-request-bytes --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --tp --help -h" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then

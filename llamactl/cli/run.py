@@ -217,6 +217,9 @@ def serve(
     block_size: Annotated[int, typer.Option("--block-size", min=1, max=256, help="Tokens a KV block holds (prefixes are reused by whole blocks).")] = 16,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="The chat template of /v1/chat/completions: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompts' shared prefixes (system prompts, earlier turns) instead of computing them again.")] = True,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (each row proposes the tokens that followed the latest earlier occurrence of its last ones, prompt lookup; checked in one forward, the output unchanged). Model drafts run in generate.")] = None,
+    speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals a row checks in one step (each row adapts: one more than it last kept).")] = 4,
+    speculate_rows: Annotated[int, typer.Option("--speculate-rows", min=1, help="With --draft: speculate only while at most this many requests run and none is prefilling (under load it steps aside).")] = 8,
     mixed_steps: Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", help="On a GPU, the running rows' decode step goes through the same forward as the prompt chunks prefilled with it (the weights read once for both).")] = True,
     prefill_chunk: Annotated[Optional[int], typer.Option("--prefill-chunk", min=1, help="Most prompt tokens prefilled a step while others decode (a long prompt delays them by one chunk a step) [default: 2048 on a GPU, 512 on the CPU].")] = None,
     gather_ms: Annotated[Optional[float], typer.Option("--gather-ms", min=0.0, help="From idle, wait while requests keep arriving this close together (at most 10x as long), so that a burst is prefilled in one forward (not after a lone request: the next one is not held); 0: off [default: 10 on a GPU, 0 on the CPU].")] = None,
@@ -245,7 +248,10 @@ def serve(
                         model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
                         kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
                         prefix_cache=prefix_cache, chat_template=chat_template, max_request_bytes=max_request_bytes,
-                        mixed_steps=mixed_steps)
+                        mixed_steps=mixed_steps, draft=draft, speculate=speculate, speculate_rows=speculate_rows)
+    if draft is not None and draft != "ngram":
+        raise InputError(f"serve --draft {draft}: a server speculates with prompt lookup alone",
+                         "pass --draft ngram (model drafts: llamactl generate --draft)")
     if chat_template is not None:
         from llamactl.runtime.chat import resolve
 

@@ -35,17 +35,19 @@ class Ragged:
     tile_seq: torch.Tensor  # [tiles] int32: the sequence of each attention tile
     tile_m: torch.Tensor  # [tiles] int32: its first query token within the sequence
     positions: torch.Tensor  # [1, T] int64: each token's position
-    last: torch.Tensor  # [n] int64: each sequence's last token in the forward
+    last: torch.Tensor  # [n] int64: each sequence's last token in the forward (every token: [T])
     where: torch.Tensor  # [T] int64: each token's place in the pool (block * block_size + offset)
     decode: int = 0  # the first `decode` sequences are single decode tokens (tiles only for the rest)
     decode_table: torch.Tensor | None = None  # [decode, M] int32: their table rows
     tile: int = TILE
 
     @classmethod
-    def build(cls, cache, rows: list[int], starts: list[int], lens: list[int], decode: int = 0) -> "Ragged":
+    def build(cls, cache, rows: list[int], starts: list[int], lens: list[int], decode: int = 0,
+              every: bool = False) -> "Ragged":
         """Sequences of lens[i] new tokens at positions starts[i].. of table rows rows[i] of cache
         (a runtime.kv_cache.PagedCache whose table holds their blocks); the first `decode` of them
-        decode rows (one token each)."""
+        decode rows (one token each). every: the forward gives every token's logits (a verify
+        step's), not each sequence's last token's."""
         if (not (len(rows) == len(starts) == len(lens)) or any(n < 1 for n in lens) or any(s < 0 for s in starts)
                 or not 0 <= decode <= len(rows) or any(n != 1 for n in lens[:decode])):
             raise ValueError(f"a packed forward of rows {rows}, starts {starts}, lengths {lens}, {decode} decoding")
@@ -59,7 +61,8 @@ class Ragged:
                for x in (rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles])]
         positions = torch.tensor([[s + j for s, n in zip(starts, lens) for j in range(n)]], device=device)  # [1, T]
         token_rows = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], device=device)  # [T]
-        last = torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device)
+        last = (torch.arange(at, device=device) if every
+                else torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device))
         table = cache.table[i32[0][:decode].long()] if decode else None  # [decode, M]
         return cls(*i32, positions, last, cache.at(token_rows, positions[0]), decode, table)
 

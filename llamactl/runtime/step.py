@@ -264,6 +264,22 @@ class Decoder:
         ends = torch.tensor([p + 1 for p in dpos] + [s + len(c) for s, c in zip(starts, chunks)], device=self.device)
         return self.rows.sample(logits, ends, torch.tensor(drows + rows, device=self.device))
 
+    @torch.inference_mode()
+    def verify_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
+        """Speculative steps of several rows in one packed forward: chunk i (row rows[i]'s last
+        token, then its proposals) at positions starts[i].. -> the token drawn after every one of
+        them [T], with its row's settings: the draw plain decoding makes at that position (the
+        sampler hashes the seed and the position), so a proposal that equals it is kept."""
+        from llamactl.runtime.ragged import Ragged
+
+        packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks], every=True)
+        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T]
+        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [T, V]
+        if self.rows is None:
+            return self.sample(logits)
+        at = torch.tensor([r for r, c in zip(rows, chunks) for _ in c], device=self.device)  # [T]
+        return self.rows.sample(logits, packed.positions[0] + 1, at)
+
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []
         pos = torch.arange(ids.shape[1], device=self.device)  # [S]: every row at 0..S-1 (one mask, one RoPE table)

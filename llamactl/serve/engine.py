@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.speculate import NgramDraft
 from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
 from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
@@ -75,14 +76,16 @@ class Engine:
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
                  prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
                  gather_s: float | None = None, prefill_graphs: bool = True, kv: "KvOptions | None" = None,
-                 mix: bool | None = None):
+                 mix: bool | None = None, speculate: tuple[int, int] = (0, 0)):
         """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
         on a GPU, 0 on the CPU).
         overlap: launch each decode step before handing out the last one's tokens (None: on a
         GPU; on the CPU the step runs on this thread, so nothing would overlap).
         world: tensor parallelism (tp.World): rank 0's engine schedules, the other ranks' engines
         only follow() its runner's actions. kv: the KV pool's size and the prefix cache.
-        mix: a step's decode rows go through its prefill forward (None: on a GPU; Scheduler.mix)."""
+        mix: a step's decode rows go through its prefill forward (None: on a GPU; Scheduler.mix).
+        speculate: (k, rows): while at most `rows` rows run and none is prefilling, each proposes
+        up to k tokens by prompt lookup (runtime.speculate.NgramDraft), checked in one forward."""
         gpu = model.device.type == "cuda"
         ctx = model.args.max_position_embeddings
         self.device, self.max_batch = model.device, max_batch
@@ -105,9 +108,10 @@ class Engine:
         pool = BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
         self.scheduler = Scheduler(max_batch, max_queue, self.max_seq, chunk, gpu,
                                    (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times,
-                                   pool=pool, mix=mix)
+                                   pool=pool, mix=mix, speculate=speculate)
         self.overlap = gpu if overlap is None else overlap
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
+        self._drafts: dict[int, NgramDraft] = {}  # a speculating request's prompt lookup, by its id
         self._last_read = 0.0
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
         self._thread = threading.Thread(target=self.run, name="llamactl-engine", daemon=True)
@@ -191,6 +195,11 @@ class Engine:
             self.runner.set_sampling(r.slot, r.params)
         for r in plan.cancelled:
             self._finish(r, "cancelled")
+        if plan.speculate:  # proposals follow every token: the step in flight is read first
+            self._collect(self._inflight)
+            self._inflight = None
+            self._speculate()
+            return True
         step, launched = plan.decode, None
         for work in plan.prefills:
             t0 = time.perf_counter()
@@ -214,6 +223,48 @@ class Engine:
         else:
             self._collect(launched)
         return True
+
+    def _speculate(self) -> None:
+        """One verify step of the running rows, each with its prompt-lookup proposals (a plain decode
+        step where none has any); each row keeps the proposals that equal the tokens drawn at their
+        positions, and the token drawn after the last of them."""
+        sched = self.scheduler
+        proposals = {}
+        for r in (r for r in sched.slots if r is not None and not r.finished and r.launched >= r.spec_after):
+            draft = self._drafts.setdefault(r.id, NgramDraft())
+            draft.extend(r.tokens[len(draft.tokens) :])
+            proposals[r.id] = draft.propose(r.spec_k or sched.spec_k)
+            if not proposals[r.id]:
+                sched.rest(r)
+        if not any(proposals.values()):  # a plain step (run a step ahead where the loop overlaps)
+            step = sched.decode()
+            launched = self.runner.launch(step) if step is not None else None
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._collect(launched)
+            return
+        v = sched.verify(proposals)
+        if v is None:
+            return
+        t0 = time.perf_counter()
+        drawn = self.runner.verify(v)
+        now = time.perf_counter()
+        self.times.verify_steps += 1
+        self.times.verify_s += now - t0
+        last = []
+        for r, chunk, toks in zip(v.requests, v.chunks, drawn):
+            kept = 0
+            while kept < len(chunk) - 1 and chunk[kept + 1] == toks[kept]:
+                kept += 1
+            sched.verified(r, kept, len(chunk) - 1)
+            last.append(toks[kept])
+            for tok in toks[: kept + 1]:
+                if not r.finished:
+                    self.times.decode_rows += 1
+                    self._emit(r, tok, now)
+        self.runner.set_last([r.slot for r in v.requests if r.slot is not None],
+                             [t for r, t in zip(v.requests, last) if r.slot is not None])
 
     def _collect(self, step: Launched | None) -> None:
         """Read a launched step's tokens (the one host read a step) and hand them out; a row that
@@ -247,6 +298,7 @@ class Engine:
         self._finish(r, reason)
 
     def _finish(self, r: Request, reason: str, error: str = "") -> None:
+        self._drafts.pop(r.id, None)
         if not r.finished:
             r.finished = True
             self._send(r, Event("done", reason=reason, time=time.perf_counter(), error=error))

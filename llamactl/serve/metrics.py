@@ -38,6 +38,10 @@ class Metrics:
                              ("decode_steps", "Decode steps run."),
                              ("decode_rows", "Tokens the decode steps gave to requests."),
                              ("mixed_rows", "Of those, tokens of rows that decoded in a prefill forward (a mixed step)."),
+                             ("verify_s", "Seconds in speculative verify steps (each with its host read)."),
+                             ("verify_steps", "Speculative verify steps run."),
+                             ("spec_proposed", "Proposed tokens the verify steps checked."),
+                             ("spec_accepted", "Of those, tokens kept (the acceptance rate: accepted / proposed)."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
                              ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed).")):

@@ -30,6 +30,9 @@ class ServeOptions:
     block_size: int = 16
     prefix_cache: bool = True
     mixed_steps: bool = True  # on a GPU, decode rows ride in the prefill forwards (scheduler.mix)
+    draft: str | None = None  # speculative decoding: "ngram" (prompt lookup); None: off
+    speculate: int = 4  # proposals a row checks in one step, at most
+    speculate_rows: int = 8  # speculation while at most this many rows run
     chat_template: str | None = None  # a built-in's name or a Jinja file (runtime.chat); None: the model's
     max_request_bytes: int = MAX_BODY
 
@@ -130,7 +133,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         engine = Engine(m, eos, max_batch, serve.max_queue,
                         serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world,
                         gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000,
-                        prefill_graphs=serve.prefill_graphs, kv=kv, mix=None if serve.mixed_steps else False)
+                        prefill_graphs=serve.prefill_graphs, kv=kv, mix=None if serve.mixed_steps else False,
+                        speculate=(serve.speculate, serve.speculate_rows) if serve.draft else (0, 0))
         for w in engine.decoder.plan.warnings:
             warn(w)
         if leader:

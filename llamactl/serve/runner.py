@@ -16,7 +16,7 @@ from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.sampling import RowSampling
 from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
-from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill
+from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill, Verify
 from llamactl.serve.staging import Launched, Staging
 
 BLOCK_SIZE = 16  # positions a KV block holds (a prefix is reused by whole blocks)
@@ -117,6 +117,20 @@ class Runner:
         launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True)
         return (toks[d:].tolist() if any(work.ends) else None), launched
 
+    def verify(self, v: Verify) -> list[list[int]]:
+        """Run a verify step: the token drawn after each of every row's chunk tokens, read."""
+        self.arrange([], v.tables)
+        toks = self._do(("verify", v.chunks, [r.slot for r in v.requests], v.starts)).tolist()  # [T]
+        out, at = [], 0
+        for c in v.chunks:
+            out.append(toks[at : at + len(c)])
+            at += len(c)
+        return out
+
+    def set_last(self, slots: list[int], tokens: list[int]) -> None:
+        """Rows' last tokens (what their next decode step feeds), from the host."""
+        self._do(("last", slots, tokens))
+
     def launch(self, step: Decode) -> Launched:
         """Start one decode step; its tokens come back through the Launched (nothing read here)."""
         t0 = time.perf_counter()
@@ -169,6 +183,12 @@ class Runner:
             toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]
             self._tok[torch.tensor(slots, device=self.device)] = toks
             return toks
+        elif kind == "verify":  # rows' last tokens and proposals, every position's draw
+            chunks, slots, starts = a
+            return self.decoder.verify_packed(chunks, slots, starts)  # [T]
+        elif kind == "last":
+            slots, tokens = a
+            self._tok[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         elif kind == "step":  # one decode step of the first b rows
             b, pos, kv_len, greedy = a
             self.rows.greedy = greedy

@@ -69,6 +69,10 @@ class EngineTimes:
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
     gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Scheduler._gather)
     mixed_rows: int = 0  # of decode_rows, those a prefill forward carried (a mixed step: no decode step of its own)
+    verify_steps: int = 0  # speculative steps (a row's last token and its proposals in one forward)
+    verify_s: float = 0.0
+    spec_proposed: int = 0  # proposals checked
+    spec_accepted: int = 0  # of them, kept
     preemptions: int = 0  # requests whose blocks were taken back mid-generation (recomputed later)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
@@ -95,6 +99,7 @@ BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no ro
 # off: a lone client's request is not held for others that do not come; the first burst after it
 # is then split once (its first request goes alone), the next gathered.
 GATHER_SPAN = 10
+SPEC_REST = 8  # tokens a row that found nothing to propose decodes plainly before it proposes again
 
 
 class Request:
@@ -114,6 +119,8 @@ class Request:
         self.prefilled = 0  # of those, tokens whose K/V are computed (or queued; a cached prefix's too)
         self.launched = 0  # output tokens computed or in flight (the prefill's first one included)
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.spec_k = 0  # speculation: proposals its next verify step may carry (0: the server's most)
+        self.spec_after = 0  # ... none before this many launched tokens (it found nothing to propose)
         self.cancelled = False
         self.finished = False
 
@@ -196,6 +203,18 @@ class StepPlan:
     # where the scheduler mixes: this step's decode step, planned before its prefills (the rows
     # decoding already), to go through the prefill forward where there is one
     decode: Decode | None = None
+    speculate: bool = False  # no prefill, few rows: the engine plans a verify step (Scheduler.verify)
+
+
+@dataclass
+class Verify:
+    """One speculative step: chunks[i] (requests[i]'s last token, then its proposals) at positions
+    starts[i].. of its row, every position's token drawn; tables: rows whose blocks changed."""
+
+    requests: list[Request]
+    chunks: list[list[int]]
+    starts: list[int]
+    tables: dict[int, list[int]] = field(default_factory=dict)
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -209,12 +228,13 @@ class Scheduler:
     """The queue, the batch rows and the KV blocks. submit(), stop() and the counters from any
     thread; the rest on the engine's. gpu: a step's prompt chunks go through one forward, packed
     (on the CPU one at a time, so the float32 sums, and so the tokens, are those of `generate`),
-    and mix (None: gpu) the step's decode rows with them.
+    and mix (None: gpu) the step's decode rows with them. speculate: (k, rows): while no prompt is
+    prefilling and at most `rows` rows run, a step checks up to k proposals a row (verify()).
     pool: the KV blocks (serve.blocks.BlockPool; its block count and size are the paged cache's)."""
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
                  gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter,
-                 pool: BlockPool | None = None, mix: bool | None = None):
+                 pool: BlockPool | None = None, mix: bool | None = None, speculate: tuple[int, int] = (0, 0)):
         self.max_batch, self.max_queue, self.max_seq = max_batch, max_queue, max_seq
         self.prefill_chunk, self.gather_s, self.clock = prefill_chunk, gather_s, clock
         self.times = times or EngineTimes()
@@ -225,6 +245,7 @@ class Scheduler:
         self.watermark = max(1, self.pool.blocks // 100)
         self.batch_prefill = gpu  # a step's prompt chunks in one packed forward
         self.mix = gpu if mix is None else mix  # ... which carries the step's decode rows too (with batch_prefill)
+        self.spec_k, self.spec_rows = speculate  # proposals a row at most, while at most spec_rows decode
         self.buckets = buckets(max_batch)
         self.slots: list[Request | None] = [None] * max_batch
         self.queue: deque[Request] = deque()
@@ -315,7 +336,8 @@ class Scheduler:
                 plan.cancelled.append(r)
             plan.moves = self._pack()
             plan.joined = self._admit(plan.cancelled)
-        if self.mix and self.batch_prefill:
+        plan.speculate = self._speculating()
+        if self.mix and self.batch_prefill and not plan.speculate:
             plan.decode = self.decode()
         plan.prefills = self._prefills()
         plan.tables, self._tables = self._tables, {}
@@ -486,14 +508,49 @@ class Scheduler:
         tables, self._tables = self._tables, {}
         return Decode(live, b, pos, kv_len, greedy, [r.slot for r in live], tables)
 
-    def _grow(self, live: list[Request]) -> list[Request]:
-        """Under self.cv: a block for each live row whose next position starts one; where the pool
-        is out, the newest running request is preempted (possibly one of these) until it is not.
-        Returns the rows still live."""
+    def _speculating(self) -> bool:
+        """Whether this step is a verify step: speculation on, no prompt prefilling, 1..spec_rows
+        rows, one of them proposing again (spec_after)."""
+        rows = [r for r in self.slots if r is not None]
+        return (self.spec_k > 0 and 0 < len(rows) <= self.spec_rows and all(r.decoding for r in rows)
+                and any(r.launched >= r.spec_after for r in rows))
+
+    def verify(self, proposals: dict[int, list[int]]) -> Verify | None:
+        """The verify step of the rows that still have tokens to compute (every token they were
+        given read): each one's last token, then proposals[its id] (cut to its token limit), with
+        the blocks their positions need (preempting as decode() does); None where none is left."""
+        with self.cv:
+            live = [r for r in self.slots if r is not None and r.decoding and r.launched < r.params.max_tokens]
+            drafts = {r.id: proposals.get(r.id, [])[: r.params.max_tokens - r.launched - 1] for r in live}
+            live = self._grow(live, {r.id: len(drafts[r.id]) for r in live})
+        if not live:
+            return None
+        tables, self._tables = self._tables, {}
+        return Verify(live, [[r.tokens[-1]] + drafts[r.id] for r in live], [r.pos for r in live], tables)
+
+    def rest(self, r: Request) -> None:
+        """r found nothing to propose: it decodes plainly for SPEC_REST tokens."""
+        r.spec_after = r.launched + SPEC_REST
+
+    def verified(self, r: Request, kept: int, proposed: int) -> None:
+        """r's verify step kept `kept` of its `proposed` proposals (and added a token of its own):
+        its next step proposes one more than it kept (at most spec_k), and a row that proposed
+        nothing sits out SPEC_REST tokens."""
+        r.launched += kept + 1
+        r.spec_k = min(self.spec_k, kept + 1)
+        if not proposed:
+            self.rest(r)
+        self.times.spec_proposed += proposed
+        self.times.spec_accepted += kept
+
+    def _grow(self, live: list[Request], ahead: dict[int, int] | None = None) -> list[Request]:
+        """Under self.cv: a block for each live row whose next position (and ahead[its id] after it)
+        starts one; where the pool is out, the newest running request is preempted (possibly one
+        of these) until it is not. Returns the rows still live."""
         for r in sorted(live, key=lambda r: r.id):
             if r.slot is None:  # preempted below for an older one
                 continue
-            while r.pos // self.block_size >= len(r.blocks):
+            while (r.pos + (ahead or {}).get(r.id, 0)) // self.block_size >= len(r.blocks):
                 if self.pool.available:
                     r.blocks += self.pool.allocate(1)
                     self._tables[r.slot] = list(r.blocks)

@@ -407,3 +407,27 @@ def test_prefix_hits_and_preemption_give_the_tokens_of_a_fresh_run(embedded):
 def _token_bytes(model) -> int:
     a = model.args
     return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4  # float32 K and V
+
+
+def test_speculating_rows_give_the_tokens_of_plain_decoding(embedded):
+    """serve --draft ngram: while few rows run, each proposes the tokens that followed its last
+    ones earlier in its text, checked in one forward; the kept tokens, greedy and sampled (the draw
+    at a position is the sampler's hash of seed and position), are plain decoding's (CPU float32),
+    and most proposals on a text that goes on as it began are kept."""
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    counting = ", ".join(str(i) for i in range(1, 15)) + ","  # the model goes on counting: lookup finds it
+    prompts = [tok(counting).input_ids, tok(PROMPTS[0]).input_ids]
+    params = [Params(24, Sampling(temperature=0), ignore_eos=True),
+              Params(24, Sampling(temperature=0.8, seed=7), ignore_eos=True)]
+    out, times = {}, {}
+    for spec in ((0, 0), (4, 8)):
+        eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=spec)
+        out[spec] = _run_engine(model, set(), list(zip(prompts, params)), engine=eng.start())
+        eng.stop()
+        times[spec] = eng.times
+    assert out[0, 0] == out[4, 8] and all(len(t) == 24 and why == "length" for t, why in out[4, 8])
+    t = times[4, 8]
+    assert t.verify_steps > 0 and t.spec_accepted >= t.spec_proposed / 2 and t.decode_rows == 2 * 23
+    assert times[0, 0].verify_steps == 0
