@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from llamactl.kernels import attention, gemv, gemv_int4, int4_layout, multirow  # noqa: E402
+from llamactl.kernels import attention, gemv, gemv_int4, int4_layout, multirow, prefill_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
@@ -103,6 +103,17 @@ def cases():
         yield (f"decode attention rope={rope} R={r} D={d} pdl={pdl} splits={splits}", attention._split_kernel, ATTN,
                dict(R=r, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=d, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
                     PRECISION="tf32", PDL=pdl))
+    # over the paged pool (a server's steps; a mixed step's decode rows: rope=False), both split plans
+    for rope, row_chunks, splits in itertools.product([False, True], [False, True], [4, 1]):
+        yield (f"paged decode attention rope={rope} row_chunks={row_chunks} splits={splits}", attention._split_kernel,
+               dict(ATTN, table_ptr="*i32", T_ROW="i32"),
+               dict(R=4, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=128, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
+                    PRECISION="tf32", HKV=8, ROW_POS=True, PAGED=True, BS=16, ROW_CHUNKS=row_chunks))
+    yield ("packed prefill attention", prefill_attention._ragged_kernel,
+           {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "table_ptr": "*i32", "T_ROW": "i32",
+            "tile_seq_ptr": "*i32", "tile_m_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32", "ctx_ptr": "*i32",
+            "row_ptr": "*i32", "scale": "fp32", "q_tok": "i32", "q_head": "i32"},
+           dict(H=32, HKV=8, D=128, BS=16, BLOCK_M=64, BLOCK_N=prefill_attention.BLOCK_N, PRECISION="tf32"))
     rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32"}
     for kind, w_type, s_type in ((multirow.W16, "*bf16", "*bf16"), (multirow.W8, "*i8", "*bf16"),
