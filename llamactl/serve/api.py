@@ -119,7 +119,8 @@ class Completion:
             param = "max_tokens" if len(ids) < engine.max_seq else ("messages" if ask.chat else "prompt")
             raise ApiError(400, why, param, code="context_length_exceeded")
         seed = ask.seed if ask.seed is not None else secrets.randbits(63)
-        params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos)
+        params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos,
+                        ask.speculate)
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:

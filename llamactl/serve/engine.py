@@ -230,7 +230,8 @@ class Engine:
         positions, and the token drawn after the last of them."""
         sched = self.scheduler
         proposals = {}
-        for r in (r for r in sched.slots if r is not None and not r.finished and r.launched >= r.spec_after):
+        for r in (r for r in sched.slots
+                  if r is not None and not r.finished and r.params.speculate and r.launched >= r.spec_after):
             draft = self._drafts.setdefault(r.id, NgramDraft())
             draft.extend(r.tokens[len(draft.tokens) :])
             proposals[r.id] = draft.propose(r.spec_k or sched.spec_k)

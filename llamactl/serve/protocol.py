@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's API (temperature 1, top_p 1, max_tokens 16 for
 completions and the rest of the context for chat), with top_k and ignore_eos as vLLM and
-llama.cpp's servers take them. A bad field is an ApiError naming it, answered as a 4xx.
+llama.cpp's servers take them, and llamactl's `speculate` (false: no speculative steps for this
+request where the server has --draft). A bad field is an ApiError naming it, answered as a 4xx.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    speculate: bool = True  # llamactl's: false keeps this request out of speculative steps (serve --draft)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -72,10 +74,10 @@ def _integer(body: dict, name: str, lo: int, hi: int | None = None) -> int | Non
     return v
 
 
-def _flag(body: dict, name: str) -> bool:
+def _flag(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise ApiError(400, f"{name} must be true or false, not {type(v).__name__}", name)
     return v
@@ -186,6 +188,7 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
             raise ApiError(400, "stream_options must be an object", "stream_options")
         ask.include_usage = _flag(opts, "include_usage")
     ask.ignore_eos = _flag(body, "ignore_eos")
+    ask.speculate = _flag(body, "speculate", True)
     return ask
 
 

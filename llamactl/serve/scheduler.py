@@ -34,11 +34,12 @@ from llamactl.serve.blocks import BlockPool, chain
 @dataclass(frozen=True)
 class Params:
     """What one request asks for: at most max_tokens, drawn as `sampling` says, ending at EOS
-    unless ignore_eos."""
+    unless ignore_eos; speculate: it may propose tokens (where the server speculates)."""
 
     max_tokens: int
     sampling: Sampling = Sampling()
     ignore_eos: bool = False
+    speculate: bool = True
 
 
 @dataclass(frozen=True)
@@ -513,7 +514,7 @@ class Scheduler:
         rows, one of them proposing again (spec_after)."""
         rows = [r for r in self.slots if r is not None]
         return (self.spec_k > 0 and 0 < len(rows) <= self.spec_rows and all(r.decoding for r in rows)
-                and any(r.launched >= r.spec_after for r in rows))
+                and any(r.params.speculate and r.launched >= r.spec_after for r in rows))
 
     def verify(self, proposals: dict[int, list[int]]) -> Verify | None:
         """The verify step of the rows that still have tokens to compute (every token they were

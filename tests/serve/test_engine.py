@@ -431,3 +431,8 @@ def test_speculating_rows_give_the_tokens_of_plain_decoding(embedded):
     t = times[4, 8]
     assert t.verify_steps > 0 and t.spec_accepted >= t.spec_proposed / 2 and t.decode_rows == 2 * 23
     assert times[0, 0].verify_steps == 0
+    off = [Params(p.max_tokens, p.sampling, p.ignore_eos, speculate=False) for p in params]  # the requests' word
+    eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=(4, 8))
+    assert _run_engine(model, set(), list(zip(prompts, off)), engine=eng.start()) == out[0, 0]
+    eng.stop()
+    assert eng.times.verify_steps == 0

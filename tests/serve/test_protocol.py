@@ -21,6 +21,13 @@ def test_finite_settings_pass():
     assert (ask.temperature, ask.top_p) == (0.5, 0.9)
 
 
+def test_a_request_may_keep_out_of_speculation():
+    assert parse(b'{"prompt": "hi"}', False, "m").speculate is True
+    assert parse(b'{"prompt": "hi", "speculate": false}', False, "m").speculate is False
+    with pytest.raises(ApiError, match="speculate must be true or false"):
+        parse(b'{"prompt": "hi", "speculate": "no"}', False, "m")
+
+
 def test_a_body_nested_deeper_than_python_recurses_is_a_400():
     raw = b'{"prompt": "hi", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
     with pytest.raises(ApiError, match="nests too deep") as e:
