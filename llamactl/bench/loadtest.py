@@ -346,7 +346,8 @@ async def _server_metrics(client) -> dict[str, float] | None:
 def _server_side(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, Any]:
     """A level's rows from the server's side: "engine" (where its step loop spent the level's
     time: llamactl_engine_* over the level, the slowest forward as it stands) and "server" (its
-    mean time to first token, its HTTP thread's CPU a request)."""
+    mean time to first token, its HTTP thread's CPU a request, its prefix hit rate and its
+    speculation's acceptance)."""
     d = {k: v if k.endswith("_max_seconds") else v - before.get(k, 0.0) for k, v in after.items()}
     out: dict[str, Any] = {"engine": {k.removeprefix("llamactl_engine_"): v for k, v in d.items()
                                       if k.startswith("llamactl_engine_")}}
@@ -358,6 +359,8 @@ def _server_side(before: dict[str, float], after: dict[str, float], requests: in
         server["http_cpu_ms_per_request"] = 1000 * d["llamactl_http_thread_cpu_seconds"] / requests
     if d.get("llamactl_prefix_cache_queried_tokens"):
         server["prefix_hit_rate"] = d.get("llamactl_prefix_cache_hit_tokens", 0.0) / d["llamactl_prefix_cache_queried_tokens"]
+    if d.get("llamactl_engine_spec_proposed"):  # serve --draft: the proposals its verify steps kept
+        server["spec_acceptance"] = d.get("llamactl_engine_spec_accepted", 0.0) / d["llamactl_engine_spec_proposed"]
     if server:
         out["server"] = server
     return out
