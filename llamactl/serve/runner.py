@@ -188,7 +188,9 @@ class Runner:
             return self.decoder.verify_packed(chunks, slots, starts)  # [T]
         elif kind == "last":
             slots, tokens = a
-            self._tok[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
+            if slots:
+                at = torch.tensor(slots, dtype=torch.long, device=self.device)
+                self._tok[at] = torch.tensor(tokens, dtype=torch.long, device=self.device)
         elif kind == "step":  # one decode step of the first b rows
             b, pos, kv_len, greedy = a
             self.rows.greedy = greedy

@@ -431,6 +431,19 @@ def test_speculating_rows_give_the_tokens_of_plain_decoding(embedded):
     t = times[4, 8]
     assert t.verify_steps > 0 and t.spec_accepted >= t.spec_proposed / 2 and t.decode_rows == 2 * 23
     assert times[0, 0].verify_steps == 0
+    # its second token as EOS, met in its first verify step (the GPU's order, forced here: a row
+    # whose prompt ends decodes from the next step): it ends there, as without speculation
+    toks, at = out[0, 0][0][0], 1
+    eos = {toks[at]}
+    greedy = [(prompts[0], Params(24, Sampling(temperature=0)))]
+    ended = {}
+    for spec in ((0, 0), (4, 8)):
+        eng = Engine(model, eos, max_batch=4, max_queue=4, max_seq=128, speculate=spec, mix=True)
+        eng.scheduler.batch_prefill = True
+        ended[spec] = _run_engine(model, eos, greedy, engine=eng.start())
+        eng.stop()
+        assert eng.failure is None
+    assert ended[0, 0] == ended[4, 8] == [(toks[:at], "stop")] and eng.times.verify_steps > 0
     off = [Params(p.max_tokens, p.sampling, p.ignore_eos, speculate=False) for p in params]  # the requests' word
     eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=(4, 8))
     assert _run_engine(model, set(), list(zip(prompts, off)), engine=eng.start()) == out[0, 0]
