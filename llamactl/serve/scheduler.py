@@ -535,11 +535,12 @@ class Scheduler:
 
     def verified(self, r: Request, kept: int, proposed: int) -> None:
         """r's verify step kept `kept` of its `proposed` proposals (and added a token of its own):
-        its next step proposes one more than it kept (at most spec_k), and a row that proposed
-        nothing sits out SPEC_REST tokens."""
+        its next step proposes one more than it kept (at most spec_k); a row that proposed nothing,
+        or had its one proposal refused, sits out SPEC_REST tokens (a verify step is read before
+        the next is planned: plain steps run a step ahead)."""
         r.launched += kept + 1
         r.spec_k = min(self.spec_k, kept + 1)
-        if not proposed:
+        if not proposed or (proposed == 1 and not kept):
             self.rest(r)
         self.times.spec_proposed += proposed
         self.times.spec_accepted += kept
