@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.folder.artifact import check_regular_file
+from llamactl.folder.headers import check_regular_file
 from llamactl.errors import CheckpointError
 
 SHARD = re.compile(r"consolidated\.(\d+)\.pth")

@@ -10,10 +10,8 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import shutil
-import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 from llamactl import __version__
 from llamactl.folder.config import LlamaArgs
+from llamactl.folder.headers import check_floating, check_regular_file, read_safetensors_header
 from llamactl.errors import CheckpointError, InputError, OutputExistsError
 
 MANIFEST = "llamactl.json"
@@ -70,90 +69,12 @@ class Artifact:
         return index
 
 
-ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked entry by entry (dtype, shape, offsets that
-    tile the data exactly); raises CheckpointError naming the file and the entry at fault."""
-    check_regular_file(path)
-    size = path.stat().st_size
-
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path} is truncated or corrupt: {what}", "re-download or re-export it")
-
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)", "re-download or re-export it")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8 or n > 100_000_000:
-            raise bad(f"header length {n}, file {size} bytes")
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"its header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise bad(f"its header is a {type(header).__name__}, not an object")
-    spans = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(meta, dict):
-            raise bad(f"entry {name!r} is not an object")
-        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-        if dtype not in ST_DTYPES:
-            raise bad(f"entry {name!r} has dtype {dtype!r}, not one of {', '.join(ST_DTYPES)}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise bad(f"entry {name!r} has shape {shape!r}, not a list of sizes")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
-            raise bad(f"entry {name!r} has data_offsets {offsets!r}, not [begin, end]")
-        numel = math.prod(shape)
-        if offsets[1] - offsets[0] != numel * ST_DTYPES[dtype]:
-            raise bad(f"entry {name!r} of shape {shape} {dtype} spans {offsets[1] - offsets[0]} bytes, "
-                      f"not {numel * ST_DTYPES[dtype]}")
-        spans.append(tuple(offsets))
-    end = 0
-    for begin, stop in sorted(spans):
-        if begin != end:
-            raise bad(f"its tensors do not tile the data (a gap or an overlap at byte {begin})")
-        end = stop
-    if 8 + n + end != size:
-        raise bad(f"its header describes {8 + n + end} bytes, the file has {size}")
-    return header
-
-
 def user_path(path: str | Path) -> Path:
     """A path as the user typed it, ~ and ~user expanded; an unknown user is an InputError."""
     try:
         return Path(path).expanduser()
     except RuntimeError:  # "Could not determine home directory."
         raise InputError(f"{path}: no such user's home directory", "give the path in full") from None
-
-
-def check_regular_file(path: Path, folder: Path | None = None) -> None:
-    """Raise CheckpointError unless `path` is a regular file (a folder, a FIFO, a device or a
-    dangling link would hang or crash a reader); with `folder`, a link must stay inside it or point
-    into a Hugging Face hub cache's blobs/."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is a link to nothing" if path.is_symlink() else f"{path} does not exist",
-                              "copy the complete checkpoint") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read ({e.strerror})", "check its permissions") from None
-    import stat as stat_
-
-    if not stat_.S_ISREG(st.st_mode):
-        kind = "a folder" if stat_.S_ISDIR(st.st_mode) else "a FIFO" if stat_.S_ISFIFO(st.st_mode) else "not a regular file"
-        raise CheckpointError(f"{path} is {kind}, not a weight file", "copy the complete checkpoint")
-    if folder is not None and path.is_symlink():
-        target, root = path.resolve(), folder.resolve()
-        if root not in target.parents and "blobs" not in target.parts:
-            raise CheckpointError(f"{path} links outside the model folder (to {target})",
-                                  "copy the weights into the folder instead of linking them")
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -166,7 +87,9 @@ def _read_json(path: Path, what: str) -> Any:
                               "restore it from the original checkpoint") from None
 
 
-def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
+def _weight_files(path: Path, allow_pickle: bool, floating: bool) -> tuple[list[Path], str]:
+    """The folder's weight files and their format, each checked (a regular file in the folder, a
+    safetensors header that tiles its data; floating: an unquantized model's, float weights)."""
     for index_name, fmt in ((ST_INDEX, "safetensors"), (PICKLE_INDEX, "pickle")):
         index = path / index_name
         if index.exists():
@@ -207,23 +130,10 @@ def _weight_files(path: Path, allow_pickle: bool) -> tuple[list[Path], str]:
         check_regular_file(f, path)
     if fmt == "safetensors":
         for f in files:
-            read_safetensors_header(f)
+            header = read_safetensors_header(f)
+            if floating:
+                check_floating(f, header)
     return files, fmt
-
-
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-
-
-def _check_floating(files: list[Path]) -> None:
-    """A model without quantization_config holds floating-point weights alone: an integer dtype in
-    a header (a damaged entry of the right size) would load as its integers' values, silently.
-    (Other entries, such as an old export's position_ids buffer, the loader ignores.)"""
-    for f in files:
-        for name, meta in read_safetensors_header(f).items():
-            if name.endswith((".weight", ".bias")) and meta["dtype"] not in FLOAT_DTYPES:
-                raise CheckpointError(f"{f}: tensor {name!r} is {meta['dtype']}; an unquantized model's tensors are "
-                                      "floating point (config.json has no quantization_config)",
-                                      "the file's header is damaged: re-download or re-export it")
 
 
 def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
@@ -244,9 +154,7 @@ def open_artifact(path: str | Path, allow_pickle: bool = False) -> Artifact:
     quant = config.get("quantization_config")
     if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("quant_method"), str)):
         raise CheckpointError(f"{cfg_path}: quantization_config is {quant!r}; expected an object with a quant_method")
-    files, fmt = _weight_files(path, allow_pickle)
-    if quant is None and fmt == "safetensors":
-        _check_floating(files)
+    files, fmt = _weight_files(path, allow_pickle, floating=quant is None)
     gen = path / "generation_config.json"
     if gen.exists() or gen.is_symlink():
         gcfg = _read_json(gen, "JSON")
