@@ -37,6 +37,7 @@ class Ragged:
     positions: torch.Tensor  # [1, T] int64: each token's position
     last: torch.Tensor  # [n] int64: each sequence's last token in the forward (every token: [T])
     where: torch.Tensor  # [T] int64: each token's place in the pool (block * block_size + offset)
+    token_rows: torch.Tensor  # [T] int64: each token's table row
     decode: int = 0  # the first `decode` sequences are single decode tokens (tiles only for the rest)
     decode_table: torch.Tensor | None = None  # [decode, M] int32: their table rows
     tile: int = TILE
@@ -64,7 +65,7 @@ class Ragged:
         last = (torch.arange(at, device=device) if every
                 else torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device))
         table = cache.table[i32[0][:decode].long()] if decode else None  # [decode, M]
-        return cls(*i32, positions, last, cache.at(token_rows, positions[0]), decode, table)
+        return cls(*i32, positions, last, cache.at(token_rows, positions[0]), token_rows, decode, table)
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

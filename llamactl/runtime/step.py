@@ -257,12 +257,7 @@ class Decoder:
         ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T - d]
         if drows:
             ids = torch.cat([tok.view(1, -1), ids], 1)  # [1, T]
-        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [d + n, V]
-        self.prefill_finite = torch.isfinite(logits).all()
-        if self.rows is None:
-            return self.sample(logits)
-        ends = torch.tensor([p + 1 for p in dpos] + [s + len(c) for s, c in zip(starts, chunks)], device=self.device)
-        return self.rows.sample(logits, ends, torch.tensor(drows + rows, device=self.device))
+        return self._packed(ids, packed)  # [d + n]
 
     @torch.inference_mode()
     def verify_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
@@ -273,12 +268,16 @@ class Decoder:
         from llamactl.runtime.ragged import Ragged
 
         packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks], every=True)
-        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T]
-        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [T, V]
+        return self._packed(torch.tensor([[t for c in chunks for t in c]], device=self.device), packed)  # [T]
+
+    def _packed(self, ids: torch.Tensor, packed) -> torch.Tensor:
+        # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> the token drawn after each
+        # of its tokens packed.last [n], each with its row's settings, at the position after it
+        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
+        self.prefill_finite = torch.isfinite(logits).all()
         if self.rows is None:
             return self.sample(logits)
-        at = torch.tensor([r for r, c in zip(rows, chunks) for _ in c], device=self.device)  # [T]
-        return self.rows.sample(logits, packed.positions[0] + 1, at)
+        return self.rows.sample(logits, packed.positions[0, packed.last] + 1, packed.token_rows[packed.last])
 
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []
