@@ -102,6 +102,15 @@ class Tally:
                 if self.verify_steps else None}
 
 
+def agreed(draft: list[int], drawn: list[int]) -> int:
+    """How many proposals, from the first, equal the model's tokens at their places (drawn[j]: its
+    token after the text and draft[:j])."""
+    kept = 0
+    while kept < len(draft) and draft[kept] == drawn[kept]:
+        kept += 1
+    return kept
+
+
 def accept(logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None) -> list[int]:
     """logits [len(draft) + 1, V]: the model's after the token before the draft and after each
     proposal -> the tokens to keep: the accepted proposals, then one of the model's own. probs:
@@ -109,9 +118,7 @@ def accept(logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None) -
     for greedy decoding. Draws from the default generator."""
     if probs is None:
         best = logits.argmax(-1).tolist()
-        kept = 0
-        while kept < len(draft) and draft[kept] == best[kept]:
-            kept += 1
+        kept = agreed(draft, best)
         return draft[:kept] + [best[kept]]
     u = torch.rand(len(draft), device=probs.device).tolist() if draft else []
     p_draft = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)].tolist() \

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from llamactl.options import RuntimeOptions
-from llamactl.runtime.speculate import NgramDraft
+from llamactl.runtime.speculate import NgramDraft, agreed
 from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
 from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
@@ -255,9 +255,7 @@ class Engine:
         self.times.verify_s += now - t0
         last = []
         for r, chunk, toks in zip(v.requests, v.chunks, drawn):
-            kept = 0
-            while kept < len(chunk) - 1 and chunk[kept + 1] == toks[kept]:
-                kept += 1
+            kept = agreed(chunk[1:], toks)
             sched.verified(r, kept, len(chunk) - 1)
             last.append(toks[kept])
             for tok in toks[: kept + 1]:
