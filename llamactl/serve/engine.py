@@ -213,7 +213,7 @@ class Engine:
             for r, tok, end in zip(work.requests, first or [], work.ends):
                 if end:
                     self._emit(r, tok, now)
-        if not self.scheduler.mix or not self.scheduler.batch_prefill:
+        if not self.scheduler.mixing:
             step = self.scheduler.decode()
         if step is not None:
             launched = self.runner.launch(step)
@@ -253,17 +253,18 @@ class Engine:
         now = time.perf_counter()
         self.times.verify_steps += 1
         self.times.verify_s += now - t0
-        last = []
+        slots, last = [], []  # the rows still running, and the token each feeds its next step
         for r, chunk, toks in zip(v.requests, v.chunks, drawn):
             kept = agreed(chunk[1:], toks)
             sched.verified(r, kept, len(chunk) - 1)
-            last.append(toks[kept])
             for tok in toks[: kept + 1]:
                 if not r.finished:
                     self.times.decode_rows += 1
                     self._emit(r, tok, now)
-        self.runner.set_last([r.slot for r in v.requests if r.slot is not None],
-                             [t for r, t in zip(v.requests, last) if r.slot is not None])
+            if r.slot is not None:
+                slots.append(r.slot)
+                last.append(toks[kept])
+        self.runner.set_last(slots, last)
 
     def _collect(self, step: Launched | None) -> None:
         """Read a launched step's tokens (the one host read a step) and hand them out; a row that

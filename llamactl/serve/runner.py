@@ -170,7 +170,7 @@ class Runner:
         elif kind == "prefill_packed":  # chunks of several rows in one forward, and decode rows first (mixed)
             chunks, slots, starts, ends, drows, dpos = a
             d = len(drows)
-            at = torch.tensor(drows, dtype=torch.long, device=self.device)
+            at = torch.tensor(drows, dtype=torch.long, device=self.device) if d else None
             toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None)
             done = [d + i for i, e in enumerate(ends) if e]  # [d + k]: the rows' tokens, then the chunks'
             if d:

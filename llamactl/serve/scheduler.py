@@ -264,6 +264,11 @@ class Scheduler:
         return sum(r is not None for r in self.slots)
 
     @property
+    def mixing(self) -> bool:
+        """A step's decode step is planned with its plan, to ride in its packed prefill forward."""
+        return self.mix and self.batch_prefill
+
+    @property
     def waiting(self) -> int:
         return len(self.queue)
 
@@ -338,7 +343,7 @@ class Scheduler:
             plan.moves = self._pack()
             plan.joined = self._admit(plan.cancelled)
         plan.speculate = self._speculating()
-        if self.mix and self.batch_prefill and not plan.speculate:
+        if self.mixing and not plan.speculate:
             plan.decode = self.decode()
         plan.prefills = self._prefills()
         plan.tables, self._tables = self._tables, {}
