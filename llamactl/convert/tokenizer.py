@@ -39,10 +39,15 @@ def copy_hf_tokenizer(src: Path, dst: Path, vocab_size: int) -> list[str]:
         why = str(e).splitlines()[0][:200] if str(e) else ""
         raise CheckpointError(f"--tokenizer {src}: its tokenizer does not load ({type(e).__name__}: {why})",
                               "point at a folder whose tokenizer transformers loads")
-    if len(tok) > vocab_size:
-        raise CheckpointError(f"--tokenizer {src} has {len(tok)} tokens but the model's embedding has {vocab_size} rows",
-                              "take the tokenizer of this model's release")
+    _check_fits(tok, vocab_size, f"--tokenizer {src}")
     return names
+
+
+def _check_fits(tok, vocab_size: int, what: str) -> None:
+    """CheckpointError where the tokenizer has more tokens than the model's embedding rows."""
+    if len(tok) > vocab_size:
+        raise CheckpointError(f"{what} has {len(tok)} tokens but the model's embedding has {vocab_size} rows",
+                              "use the tokenizer of this release (--tokenizer DIR to take another)")
 
 
 def kind_of(model_file: Path) -> str:
@@ -60,9 +65,7 @@ def convert_meta_tokenizer(model_file: Path, dst: Path, vocab_size: int, context
         tok = _tiktoken(model_file, context)
     else:
         tok = _sentencepiece(model_file, dst)
-    if len(tok) > vocab_size:
-        raise CheckpointError(f"{model_file} has {len(tok)} tokens but the model's embedding has {vocab_size} rows",
-                              "use the tokenizer of this release (--tokenizer DIR to take another)")
+    _check_fits(tok, vocab_size, str(model_file))
     tok.save_pretrained(str(dst))
     return {"kind": kind, "tokens": len(tok)}
 
