@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -41,6 +42,50 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
 
 
 @triton.jit
+def kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION: tl.constexpr, KV8: tl.constexpr):
+    """q [BR, D] against the keys at offsets at [BS] (ok: the ones to read): scaled scores [BR, BS],
+    float32. KV8: the keys are 8-bit, each position's scale at ks_ptr + at // D, multiplied into
+    its scores (one conversion a key value, exact: 8-bit values are 16-bit numbers)."""
+    k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+    if KV8:
+        ks = tl.load(ks_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
+        return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks[None, :] * scale)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+
+
+@triton.jit
+def kv_weighted(p, v_ptr, vs_ptr, at, d, ok, dtype, PRECISION: tl.constexpr, KV8: tl.constexpr):
+    """p [BR, BS] (float32 softmax weights) times the values at offsets at [BS]: [BR, D] float32.
+    KV8: 8-bit values, each position's scale (vs_ptr + at // D) folded into its weights."""
+    v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+    if KV8:
+        vs = tl.load(vs_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
+        return tl.dot((p * vs[None, :]).to(dtype), v.to(dtype), input_precision=PRECISION)
+    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def _store_kv(ptr, scale_ptr, at, x, d, KV8: tl.constexpr, INT8: tl.constexpr, QMAX: tl.constexpr):
+    """One position's vector x [1, D] (float32) into a cache at offset at: as it is, or (KV8) as 8
+    bits and a float16 scale (its largest magnitude over QMAX, at scale_ptr + at // D), as
+    runtime.kv_format.quantize does."""
+    if KV8:
+        amax = tl.max(tl.abs(x), axis=1)  # [1]
+        sc = tl.minimum(tl.maximum(amax / QMAX, 2.0**-24), 65504.0).to(tl.float16)
+        y = x / sc.to(tl.float32)[:, None]
+        if INT8:
+            y = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0)
+        else:  # rounded to e4m3's grid here (3 mantissa bits; a step of 2^-9 below 2^-6), so the
+            # conversion is exact whatever its rounding (Triton's interpreter's is not to nearest)
+            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(y), 2.0**-6))) - 3.0)
+            y = tl.minimum(tl.maximum(tl.floor(y / step + 0.5) * step, -QMAX), QMAX)
+        tl.store(ptr + at + d[None, :], y.to(ptr.dtype.element_ty))
+        tl.store(scale_ptr + at // d.shape[0] + tl.arange(0, 1), sc)
+    else:
+        tl.store(ptr + at + d[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
 def _at(s, ok, b, h, table_ptr, T_ROW, D: tl.constexpr, HKV: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr):
     """Offsets [BLOCK_S] of positions s (ok: the ones to read) of row b, KV head h: s * D in a
     contiguous [BH, S, D] cache (past the row's base), or through the block table in a pool
@@ -57,7 +102,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
                   HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False,
                   table_ptr=None, T_ROW=0, PAGED: tl.constexpr = False, BS: tl.constexpr = 16,
-                  ROW_CHUNKS: tl.constexpr = False):
+                  ROW_CHUNKS: tl.constexpr = False, ks_ptr=None, vs_ptr=None, KV8: tl.constexpr = False,
+                  INT8: tl.constexpr = False, QMAX: tl.constexpr = 127.0):
     # q: [B, HKV, R, D] with q_row elements from one row b to the next (a slice of the fused qkv
     # projection's output: no copy), k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV
     # at its own; cos/sin then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
@@ -71,6 +117,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # (table: [B, T_ROW] int32), offset s % BS
     # ROW_CHUNKS: each row's own positions 0..pos cut into SPLITS chunks (whole tiles), not the
     # cache's capacity into chunks of CHUNK: every split of a short row in a long table has work
+    # KV8: the caches hold 8-bit values (INT8: int8, else fp8 e4m3; QMAX their largest magnitude)
+    # with a float16 scale per position and head (ks/vs: [BH, S] or [blocks, BS, HKV], the
+    # element at a value's offset // D); the new key and value are written so (kernels read both
+    # alike, runtime.kv_format)
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -93,18 +143,18 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     if ROPE:
         cos = tl.load(cos_ptr + row * D + d)
         sin = tl.load(sin_ptr + row * D + d)
-        q = _rope(q_at, r, d, cos, sin, (r < R)[:, None], D).to(k_ptr.dtype.element_ty)  # [BR, D]
+        q = _rope(q_at, r, d, cos, sin, (r < R)[:, None], D).to(q_ptr.dtype.element_ty)  # [BR, D]
         if pos // chunk == split:  # only this program reads position pos: no other program races it
             one = tl.arange(0, 1)
             k_new = _rope(kn_ptr + b * kn_row + h * D, one, d, cos, sin, (one < 1)[:, None], D)  # [1, D]
-            v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :])
+            v_new = tl.load(vn_ptr + b * vn_row + h * D + one[:, None] * 0 + d[None, :]).to(tl.float32)
             if PAGED:  # position pos's row in the pool
                 blk = tl.load(table_ptr + b * T_ROW + pos // BS).to(tl.int64)
                 at = ((blk * BS + pos % BS) * HKV + h) * D
             else:
                 at = kv_base + pos * D
-            tl.store(k_ptr + at + one[:, None] * 0 + d[None, :], k_new.to(k_ptr.dtype.element_ty))
-            tl.store(v_ptr + at + one[:, None] * 0 + d[None, :], v_new)
+            _store_kv(k_ptr, ks_ptr, at, k_new, d, KV8, INT8, QMAX)
+            _store_kv(v_ptr, vs_ptr, at, v_new, d, KV8, INT8, QMAX)
             tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
     else:
         q = tl.load(q_at + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
@@ -115,15 +165,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         at = kv_base + _at(s, ok, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED)  # [BS] row offsets
-        k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BR, BS]
+        scores = kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION, KV8)  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs_ptr, at, d, ok, q.dtype, PRECISION, KV8)
         m = m_new
     if SPLITS == 1:  # position 0 is in this chunk: l > 0
         tl.store(o_ptr + (bh * R + r[:, None]) * D + d[None, :], (acc / l[:, None]).to(o_ptr.dtype.element_ty),
@@ -152,6 +200,16 @@ def _merge_kernel(acc_ptr, ml_ptr, o_ptr, R: tl.constexpr, SPLITS: tl.constexpr,
     acc = tl.load(acc_ptr + ((bh * SPLITS + i) * BLOCK_R + r)[:, None] * D + d[None, :])  # [SPLITS, D]
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(o_ptr + (bh * R + r) * D + d, o.to(o_ptr.dtype.element_ty))
+
+
+def kv8_args(cache: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tensor | None]) -> dict:
+    """The attention kernels' 8-bit arguments for a cache tensor of dtype int8 or float8_e4m3fn
+    with its (k_scale, v_scale); none for a 16-bit cache."""
+    if scales[0] is None:
+        return {}
+    int8 = cache.dtype == torch.int8
+    qmax = float(torch.iinfo(cache.dtype).max if int8 else torch.finfo(cache.dtype).max)  # 127, 448 (e4m3)
+    return {"ks_ptr": scales[0], "vs_ptr": scales[1], "KV8": True, "INT8": int8, "QMAX": qmax}
 
 
 def label(min_chunk: int = MIN_CHUNK) -> str:
@@ -185,14 +243,15 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
             rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
-            warps: int = 4, pdl: bool = False, stages: int = STAGES, table: torch.Tensor | None = None) -> torch.Tensor:
+            warps: int = 4, pdl: bool = False, stages: int = STAGES, table: torch.Tensor | None = None,
+            scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q, k_new and v_new
     are read where they are when each row of them is contiguous (slices of the fused qkv output),
     else copied; cos and sin must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
     as the cache means one split: one kernel a layer, no merge), block_s (positions a tile) and
     warps and stages (the loop's software pipelining): the launch plan; pdl: programmatic dependent
-    launch."""
+    launch; scales: an 8-bit cache's (k_scale, v_scale), the caches' shape less D (runtime.kv_format)."""
     b, hkv, r, d = q.shape
     s = k_cache.shape[2] if table is None else table.shape[1] * k_cache.shape[1]  # positions a row may hold
     _check_head_dim(d)
@@ -216,7 +275,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
                                 HKV=hkv, ROW_POS=row_pos, num_warps=warps, num_stages=stages,
                                 table_ptr=table, T_ROW=0 if table is None else table.stride(0), PAGED=table is not None,
                                 BS=16 if table is None else k_cache.shape[1],
-                                ROW_CHUNKS=table is not None and PAGED_ROW_CHUNKS, **launch)
+                                ROW_CHUNKS=table is not None and PAGED_ROW_CHUNKS, **kv8_args(k_cache, scales), **launch)
     if splits > 1:
         _merge_kernel[(bh, r)](acc, ml, out, R=r, SPLITS=splits, D=d, BLOCK_R=block_r, num_warps=4, **launch)
     return out
@@ -224,59 +283,69 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: 
 
 @torch.library.custom_op("llamactl::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, min_chunk: int = MIN_CHUNK,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, k_scale: Optional[torch.Tensor] = None,
+                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: [B, H_kv, R, D] (R query heads per KV head), k/v: [B, H_kv, S, D], pos: [1] (every row) or
-    [B] (each row's own) -> softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D]."""
-    return _attend(q, k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl)
+    [B] (each row's own) -> softmax(q k^T / sqrt(D)) v over cache positions 0..pos, [B, H_kv, R, D].
+    k_scale/v_scale [B, H_kv, S]: k/v hold 8-bit values with these scales (runtime.kv_format)."""
+    scales = (None, None) if k_scale is None else (k_scale.contiguous(), v_scale.contiguous())
+    return _attend(q, k.contiguous(), v.contiguous(), pos, None, min_chunk, pdl=pdl, scales=scales)
 
 
 @decode_attention.register_fake
-def _(q, k, v, pos, min_chunk=MIN_CHUNK, pdl=False):
+def _(q, k, v, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("llamactl::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("llamactl::decode_attention_rope", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                          min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
+                          min_chunk: int = MIN_CHUNK, pdl: bool = False, k_scale: Optional[torch.Tensor] = None,
+                          v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step's attention with RoPE and the cache write folded in: q: [B, H_kv, R, D] and
     k_new/v_new: [B, H_kv, D] before RoPE, caches [B, H_kv, S, D] (k_new rotated and v_new written at
     pos), cos/sin: [D] float32 at pos: [1], or [B, D] at each row's pos: [B] -> [B, H_kv, R, D]. One
-    kernel instead of RoPE, two cache writes and the attention."""
+    kernel instead of RoPE, two cache writes and the attention. k_scale/v_scale: an 8-bit cache's
+    scales [B, H_kv, S] (the new key and value are quantized into it)."""
     rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q, k_cache, v_cache, pos, rope, min_chunk, pdl=pdl)
+    return _attend(q, k_cache, v_cache, pos, rope, min_chunk, pdl=pdl, scales=(k_scale, v_scale))
 
 
 @decode_attention_rope.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
+def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
 @torch.library.custom_op("llamactl::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                           pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
+                           pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False,
+                           k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: [B, H_kv, R, D], pools [blocks, block_size, H_kv, D], table: [B, M] int32 (row b's
-    blocks), pos: [B] -> attention over each row's positions 0..pos[b], [B, H_kv, R, D]."""
-    return _attend(q, k_pool, v_pool, pos, None, min_chunk, pdl=pdl, table=table)
+    blocks), pos: [B] -> attention over each row's positions 0..pos[b], [B, H_kv, R, D].
+    k_scale/v_scale [blocks, block_size, H_kv]: 8-bit pools' scales."""
+    return _attend(q, k_pool, v_pool, pos, None, min_chunk, pdl=pdl, table=table, scales=(k_scale, v_scale))
 
 
 @paged_decode_attention.register_fake
-def _(q, k_pool, v_pool, table, pos, min_chunk=MIN_CHUNK, pdl=False):
+def _(q, k_pool, v_pool, table, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("llamactl::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool"))
+@torch.library.custom_op("llamactl::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool", "k_scale", "v_scale"))
 def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
                                 v_pool: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False) -> torch.Tensor:
+                                pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False,
+                                k_scale: Optional[torch.Tensor] = None,
+                                v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """decode_attention_rope over a paged pool: k_new rotated and v_new written at row b's
     position pos[b] (its block from table [B, M]), cos/sin [B, D] -> [B, H_kv, R, D]."""
     rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q, k_pool, v_pool, pos, rope, min_chunk, pdl=pdl, table=table)
+    return _attend(q, k_pool, v_pool, pos, rope, min_chunk, pdl=pdl, table=table, scales=(k_scale, v_scale))
 
 
 @paged_decode_attention_rope.register_fake
-def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False):
+def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None,
+      v_scale=None):
     return torch.empty_like(q)
 
 

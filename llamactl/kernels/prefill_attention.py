@@ -20,17 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from llamactl.kernels.attention import kv_scores, kv_weighted, kv8_args
+
 BLOCK_N = 64  # keys a loop iteration
 
 
 @triton.jit
 def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, tile_m_ptr, q_start_ptr, q_len_ptr,
                    ctx_ptr, row_ptr, scale, q_tok, q_head, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                   BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                   BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                   ks_ptr=None, vs_ptr=None, KV8: tl.constexpr = False, INT8: tl.constexpr = False,
+                   QMAX: tl.constexpr = 127.0):
     # q: [T, H, D] with q_tok / q_head elements between tokens / heads; o: [T, H, D] contiguous;
     # pools [blocks, BS, HKV, D]; table [rows, T_ROW] int32; per tile: its sequence and first query
     # token (within the sequence); per sequence: its first token in T, its token count, the
-    # positions cached before them, its table row
+    # positions cached before them, its table row; KV8: 8-bit pools with float16 scales
+    # [blocks, BS, HKV] (kernels.attention.kv8_args; INT8 and QMAX unused: nothing is written here)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -54,26 +59,25 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
         ok = s < end
         blk = tl.load(table_ptr + row * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
         at = ((blk * BS + s % BS) * HKV + hk) * D  # [BN]
-        k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BM, BN]
+        scores = kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION, KV8)  # [BM, BN]
         scores = tl.where(ok[None, :] & (s[None, :] <= qpos[:, None]), scores, float("-inf"))
         m_new = tl.maximum(mx, tl.max(scores, axis=1))  # finite: key 0 is in the first block
         alpha = tl.exp(mx - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BN, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs_ptr, at, d, ok, q.dtype, PRECISION, KV8)
         mx = m_new
     out = o_ptr + ((qs + m)[:, None] * H + h) * D + d[None, :]
     tl.store(out, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=ok_m[:, None])
 
 
 def ragged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     ragged) -> torch.Tensor:
+                     ragged, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] (rotated; any strides with D contiguous), pools [blocks, BS, H_kv, D] holding
     every sequence's K/V up to its new tokens' (theirs written), table [rows, M] int32, ragged:
     runtime.ragged.Ragged (its tiles of ragged.tile query tokens) -> [T, H, D], each token
-    attending to its sequence's positions up to its own."""
+    attending to its sequence's positions up to its own. k_scale/v_scale [blocks, BS, H_kv]: the
+    pools hold 8-bit values with these scales (runtime.kv_format)."""
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"prefill attention needs a power-of-two head_dim >= 16, got {d}")
@@ -85,6 +89,7 @@ def ragged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows, 1.0 / math.sqrt(d),
                                q.stride(0), q.stride(1), H=h, HKV=k_pool.shape[2], D=d, BS=k_pool.shape[1],
                                BLOCK_M=ragged.tile, BLOCK_N=BLOCK_N,
-                               PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+                               PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+                               **kv8_args(k_pool, (k_scale, v_scale)))
     return out
 

@@ -135,7 +135,8 @@ class Attention(nn.Module):
             y = paged_decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
                                             v.reshape(b, self.n_kv_heads, d), cache.k, cache.v, cache.owner.table[:b],
                                             cos[:, 0] if rows else cos[0], sin[:, 0] if rows else sin[0],
-                                            input_pos.view(-1), self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+                                            input_pos.view(-1), self.attn_min_chunk, self.pdl, cache.k_scale,
+                                            cache.v_scale)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual, self.tp_group)
         if kernel and self.decode_kernel == "rope":
             from llamactl.kernels.attention import decode_attention_rope
@@ -148,7 +149,7 @@ class Attention(nn.Module):
             y = decode_attention_rope(q.reshape(b, self.n_kv_heads, rep, d), k.reshape(b, self.n_kv_heads, d),
                                       v.reshape(b, self.n_kv_heads, d), ck, cv, cos[:, 0] if rows else cos[0],
                                       sin[:, 0] if rows else sin[0], input_pos.view(-1), self.attn_min_chunk,
-                                      self.pdl)  # [B, H_kv, rep, D]
+                                      self.pdl, *cache.first_scales(b))  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * d), residual, self.tp_group)
         q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, H, D]
         k = k.view(b, s, self.n_kv_heads, self.head_dim)  # [B, S, H_kv, D]
@@ -167,18 +168,18 @@ class Attention(nn.Module):
 
             table = cache.write(input_pos, k, v)  # [B, M]
             y = paged_decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), cache.k, cache.v, table,
-                                       input_pos.view(-1).expand(b), self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+                                       input_pos.view(-1).expand(b), self.attn_min_chunk, self.pdl, cache.k_scale,
+                                       cache.v_scale)  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
-        if paged:  # [B, H_kv, span, D] gathered through the table ([B, H_kv, S, D] for slots [B])
-            k, v = cache.update(input_pos, k, v, slot, mask.shape[-1])
-        elif cache is not None:  # [B, H_kv, max_seq, D] ([B, H_kv, S, D] for slots [B])
-            k, v = cache.update(input_pos, k, v, slot)
         if kernel and self.decode_kernel == "plain":
             from llamactl.kernels.attention import decode_attention
 
-            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), k, v, input_pos.view(-1),
-                                 self.attn_min_chunk, self.pdl)  # [B, H_kv, rep, D]
+            cache.write(input_pos, k, v)  # the kernel reads the cache rows 0..B-1 as they are (8-bit ones too)
+            y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), *cache.first(b), input_pos.view(-1),
+                                 self.attn_min_chunk, self.pdl, *cache.first_scales(b))  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
+        if cache is not None:  # [B, H_kv, max_seq or span, D] ([B, H_kv, S, D] for slots [B])
+            k, v = cache.update(input_pos, k, v, slot, mask.shape[-1])
         if kernel and self.decode_kernel == "cpu" and q.dtype == k.dtype and not paged:  # reads positions 0..input_pos alone
             y = torch.ops.llamactl_cpu.decode_attention.default(
                 q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), k, v, input_pos.reshape(-1),
@@ -210,7 +211,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None]), apply_rope(k.transpose(1, 2), cos[:, None],
                                                                                            sin[:, None])
         cache.write_at(ragged.where, k[0].transpose(0, 1), v.view(t, self.n_kv_heads, d))  # [T, H_kv, D]
-        y = attend(q[0].transpose(0, 1), cache.k, cache.v, cache.owner.table, ragged, self.attn_min_chunk)  # [T, H, D]
+        y = attend(q[0].transpose(0, 1), cache.k, cache.v, cache.owner.table, ragged, self.attn_min_chunk,
+                   cache.k_scale, cache.v_scale)  # [T, H, D]
         return add_linear(self.o_proj, y.reshape(1, t, self.n_heads * d), residual, self.tp_group)
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llamactl.runtime.kv_format import dequantize
+
 TILE = 64  # query tokens of one sequence an attention program takes
 
 
@@ -69,35 +71,38 @@ class Ragged:
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-           ragged: Ragged, min_chunk: int = 64) -> torch.Tensor:
+           ragged: Ragged, min_chunk: int = 64, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] (rotated), pools [blocks, BS, H_kv, D] holding every sequence's K/V up to its
     new tokens' (theirs written), table [rows, M] int32 -> [T, H, D], each token attending to its
-    sequence's positions up to its own: `kernels` on CUDA, else `reference`."""
-    return (kernels(q, k_pool, v_pool, table, ragged, min_chunk) if q.is_cuda
-            else reference(q, k_pool, v_pool, table, ragged))
+    sequence's positions up to its own: `kernels` on CUDA, else `reference`. k_scale/v_scale
+    [blocks, BS, H_kv]: the pools' scales where they hold 8-bit values (runtime.kv_format)."""
+    return (kernels(q, k_pool, v_pool, table, ragged, min_chunk, k_scale, v_scale) if q.is_cuda
+            else reference(q, k_pool, v_pool, table, ragged, k_scale, v_scale))
 
 
 def kernels(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-            ragged: Ragged, min_chunk: int = 64) -> torch.Tensor:
+            ragged: Ragged, min_chunk: int = 64, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`attend` in Triton: the prefill kernel for the prompt chunks, the paged decode kernel for
     the decode rows (min_chunk: its smallest split of the cache)."""
     from llamactl.kernels.attention import paged_decode_attention
     from llamactl.kernels.prefill_attention import ragged_attention
 
-    out = ragged_attention(q, k_pool, v_pool, table, ragged)  # [T, H, D]; the decode rows' left unset
+    out = ragged_attention(q, k_pool, v_pool, table, ragged, k_scale, v_scale)  # [T, H, D]; the decode rows' left unset
     d, (_, h, dim) = ragged.decode, q.shape
     if d:
         hkv = k_pool.shape[2]
         pos = ragged.ctx[:d].long()  # [d]: each decode token's position
         out[:d] = paged_decode_attention(q[:d].reshape(d, hkv, h // hkv, dim), k_pool, v_pool, ragged.decode_table,
-                                         pos, min_chunk).reshape(d, h, dim)
+                                         pos, min_chunk, False, k_scale, v_scale).reshape(d, h, dim)
     return out
 
 
 def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-              ragged: Ragged) -> torch.Tensor:
-    """`attend` in PyTorch: each sequence's keys gathered through its table row, SDPA with its
-    causal offset, the query heads of a KV head as more rows of it."""
+              ragged: Ragged, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend` in PyTorch: each sequence's keys gathered through its table row (dequantized
+    where 8-bit), SDPA with its causal offset, the query heads of a KV head as more rows of it."""
     t, h, d = q.shape
     hkv, bs = k_pool.shape[2], k_pool.shape[1]
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
@@ -105,7 +110,11 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     for start, n, c0, row in zip(*(x.tolist() for x in (ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows))):
         pos = torch.arange(c0 + n, device=q.device)
         at = table[row, pos // bs].long() * bs + pos % bs  # [c0 + n]
-        k, v = flat_k[at].transpose(0, 1), flat_v[at].transpose(0, 1)  # [H_kv, c0 + n, D]
+        k, v = flat_k[at], flat_v[at]  # [c0 + n, H_kv, D]
+        if k_scale is not None:
+            k = dequantize(k, k_scale.flatten(0, 1)[at], q.dtype)
+            v = dequantize(v, v_scale.flatten(0, 1)[at], q.dtype)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, c0 + n, D]
         qi = q[start : start + n].transpose(0, 1).reshape(hkv, h // hkv * n, d)  # [H_kv, rep * n, D]
         qpos = (c0 + torch.arange(n, device=q.device)).repeat(h // hkv)  # [rep * n]
         y = F.scaled_dot_product_attention(qi, k, v, attn_mask=pos[None, :] <= qpos[:, None])  # [H_kv, rep * n, D]
