@@ -13,6 +13,7 @@ from llamactl.errors import InputError
 from llamactl.kernels.arith import QUANT_INPUTS
 
 SWIGLU_SITES = ("gate_up", "down")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "int8")  # the KV cache's formats (runtime.kv_format)
 CHUNKS = tuple(2**i for i in range(4, 15))  # the decode attention's smallest chunk: 16 .. 16384
 
 
@@ -28,6 +29,7 @@ class RuntimeOptions:
     pins: run the tuned configs of kernels/configs/ for this GPU instead of autotuning.
     pins_file: more pinned configs (a file `llamactl bench --tune` wrote) over the packaged ones.
     compile_regions: torch.compile one decoder layer and reuse it (None: no; see decode.compile_regions).
+    kv_dtype: what the KV cache stores (KV_DTYPES; runtime.kv_format): auto is the model's dtype.
     """
 
     kernels: bool = True
@@ -38,6 +40,7 @@ class RuntimeOptions:
     pins: bool = True
     pins_file: str | None = None
     compile_regions: bool | None = None
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if self.quant_inputs not in QUANT_INPUTS:
@@ -46,6 +49,8 @@ class RuntimeOptions:
         if self.swiglu not in SWIGLU_SITES:
             raise InputError(f"SwiGLU site {self.swiglu!r} is not one of {', '.join(SWIGLU_SITES)}",
                              "use gate_up or down")
+        if self.kv_dtype not in KV_DTYPES:
+            raise InputError(f"--kv-dtype {self.kv_dtype!r} is not a KV cache format", f"use one of {', '.join(KV_DTYPES)}")
         if self.attn_min_chunk not in CHUNKS:
             raise InputError(f"attention chunk {self.attn_min_chunk} is not a power of two from 16 to 16384",
                              "use 64 (the default), 128, ...")

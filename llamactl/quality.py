@@ -85,6 +85,18 @@ def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(steps, dim=1).float()  # [1, T, V]
 
 
+def cache_logits(fmt):
+    """A child_logits for the KL a KV cache format adds (runtime.kv_format.KVFormat): the window
+    prefilled through a cache in fmt, every position attending over the K/V as the cache holds
+    them (its own included), which is what a decode step reads."""
+
+    def logits(model, ids: torch.Tensor) -> torch.Tensor:
+        cache = StaticCache.for_model(model, ids.shape[0], ids.shape[1], fmt=fmt)
+        return model(ids.to(model.device), torch.arange(ids.shape[1], device=model.device), cache).float()
+
+    return logits
+
+
 @torch.inference_mode()
 def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
             progress: Callable[[int], None] | None = None, child_logits=prefill_logits) -> Quality:

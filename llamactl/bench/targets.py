@@ -152,9 +152,16 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
 
 
 def add_quality(rows: list[dict], targets: list[Target], reference: str | None, eval_file: str | None,
-                eval_tokens: int, device: torch.device, progress, options: RuntimeOptions | None = None) -> None:
+                eval_tokens: int, device: torch.device, progress, options: RuntimeOptions | None = None,
+                kv: list[str] = ()) -> None:
     """Set each result row's "quality" (quality_for), the rows with int16/int8 inputs or fp16
-    arithmetic scored through the decode step."""
+    arithmetic scored through the decode step; kv: 8-bit cache formats, whose rows also get
+    "kv_quality" (kv_quality_for)."""
+    if kv:
+        kq = kv_quality_for(targets, kv, eval_file, eval_tokens, device, progress)
+        for r in rows:
+            if r.get("kv_dtype") in kv:
+                r["kv_quality"] = kq.get((r["model"], r["kv_dtype"]))
 
     def kind(row: dict) -> str:
         return (row.get("plan") or {}).get("inputs") or "float"
@@ -163,3 +170,27 @@ def add_quality(rows: list[dict], targets: list[Target], reference: str | None, 
                      tuple(sorted({kind(r) for r in rows} - {"float"})), options)
     for r in rows:
         r["quality"] = qs.get((r["model"], kind(r)))
+
+
+def kv_quality_for(targets: list[Target], kv: list[str], eval_file: str | None, eval_tokens: int,
+                   device: torch.device, progress) -> dict[tuple[str, str], dict]:
+    """(label, kv format) -> the KL (and top-1 agreement, perplexity) an 8-bit KV cache adds to
+    the model against its own 16-bit logits on the eval text (quality.cache_logits)."""
+    from llamactl.quality import cache_logits, compare, eval_windows
+    from llamactl.runtime.kv_format import resolve
+    from llamactl.runtime.load import load_tokenizer
+
+    out = {}
+    for t in targets:
+        if t.artifact is None:
+            out.update({(t.label, k): {"skipped": "synthetic weights: quality is meaningless"} for k in kv})
+            continue
+        windows = eval_windows(load_tokenizer(t.artifact), eval_file,
+                               min(512, t.artifact.args.max_position_embeddings), eval_tokens)
+        for k in kv:
+            fmt = resolve(k, t.model.dtype, t.model.device)
+            with progress(f"kv {k}", windows.shape[0]) as advance:
+                q = compare(t.model, t.model, windows, str(eval_file or "docs-eval.txt (packaged)"), advance,
+                            cache_logits(fmt))
+            out[t.label, k] = {**q.to_dict(), "kv_dtype": k, "scored": "prefill through the cache"}
+    return out

@@ -93,9 +93,12 @@ def weight_bytes(model) -> tuple[int, int]:
     return total, 0 if tied else emb.weight.numel() * emb.weight.element_size()
 
 
-def kv_bytes_per_token(model) -> int:
+def kv_bytes_per_token(model, fmt=None) -> int:
+    """K and V bytes of one position over all layers, in fmt (runtime.kv_format; default: the model's dtype)."""
+    from llamactl.runtime.kv_format import KVFormat
+
     a = model.args
-    return 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
+    return 2 * a.num_hidden_layers * a.num_key_value_heads * (fmt or KVFormat.of(model.dtype)).bytes_per_head(a.head_dim)
 
 
 def _peak(device: torch.device) -> int:
@@ -124,7 +127,7 @@ def time_llamactl(model, batch: int, prompt_len: int, gen_len: int, trial: Trial
     if dec.kernels["decode_attention"] != "sdpa":
         backend = f"{dec.kernels['decode_attention']} (decode), {backend} (prefill)"
     return {"runs": timed, "backend": backend, "kv_bytes": dec.cache.nbytes, "gemv": dec.plan.label, "plan": dec.plan,
-            "products": products(model, batch)}
+            "products": products(model, batch), "kv_format": dec.cache.fmt}
 
 
 def allreduce_ms_per_step(model, batch: int, steps: int = 20) -> float:
@@ -247,13 +250,14 @@ def summarize(raw: dict[str, Any], batch: int, prompt_len: int, gen_len: int) ->
         "products": raw.get("products"),
         "plan": raw["plan"].as_dict() if raw.get("plan") else None,
         "kv_bytes": raw["kv_bytes"],
+        **({"kv_dtype": raw["kv_format"].name} if raw.get("kv_format") else {}),
     }
 
 
-def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float) -> dict[str, float]:
-    """Bytes one decode step must read, and the tokens/s that bandwidth allows."""
+def ceiling(model, batch: int, prompt_len: int, gen_len: int, bandwidth: float, fmt=None) -> dict[str, float]:
+    """Bytes one decode step must read (its KV cache in fmt: runtime.kv_format), and the tokens/s that bandwidth allows."""
     total, emb = weight_bytes(model)
-    kv_read = kv_bytes_per_token(model) * batch * (prompt_len + gen_len / 2)
+    kv_read = kv_bytes_per_token(model, fmt) * batch * (prompt_len + gen_len / 2)
     step_bytes = total - emb + kv_read
     return {"weight_bytes": total, "bytes_per_step": step_bytes, "ceiling_tok_s": batch * bandwidth / step_bytes}
 
@@ -334,12 +338,12 @@ def kernel_table(events, steps: int, cuda: bool) -> str:
 
 def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None, ...],
              device: torch.device, inputs: tuple[str | None, ...] = (None,), quantized: bool = True,
-             base: RuntimeOptions | None = None) -> list[tuple[str, RuntimeOptions]]:
+             base: RuntimeOptions | None = None, kv: tuple[str | None, ...] = (None,)) -> list[tuple[str, RuntimeOptions]]:
     """The llamactl configurations timed per target, batch and prompt length: (mode, options),
     each of `base`'s options with one choice of kernels on/off, programmatic dependent launch
     on/off and the quantized GEMVs' inputs (None: base's). PDL and the inputs change only
     llamactl's kernels on a GPU, and the inputs only a `quantized` model's, so elsewhere only the
-    first choice is timed."""
+    first choice is timed. kv: the KV cache's formats (--kv-dtype), each timed everywhere."""
     base = base or RuntimeOptions()
     out = []
     for mode in modes:
@@ -348,7 +352,7 @@ def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None
             for i, p in enumerate(pdl):
                 for j, kind in enumerate(inputs):
                     if (i == 0 or gpu) and (j == 0 or gpu and quantized):
-                        out.append((mode, base.replace(kernels=on, pdl=p, quant_inputs=kind)))
+                        out += [(mode, base.replace(kernels=on, pdl=p, quant_inputs=kind, kv_dtype=f)) for f in kv]
     return out
 
 
@@ -359,14 +363,16 @@ def is_quantized(model) -> bool:
     return bool(quant_input_layers(model))
 
 
-def stage_name(mode: str, plan, device_type: str = "cuda") -> str:
-    """A row's stage for people, from its mode and what ran (the row's plan has the fields)."""
+def stage_name(mode: str, plan, device_type: str = "cuda", kv=None) -> str:
+    """A row's stage for people, from its mode and what ran (the row's plan has the fields), and
+    the KV cache's format where one was asked for (kv: runtime.kv_format.KVFormat)."""
     stage = {"eager": "llamactl static cache", "graphs": "llamactl + CUDA graphs",
              "compile": "llamactl + compile + CUDA graphs" if device_type == "cuda" else "llamactl + compile",
              "aot": "llamactl + AOTInductor"}[mode]
     stage += " + Triton kernels" if plan.kernels else ""
     stage += " + PDL" if plan.pdl else ""
-    return stage + (f" + {QUANT_INPUT_LABELS[plan.inputs]}" if plan.inputs != "float" else "")
+    stage += f" + {QUANT_INPUT_LABELS[plan.inputs]}" if plan.inputs != "float" else ""
+    return stage + (f" + {kv.name} KV" if kv is not None else "")
 
 
 def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[tuple[str, Callable, bool]],
@@ -374,10 +380,10 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
         profile_dir: Path | None = None, kernels: tuple[bool, ...] = (True,),
         pdl: tuple[bool | None, ...] = (None,), inputs: tuple[str | None, ...] = (None,),
         options: RuntimeOptions | None = None, warn: Callable[[str], None] = lambda m: None,
-        on_partial: Callable[[dict], None] = lambda r: None) -> dict[str, Any]:
+        on_partial: Callable[[dict], None] = lambda r: None, kv: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
     """Measure every target x variant (mode and options; see `variants`) x batch x prompt length;
     hf_stages run transformers first. kernels: llamactl's Triton kernels on (where they run)
-    and/or off (cuBLAS + SDPA). warn: what a plan's warnings go to (kernels that failed their check).
+    and/or off (cuBLAS + SDPA); kv: the KV cache's formats. warn: what a plan's warnings go to (kernels that failed their check).
     on_partial: the result so far ("partial": true) after each row, for a file that loses nothing
     when the run stops. A variant that fails is a row with its error ("failed": true), and the
     others go on."""
@@ -402,7 +408,7 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
                 row["failed"] = True
         else:
             row.update(summarize(raw, batch, p, trial.gen_len))
-            row.update(ceiling(model, batch, p, trial.gen_len, bw))
+            row.update(ceiling(model, batch, p, trial.gen_len, bw, raw.get("kv_format")))
             row["peak_mem_bytes"] = _peak(device)
             row["bandwidth_ceiling_frac"] = row["decode_tok_s"] / row["ceiling_tok_s"]
             if row.get("kv_bytes") is None:
@@ -416,14 +422,14 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
         on_partial({"env": env, "results": list(results), "partial": True})
 
     try:
-        _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add)
+        _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add, kv)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: the rows measured so far go with it (bench writes them)
         e.partial = {"env": env, "results": results, "interrupted": True}
         raise
     return {"env": env, "results": results}
 
 
-def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add):
+def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels, pdl, inputs, options, warn, add, kv):
     for batch in trial.batches:
         for p in trial.prompt_lens:
             for label, make_hf, static in hf_stages:
@@ -439,7 +445,7 @@ def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels,
                 add({"model": target.label, "stage": stage}, target.model, batch, p, raw)
                 _free(device)
             for target in targets:
-                for mode, opts in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model), options):
+                for mode, opts in variants(modes, kernels, pdl, device, inputs, is_quantized(target.model), options, kv):
                     if mode == "graphs" and device.type != "cuda":
                         add({"model": target.label, "stage": "llamactl + CUDA graphs"}, target.model, batch, p, None,
                             "needs a CUDA device")
@@ -454,8 +460,8 @@ def _measure_all(targets, trial, modes, hf_stages, device, profile_dir, kernels,
                         continue
                     for w in raw["plan"].warnings:
                         warn(w)
-                    add({"model": target.label, "stage": stage_name(mode, raw["plan"], device.type), "options": opts.as_dict()},
-                        target.model, batch, p, raw)
+                    stage = stage_name(mode, raw["plan"], device.type, raw["kv_format"] if opts.kv_dtype != "auto" else None)
+                    add({"model": target.label, "stage": stage, "options": opts.as_dict()}, target.model, batch, p, raw)
 
 
 class SkipStage(Exception):

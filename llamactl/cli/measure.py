@@ -14,6 +14,7 @@ from llamactl.cli.options import (DeviceOpt, DtypeOpt, EvalOpt, PinsFileOpt, TpO
 from llamactl.cli.run import rank_device, serve_mode, tensor_parallel
 from llamactl.errors import InputError
 from llamactl.kernels.arith import QUANT_INPUTS
+from llamactl.options import KV_DTYPES
 
 
 def busy_cpu() -> str | None:
@@ -84,6 +85,7 @@ def bench(
     gpu_hourly_cost: Annotated[Optional[float], typer.Option("--gpu-hourly-cost", min=0.0, help="Load test: USD an hour of the server's GPUs; adds dollars per million output tokens.")] = None,
     served_model: Annotated[Optional[str], typer.Option("--model", help="Load test: the model name to send (default: the server's first in /v1/models).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="What the KV cache stores: auto (the model's dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head); a comma list such as auto,int8 times each in one run, and --quality adds the KL each 8-bit cache adds [default: auto].", show_default=False)] = None,
     tp: TpOpt = 1,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
@@ -152,6 +154,7 @@ def bench(
     pdl_list = comma_choices("--pdl", pdl, on_off, "on, off or off,on")
     inputs_list = comma_choices("--quant-inputs", quant_inputs, {k: k for k in QUANT_INPUTS},
                                  f"{', '.join(QUANT_INPUTS)} or a comma list of them")
+    kv_list = comma_choices("--kv-dtype", kv_dtype, {k: k for k in KV_DTYPES}, f"{', '.join(KV_DTYPES)} or a comma list of them")
     if output:
         from llamactl.folder.artifact import check_writable_file
 
@@ -173,7 +176,7 @@ def bench(
     if busy:
         ui.warn(f"the machine is busy ({busy}): the copy bandwidth, and so each row's fraction of the ceiling, "
                 "will read low; compare rows of this run only")
-    runs = sum(len(core.variants(modes, kernel_list, pdl_list, dev, inputs_list, core.is_quantized(t.model)))
+    runs = sum(len(core.variants(modes, kernel_list, pdl_list, dev, inputs_list, core.is_quantized(t.model), kv=kv_list))
                for t in targets)
     total = len(trial.batches) * len(trial.prompt_lens) * (len(hf) + runs)
     with ui.progress("bench", total) as advance:
@@ -188,7 +191,7 @@ def bench(
 
             result = core.run(targets, trial, modes, hf, dev, dt, on_result=measured,
                               profile_dir=Path(profile) if profile else None, kernels=kernel_list, pdl=pdl_list,
-                              inputs=inputs_list, options=options, warn=ui.warn, on_partial=so_far)
+                              inputs=inputs_list, options=options, warn=ui.warn, on_partial=so_far, kv=kv_list)
         except KeyboardInterrupt as e:  # stopped: the finished rows are not lost
             partial = getattr(e, "partial", None)
             if output and partial and partial["results"] and not (world and world.rank):
@@ -203,7 +206,8 @@ def bench(
         ui.log(f"wrote {n} pinned configs to {tune} (run them with --pins-file {tune}, or copy them into "
                "llamactl/kernels/configs/ for this GPU)")
     if quality:
-        bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options)
+        bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options,
+                       [k for k in kv_list if k in ("int8", "fp8")])
     report.add_speedups(result["results"])
     env = result["env"]
     if world and world.rank:

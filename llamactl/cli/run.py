@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamactl import ui
-from llamactl.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelArg, PickleOpt, PinsFileOpt,
+from llamactl.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, KvDtypeOpt, ModelArg, PickleOpt, PinsFileOpt,
                                   QuantInputsOpt, TpOpt, TrustCacheOpt, runtime_options)
 from llamactl.errors import InputError
 
@@ -35,6 +35,7 @@ def generate(
     quant_inputs: QuantInputsOpt = None,
     kernels: KernelsOpt = None,
     pins_file: PinsFileOpt = None,
+    kv_dtype: KvDtypeOpt = None,
     json_out: JsonOpt = False,
     allow_pickle: PickleOpt = False,
     tp: TpOpt = 1,
@@ -44,7 +45,7 @@ def generate(
     from llamactl.layers.plan import Plan
     from llamactl.runtime.load import load
 
-    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file, kv_dtype=kv_dtype)
     world = tensor_parallel(tp, model, device, allow_pickle)
     if aot and compile_:
         raise typer.BadParameter("--aot and --compile: give one")
@@ -125,7 +126,7 @@ def generate(
            f"ttft {result.ttft_s * 1000:.1f} ms | {compiled}prefill {result.prefill_tok_s:.1f} tok/s | "
            f"decode {result.decode_tok_s:.1f} tok/s | peak mem {ui.human_bytes(result.peak_mem_bytes)} "
            f"| {result.device} {result.dtype} {result.extra.get('mode')} | gemv {result.extra['gemv']} | "
-           f"{result.extra.get('attention_backend')}[/dim]")
+           f"{result.extra.get('attention_backend')} | kv {result.extra.get('kv_dtype')}[/dim]")
     spec = result.extra.get("speculation")
     if spec:
         ui.log(f"[dim]speculation ({spec['draft']}, up to {spec['k']} a step): {spec['accepted']} of {spec['proposed']} "
@@ -236,6 +237,7 @@ def serve(
     quant_inputs: QuantInputsOpt = None,
     kernels: KernelsOpt = None,
     pins_file: PinsFileOpt = None,
+    kv_dtype: KvDtypeOpt = None,
     allow_pickle: PickleOpt = False,
     tp: TpOpt = 1,
 ):
@@ -256,7 +258,7 @@ def serve(
         from llamactl.runtime.chat import resolve
 
         resolve(chat_template)  # a bad name or file fails before the model loads
-    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file, kv_dtype=kv_dtype)
     if model and synthetic:
         raise typer.BadParameter("MODEL and --synthetic: give one")
     world = tensor_parallel(tp, model, device, allow_pickle, synthetic, synthetic_quant)

@@ -230,6 +230,7 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         device=str(device),
         dtype=str(model.dtype).replace("torch.", ""),
         extra={"mode": mode, "attention_backend": attention_backend(model, 1, dec.max_seq, device), "gemv": dec.plan.label,
+               "kv_dtype": dec.cache.fmt.name,
                "plan": dec.plan.as_dict(),
                **({"speculation": {"draft": draft if isinstance(draft, str) else "model", "k": speculate,
                                    **tally.as_dict()}} if tally else {}),

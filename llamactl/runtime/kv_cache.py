@@ -24,7 +24,7 @@ class LayerCache(nn.Module):
     def __init__(self, rows: int, kv_heads: int, max_seq: int, head_dim: int, dtype, device,
                  fmt: KVFormat | None = None):
         super().__init__()
-        self.fmt, self.dtype = fmt or KVFormat(str(dtype), dtype), dtype  # dtype: what attention computes in
+        self.fmt, self.dtype = fmt or KVFormat.of(dtype), dtype  # dtype: what attention computes in
         _buffers(self, (rows, kv_heads, max_seq, head_dim), self.fmt, device)
 
     def first(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +101,7 @@ class StaticCache(nn.Module):
                  fmt: KVFormat | None = None):
         super().__init__()
         self.rows, self.max_seq, self.dtype = rows, max_seq, dtype
-        self.fmt = fmt or KVFormat(str(dtype), dtype)
+        self.fmt = fmt or KVFormat.of(dtype)
         self.layers = nn.ModuleList(LayerCache(rows, kv_heads, max_seq, head_dim, dtype, device, self.fmt)
                                     for _ in range(layers))
 
@@ -143,7 +143,7 @@ class PagedLayer(nn.Module):
                  fmt: KVFormat | None = None):
         super().__init__()
         self._owner = [owner]  # a list: not a submodule
-        self.fmt, self.dtype = fmt or KVFormat(str(dtype), dtype), dtype
+        self.fmt, self.dtype = fmt or KVFormat.of(dtype), dtype
         _buffers(self, (blocks, block_size, kv_heads, head_dim), self.fmt, device)
 
     @property
@@ -197,7 +197,7 @@ class PagedCache(nn.Module):
         if blocks < 2 or block_size < 1 or max_seq < 1:
             raise ValueError(f"a paged cache needs 2+ blocks of 1+ positions, not {blocks} of {block_size}")
         self.blocks, self.block_size, self.dtype = blocks, block_size, dtype
-        self.fmt = fmt or KVFormat(str(dtype), dtype)
+        self.fmt = fmt or KVFormat.of(dtype)
         self.width = -(-max_seq // block_size)  # table entries a row
         self.max_seq = self.width * block_size
         self.register_buffer("table", torch.full((rows, self.width), NULL_BLOCK, dtype=torch.int32, device=device),
@@ -216,7 +216,7 @@ class PagedCache(nn.Module):
     def block_bytes(model, block_size: int, fmt: KVFormat | None = None) -> int:
         """Bytes one block takes over all layers, K and V (and an 8-bit format's scales)."""
         a = model.args
-        fmt = fmt or KVFormat(str(model.dtype), model.dtype)
+        fmt = fmt or KVFormat.of(model.dtype)
         return 2 * a.num_hidden_layers * block_size * a.num_key_value_heads * fmt.bytes_per_head(a.head_dim)
 
     @property

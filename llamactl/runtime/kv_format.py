@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from llamactl.errors import InputError
-
-KV_DTYPES = ("auto", "bf16", "fp16", "fp8", "int8")
+from llamactl.options import KV_DTYPES
 SCALE_DTYPE = torch.float16
 _SIXTEEN = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _EIGHT = {"int8": (torch.int8, float(torch.iinfo(torch.int8).max)),  # 127
@@ -32,6 +31,11 @@ class KVFormat:
     name: str
     storage: torch.dtype
     qmax: float | None = None
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> "KVFormat":
+        """A cache of the model's own dtype (named as it: bfloat16, float32)."""
+        return cls(str(dtype).replace("torch.", ""), dtype)
 
     @property
     def quantized(self) -> bool:
@@ -50,7 +54,7 @@ def resolve(kv_dtype: str, compute: torch.dtype, device: torch.device | str = "c
     if kv_dtype not in KV_DTYPES:
         raise InputError(f"--kv-dtype {kv_dtype!r} is not a KV cache format", f"use one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "auto":
-        return KVFormat(str(compute).replace("torch.", ""), compute)
+        return KVFormat.of(compute)
     if kv_dtype in _SIXTEEN:
         if _SIXTEEN[kv_dtype] != compute:
             raise InputError(f"--kv-dtype {kv_dtype} with a {str(compute).replace('torch.', '')} model: a 16-bit "

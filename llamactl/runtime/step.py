@@ -22,6 +22,7 @@ import torch
 from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.graphs import PrefillGraphs, capture
+from llamactl.runtime import kv_format
 from llamactl.runtime.kv_cache import StaticCache
 
 MODES = ("eager", "graphs", "compile", "aot")
@@ -122,7 +123,10 @@ class Decoder:
         self.max_seq = max(self.max_seq, max_seq)
         if cache is not None:
             self.max_seq = cache.max_seq
-        self.cache = cache if cache is not None else StaticCache.for_model(model, batch, self.max_seq)
+        if cache is None:  # the format options.kv_dtype names (runtime.kv_format)
+            cache = StaticCache.for_model(model, batch, self.max_seq,
+                                          fmt=kv_format.resolve(self.options.kv_dtype, model.dtype, model.device))
+        self.cache = cache
         model.setup_positions(self.max_seq)
         self._step = self._eager_step
         # regions (torch's invoke_subgraph) fail on a dynamic row dimension (torch 2.13: KeyError

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from llamactl.options import RuntimeOptions
+from llamactl.runtime import kv_format
 from llamactl.runtime.speculate import NgramDraft, agreed
 from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
@@ -94,14 +95,15 @@ class Engine:
         kv = kv or KvOptions()
         max_seq = min(max_seq or ctx, ctx)
         chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
+        fmt = kv_format.resolve((options or RuntimeOptions()).kv_dtype, model.dtype, model.device)
         blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
-                           max(chunk, BATCH_PREFILL_TOKENS))
+                           max(chunk, BATCH_PREFILL_TOKENS), fmt)
         if world is not None:  # every rank holds the pool of the rank with the least memory
             from llamactl.runtime.tp import smallest
 
             blocks = smallest(blocks, world)
         self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
-                             block_size=kv.block_size)
+                             block_size=kv.block_size, fmt=fmt)
         self.max_seq = self.runner.max_seq
         self.times = EngineTimes()
         # blocks are named by their tokens and the model (its shape and weights' first values)

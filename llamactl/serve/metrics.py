@@ -47,7 +47,11 @@ class Metrics:
                              ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed).")):
             name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
             Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
-        pool = engine.scheduler.pool
+        pool, cache = engine.scheduler.pool, engine.runner.cache
+        Gauge("llamactl_kv_cache_tokens", "Positions the KV pool holds, by what it stores (--kv-dtype).", ["dtype"],
+              registry=r).labels(cache.fmt.name).set(cache.tokens)
+        Gauge("llamactl_kv_cache_bytes", "Bytes of the KV pool (an 8-bit cache's scales included).",
+              registry=r).set(cache.nbytes)
         for name, help_, fn in (
                 ("llamactl_kv_blocks_total", "KV blocks of the pool (each --block-size positions).", lambda: pool.blocks - 1),
                 ("llamactl_kv_blocks_used", "KV blocks held by running requests.", lambda: pool.used),

@@ -164,7 +164,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             graphs = engine.decoder.prefill_graphs
             prefills = f", {graphs.summary()}" if graphs is not None else ""
             log(f"serving {name} on {url} ({dev}{tp}, {str(m.dtype).replace('torch.', '')}, {engine.mode}{prefills}, gemv "
-                f"{engine.decoder.plan.label}): KV cache {human_bytes(cache.nbytes)}, {cache.blocks - 1} blocks of "
+                f"{engine.decoder.plan.label}): KV cache {human_bytes(cache.nbytes)} {cache.fmt.name}, {cache.blocks - 1} blocks of "
                 f"{cache.block_size} ({cache.tokens} tokens: {cache.tokens // engine.max_seq} sequences of "
                 f"--max-seq {engine.max_seq}), prefix cache {'on' if serve.prefix_cache else 'off'}; up to "
                 f"{engine.max_batch} running, queue {serve.max_queue}, chat template {template or 'none'}, HTTP {' on '.join(http_stack())}, "

@@ -13,6 +13,7 @@ import torch
 
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.kv_cache import PagedCache
+from llamactl.runtime.kv_format import KVFormat
 from llamactl.runtime.sampling import RowSampling
 from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
@@ -39,11 +40,12 @@ def activation_bytes(model, max_batch: int, prefill_tokens: int) -> int:
 
 
 def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gib: float | None,
-              fraction: float | None, prefill_tokens: int) -> int:
+              fraction: float | None, prefill_tokens: int, fmt: KVFormat | None = None) -> int:
     """Blocks of the KV pool: kv_memory_gib of them; else on a GPU what `fraction` of the card
     (GPU_MEMORY_FRACTION) leaves after what is in use now (weights; other processes) and the
-    activations; on the CPU a fixed grid of max_batch x max_seq, at most CPU_KV_BYTES."""
-    per = PagedCache.block_bytes(model, block_size)
+    activations; on the CPU a fixed grid of max_batch x max_seq, at most CPU_KV_BYTES. fmt: what
+    the pool stores (runtime.kv_format; default: the model's dtype)."""
+    per = PagedCache.block_bytes(model, block_size, fmt)
     if kv_memory_gib is not None:
         return int(kv_memory_gib * (1 << 30) // per) + 1
     dev = model.device
@@ -59,11 +61,13 @@ class Runner:
     """Model calls for one engine: prefill(), launch() and set_sampling() on its thread."""
 
     def __init__(self, model, max_batch: int, max_seq: int, mode: str, options: RuntimeOptions | None,
-                 world=None, prefill_graphs: bool = True, *, blocks: int, block_size: int = BLOCK_SIZE):
+                 world=None, prefill_graphs: bool = True, *, blocks: int, block_size: int = BLOCK_SIZE,
+                 fmt: KVFormat | None = None):
         """world: tensor parallelism (tp.World): rank 0 sends each model action to the other ranks
         first (every rank computes the same tokens: the head is replicated). prefill_graphs: a
         whole prompt of few tokens, or a few joining together, replays a CUDA graph where the steps
-        do (not under tensor parallelism: untried there). blocks: the KV pool's (kv_blocks)."""
+        do (not under tensor parallelism: untried there). blocks: the KV pool's (kv_blocks), fmt:
+        what it stores (runtime.kv_format)."""
         self.device, self.mode, self.world = model.device, mode, world
         self.max_batch = max_batch
         self.rows = RowSampling.make([Sampling(temperature=0)] * max_batch, self.device)
@@ -72,7 +76,7 @@ class Runner:
 
             raise InputError("no device memory is left for the KV cache after the weights and activations",
                              "pass --kv-memory GiB, a higher --gpu-memory-fraction, or a smaller --max-batch")
-        self.cache = PagedCache.for_model(model, max_batch, blocks, block_size, max_seq)
+        self.cache = PagedCache.for_model(model, max_batch, blocks, block_size, max_seq, fmt=fmt)
         self.decoder = Decoder(model, max_batch, max_seq, mode, options=options, rows=self.rows,
                                prefill_graphs=prefill_graphs and world is None, cache=self.cache)
         self.max_seq = max_seq
