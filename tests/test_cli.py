@@ -205,3 +205,15 @@ def test_chat_templates_by_name_or_file_and_a_bad_one(tmp_path):
                             "--temperature", "0"])
     assert r.exit_code == 0 and "no chat template" not in r.output  # the embedded model's built-in
     assert resolve("chatml") == BUILTIN["chatml"]
+
+
+def test_kv_dtype_names_the_cache_and_refuses_what_cannot_run():
+    r = invoke("generate", "-p", "The kernel", "-n", "4", "--temperature", "0", "--kv-dtype", "int8", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["extra"]["kv_dtype"] == "int8"
+    assert_one_line_error(invoke("generate", "-p", "x", "--kv-dtype", "bf16"), "--kv-dtype bf16 with a float32 model",
+                          "--kv-dtype auto")
+    bad = invoke("generate", "-p", "x", "--kv-dtype", "int4")
+    assert bad.exit_code == 2 and "use auto, bf16, fp16, fp8 or int8" in bad.output
+    bad = invoke("bench", "--kv-dtype", "auto,q8")
+    assert bad.exit_code == 2 and "--kv-dtype 'auto,q8'" in bad.output

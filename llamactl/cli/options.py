@@ -41,7 +41,7 @@ OutOpt = Annotated[str, typer.Option("--output", "-o", help="Output folder (writ
 QuantInputsOpt = Annotated[Optional[str], typer.Option("--quant-inputs", callback=lambda v: check_quant_inputs(v), help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A: faster, a little less exact), fp16 (packed fp16 arithmetic, x exact), or int16 (16-bit fixed point per 32 columns, DP2A: sums exact) (default: LLAMACTL_QUANT_INPUTS, else int16).")]
 KernelsOpt = Annotated[Optional[str], typer.Option("--kernels", callback=lambda v: check_on_off("--kernels", v), help="llamactl's Triton kernels on the GPU: on or off (cuBLAS/SDPA) (default: LLAMACTL_KERNELS, else on).")]
 PinsFileOpt = Annotated[Optional[str], typer.Option("--pins-file", help="Pinned kernel configs to run over the packaged ones (a file `llamactl bench --tune` wrote) (default: LLAMACTL_PINS_FILE).")]
-KvDtypeOpt = Annotated[Optional[str], typer.Option("--kv-dtype", help="What the KV cache stores: auto (the model's dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head: nearly twice the tokens in the same memory, and less to read a step) [default: auto].", show_default=False)]
+KvDtypeOpt = Annotated[Optional[str], typer.Option("--kv-dtype", callback=lambda v: check_kv_dtype(v), help="What the KV cache stores: auto (the model's dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head: nearly twice the tokens in the same memory, and less to read a step) [default: auto].", show_default=False)]
 EvalOpt = Annotated[Optional[str], typer.Option("--eval", help="Plain-text file for the quality report (default: packaged docs-eval.txt).")]
 EvalTokensOpt = Annotated[Optional[int], typer.Option("--eval-tokens", min=0, help="Tokens scored in the quality report; 0 skips it [default: 32,768 on a GPU; on the CPU what takes about 2 minutes for the model, 2,048 to 32,768].", show_default=False)]
 
@@ -49,6 +49,14 @@ EvalTokensOpt = Annotated[Optional[int], typer.Option("--eval-tokens", min=0, he
 def check_quant_inputs(value: str | None) -> str | None:
     if value is not None and value not in QUANT_INPUTS:
         raise typer.BadParameter(f"{value!r}: use {', '.join(QUANT_INPUTS[:-1])} or {QUANT_INPUTS[-1]}")
+    return value
+
+
+def check_kv_dtype(value: str | None) -> str | None:
+    from llamactl.options import KV_DTYPES
+
+    if value is not None and value not in KV_DTYPES:
+        raise typer.BadParameter(f"{value!r}: use {', '.join(KV_DTYPES[:-1])} or {KV_DTYPES[-1]}")
     return value
 
 

@@ -182,3 +182,37 @@ def test_packed_prefill_and_decode_rows_read_8bit_pools(name):
     got = kernels(q, layer.k, layer.v, cache.table, r, 64, layer.k_scale, layer.v_scale)
     want = reference(q.float(), layer.k, layer.v, cache.table, r, layer.k_scale, layer.v_scale)
     assert rel(got.double().cpu(), want.double().cpu()) < 5e-3
+
+
+@pytest.mark.parametrize("name", EIGHT)
+def test_a_decode_step_over_an_8bit_cache_runs_the_kernel_and_matches_sdpa(tiny_gqa, name):
+    """A model's decode step of rows at their own positions over an 8-bit static cache: llamactl's
+    kernel (RoPE, the quantized write and the attention folded in) gives the logits SDPA gives
+    over the dequantized cache."""
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.layers.plan import prepare
+    from llamactl.options import RuntimeOptions
+    from llamactl.runtime.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
+    fmt = resolve(name, torch.float32)
+    torch.manual_seed(3)
+    lens = [3, 9, 5]
+    prompts = [torch.randint(0, 8192, (1, n), device=DEV) for n in lens]
+    tok = torch.randint(0, 8192, (3, 1), device=DEV)
+    pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
+
+    def step():
+        cache = StaticCache.for_model(model, 3, 64, fmt=fmt)
+        for r, ids in enumerate(prompts):
+            model(ids, torch.arange(ids.shape[1], device=DEV), cache, slot=r)
+        return model(tok, pos, cache)[:, -1]  # [B, V]
+
+    with torch.inference_mode():
+        prepare(model, RuntimeOptions(kernels=False), interpreter=True)
+        ref = step()
+        prepare(model, RuntimeOptions(), interpreter=True)
+        assert model.model.layers[0].self_attn.decode_kernel == "rope"
+        got = step()
+    assert rel(got.cpu(), ref.cpu()) < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -449,3 +449,29 @@ def test_speculating_rows_give_the_tokens_of_plain_decoding(embedded):
     assert _run_engine(model, set(), list(zip(prompts, off)), engine=eng.start()) == out[0, 0]
     eng.stop()
     assert eng.times.verify_steps == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_an_8bit_pool_gives_the_tokens_of_generate_with_that_cache(embedded, kv_dtype):
+    """An engine whose KV pool is 8-bit (--kv-dtype): rows joining in chunks and decoding together
+    give the greedy tokens `llamactl generate --kv-dtype` gives alone over its static cache (both
+    attend over the K/V as the cache holds them), and a pool of the same bytes holds more."""
+    from llamactl.options import RuntimeOptions
+    from llamactl.serve.engine import Engine, KvOptions, Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    options = RuntimeOptions(kv_dtype=kv_dtype)
+    reqs = [(tok(p).input_ids, Params(12, Sampling(temperature=0.0))) for p in PROMPTS[:4]]
+    eng = Engine(model, eos, max_batch=2, max_queue=16, max_seq=128, prefill_chunk=4, options=options,
+                 kv=KvOptions(memory_gib=1 / 1024)).start()
+    try:
+        assert eng.runner.cache.fmt.name == kv_dtype and eng.runner.cache.layers[0].k.element_size() == 1
+        together = _run_engine(model, eos, reqs, engine=eng)
+    finally:
+        eng.stop()
+    for (ids, p), (got, _) in zip(reqs, together):
+        events = gen.generate(model, tok, ids, p.max_tokens, gen.Sampling(temperature=0), eos, options=options)
+        assert got == next(e for e in events if isinstance(e, gen.Result)).token_ids
+    sixteen = Engine(model, eos, max_batch=2, max_queue=16, max_seq=128, kv=KvOptions(memory_gib=1 / 1024))
+    assert eng.runner.cache.tokens > 1.9 * sixteen.runner.cache.tokens  # a float32 model: 4 bytes a value to 1 (+ scale)

@@ -303,8 +303,9 @@ def long_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def small_server(long_model):
-    """One slot, one queue place, an API key from the environment."""
-    s = Server([str(long_model), "--max-batch", "1", "--max-queue", "1"], env={"LLAMACTL_API_KEY": "k3y"})
+    """One slot, one queue place, an API key from the environment, an 8-bit KV cache."""
+    s = Server([str(long_model), "--max-batch", "1", "--max-queue", "1", "--kv-dtype", "int8"],
+               env={"LLAMACTL_API_KEY": "k3y"})
     s.client.headers["Authorization"] = "Bearer k3y"
     yield s
     s.stop()
@@ -317,6 +318,15 @@ def test_the_api_key_is_required(small_server):
     assert anon.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert anon.get("/health").status_code == 200  # health and metrics stay open, as in vLLM
     assert small_server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_an_8bit_cache_is_on_the_start_line_and_in_the_metrics(small_server, server):
+    line = next(l for l in small_server.lines if " on http://" in l)
+    tokens = int(re.search(r"\((\d+) tokens", line).group(1))
+    assert re.search(r"KV cache [\d.]+ \w+ int8, ", line), line
+    text = small_server.client.get("/metrics").text
+    assert f'llamactl_kv_cache_tokens{{dtype="int8"}} {float(tokens)}' in text
+    assert 'llamactl_kv_cache_tokens{dtype="float32"}' in server.client.get("/metrics").text
 
 
 def test_chat_completions_use_the_template(small_server):
