@@ -3,9 +3,11 @@
 // KV head sharing each cache row's loads (grouped-query attention without a copy).
 //
 // decode_attention(q [B, H_kv, R, D], k/v [B', H_kv, S, D] (B' >= B: cache rows 0..B-1 are used),
-// pos [B] or [1] int64, scale) -> [B, H_kv, R, D]: row b attends to cache positions 0..pos[b]
-// (pos[0] for every row when pos has one element). q, k, v: bfloat16 or float32 alike, sums and
-// the softmax in float32.
+// pos [B] or [1] int64, scale, k_scale, v_scale) -> [B, H_kv, R, D]: row b attends to cache
+// positions 0..pos[b] (pos[0] for every row when pos has one element). q, k, v: bfloat16 or float32
+// alike, sums and the softmax in float32; or k, v int8 with float16 scales k_scale, v_scale
+// [B', H_kv, S] (an 8-bit cache, runtime.kv_format: a position's key is k * k_scale), each
+// position's scale multiplied into its score and its weight.
 //
 // Work is split over (row, KV head, chunk of 32-256 positions), as flash-decoding does, so that a
 // long cache keeps every thread busy when B x H_kv is small; each chunk keeps its running max and
@@ -16,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__)
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -39,6 +43,7 @@ constexpr int64_t MAX_R = 16;  // query heads per KV head (kernels/cpu.py ATTN_M
 constexpr int64_t MAX_D = 256;  // head width (kernels/cpu.py ATTN_MAX_HEAD_DIM)
 
 inline float as_float(float v) { return v; }
+inline float as_float(int8_t v) { return static_cast<float>(v); }
 inline float as_float(c10::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;
@@ -64,9 +69,10 @@ inline float exp_neg(float x) {
 }
 
 // One (row, KV head, chunk): the R queries' running max m, sum l and unnormalized output acc [R, D].
+// ks, vs: an int8 cache's scales of positions 0.. (nullptr: none)
 template <typename T>
-void chunk_attention(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r, int64_t d,
-                     float* m, float* l, float* acc) {
+void chunk_attention(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs, int64_t t0,
+                     int64_t t1, int64_t r, int64_t d, float* m, float* l, float* acc) {
   thread_local std::vector<float> kf, sc;
   kf.resize(d);
   sc.resize(MAX_R * CHUNK);
@@ -79,7 +85,7 @@ void chunk_attention(const float* q, const T* k, const T* v, int64_t t0, int64_t
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t i = 0; i < d; ++i) s += qj[i] * kf[i];
-      sc[j * CHUNK + t] = s;
+      sc[j * CHUNK + t] = ks ? s * static_cast<float>(ks[t0 + t]) : s;
     }
   }
   for (int64_t j = 0; j < r; ++j) {  // probabilities, less the chunk's max
@@ -99,8 +105,9 @@ void chunk_attention(const float* q, const T* k, const T* v, int64_t t0, int64_t
   for (int64_t t = 0; t < n; ++t) {  // acc[j] = sum_t p[j, t] v[t]
     const T* vt = v + (t0 + t) * d;
     for (int64_t i = 0; i < d; ++i) kf[i] = as_float(vt[i]);
+    const float w = vs ? static_cast<float>(vs[t0 + t]) : 1.0f;
     for (int64_t j = 0; j < r; ++j) {
-      const float p = sc[j * CHUNK + t];
+      const float p = sc[j * CHUNK + t] * w;
       float* a = acc + j * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) a[i] += p * kf[i];
@@ -113,6 +120,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float: the bits shifted up
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {  // 16 int8 -> float
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // e^x of 16 lanes, x <= 0 (exp_neg's polynomial, vectorized)
@@ -129,8 +139,8 @@ inline __m512 exp_neg16(__m512 x) {
 // output, in registers (DV independent sums a cache row, not one chain the length of the chunk);
 // the chunk's K and V rows (at most 256 x D) stay in L1/L2 for the next query head of the group
 template <int DV, typename T>
-void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, int64_t t1, int64_t r,
-                            float* m, float* l, float* acc) {
+void chunk_attention_avx512(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
+                            int64_t t0, int64_t t1, int64_t r, float* m, float* l, float* acc) {
   constexpr int64_t d = 16 * DV;
   alignas(64) float sc[CHUNK + 16];  // one query head's scores, padded to whole vectors
   const int64_t n = t1 - t0, whole = (n + 15) / 16;
@@ -143,7 +153,7 @@ void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, 
     for (int64_t t = 0; t < n; ++t) {
       __m512 s = _mm512_mul_ps(qv[0], load16(kc + t * d));
       for (int c = 1; c < DV; ++c) s = _mm512_fmadd_ps(qv[c], load16(kc + t * d + 16 * c), s);
-      sc[t] = _mm512_reduce_add_ps(s);
+      sc[t] = ks ? _mm512_reduce_add_ps(s) * static_cast<float>(ks[t0 + t]) : _mm512_reduce_add_ps(s);
       mx = std::max(mx, sc[t]);
     }
     const __m512 vmx = _mm512_set1_ps(mx);
@@ -159,7 +169,7 @@ void chunk_attention_avx512(const float* q, const T* k, const T* v, int64_t t0, 
     __m512 a[DV];  // acc[j] = sum_t p[t] v[t]
     for (int c = 0; c < DV; ++c) a[c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(sc[t]);
+      const __m512 p = _mm512_set1_ps(vs ? sc[t] * static_cast<float>(vs[t0 + t]) : sc[t]);
       for (int c = 0; c < DV; ++c) a[c] = _mm512_fmadd_ps(p, load16(vc + t * d + 16 * c), a[c]);
     }
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + j * d + 16 * c, a[c]);
@@ -174,9 +184,10 @@ const auto& avx512_kernels(std::integer_sequence<int, I...>) {
 }
 #endif
 
-template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* pos, bool per_row,
-         float scale, at::Tensor& out) {
+// T: q's and out's type; K: the cache's (T, or int8_t with scales ks, vs)
+template <typename T, typename K = T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::Half* ks, const c10::Half* vs,
+         const int64_t* pos, bool per_row, float scale, at::Tensor& out) {
   const int64_t b = q.size(0), h = q.size(1), r = q.size(2), d = q.size(3), s = k.size(2);
   int64_t longest = 1;
   for (int64_t i = 0; i < b; ++i) longest = std::max(longest, pos[per_row ? i : 0] + 1);
@@ -189,8 +200,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
   const int64_t stride = r * (d + 2);
   std::vector<float> work(b * h * chunks * stride);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const K* kp = k.data_ptr<K>();
+  const K* vp = v.data_ptr<K>();
   at::parallel_for(0, b * h * chunks, 1, [&](int64_t lo, int64_t hi) {
     float qf[MAX_R * MAX_D];
     for (int64_t task = lo; task < hi; ++task) {
@@ -204,15 +215,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
       }
       const T* qh = qp + bh * r * d;
       for (int64_t i = 0; i < r * d; ++i) qf[i] = as_float(qh[i]) * scale;
-      const int64_t cache = (row * h + head) * s * d;
+      const int64_t cache = (row * h + head) * s * d, scales = (row * h + head) * s;
+      const c10::Half* kss = ks ? ks + scales : nullptr;
+      const c10::Half* vss = vs ? vs + scales : nullptr;
 #if defined(__AVX512F__)
       if (d % 16 == 0) {
-        avx512_kernels<T>(std::make_integer_sequence<int, MAX_D / 16>())[d / 16 - 1](qf, kp + cache, vp + cache, t0,
-                                                                                    t1, r, w, w + r, w + 2 * r);
+        avx512_kernels<K>(std::make_integer_sequence<int, MAX_D / 16>())[d / 16 - 1](
+            qf, kp + cache, vp + cache, kss, vss, t0, t1, r, w, w + r, w + 2 * r);
         continue;
       }
 #endif
-      chunk_attention<T>(qf, kp + cache, vp + cache, t0, t1, r, d, w, w + r, w + 2 * r);
+      chunk_attention<K>(qf, kp + cache, vp + cache, kss, vss, t0, t1, r, d, w, w + r, w + 2 * r);
     }
   });
   T* op = out.data_ptr<T>();
@@ -240,11 +253,20 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const in
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos,
-                            double scale) {
+                            double scale, const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "decode_attention: contiguous tensors");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q, k, v of one dtype");
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k.scalar_type()) && k.scalar_type() == v.scalar_type(),
+              "decode_attention: q, k, v of one dtype, or k, v int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "decode_attention: scales with an int8 cache alone");
+  if (int8) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kHalf && sc->is_contiguous() && sc->dim() == 3 &&
+                      sc->sizes() == k.sizes().slice(0, 3),
+                  "decode_attention: scales float16 [B', H_kv, S], contiguous");
+  }
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
               "decode_attention: cache [B' >= B, H_kv, S, D] for q [B, H_kv, R, D]");
   TORCH_CHECK(q.size(2) <= MAX_R && q.size(3) <= MAX_D, "decode_attention: at most 16 query heads a KV head, D <= 256");
@@ -255,10 +277,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(0 <= pp[i] && pp[i] < k.size(2), "decode_attention: a position outside the cache");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool per_row = pos.numel() == q.size(0) && q.size(0) > 1;
-  if (q.scalar_type() == at::kBFloat16)
-    run<c10::BFloat16>(q, k, v, pp, per_row, static_cast<float>(scale), out);
+  const float sc = static_cast<float>(scale);
+  const c10::Half* ks = int8 ? k_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs = int8 ? v_scale->data_ptr<c10::Half>() : nullptr;
+  if (q.scalar_type() == at::kBFloat16 && int8)
+    run<c10::BFloat16, int8_t>(q, k, v, ks, vs, pp, per_row, sc, out);
+  else if (q.scalar_type() == at::kFloat && int8)
+    run<float, int8_t>(q, k, v, ks, vs, pp, per_row, sc, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(q, k, v, nullptr, nullptr, pp, per_row, sc, out);
   else if (q.scalar_type() == at::kFloat)
-    run<float>(q, k, v, pp, per_row, static_cast<float>(scale), out);
+    run<float>(q, k, v, nullptr, nullptr, pp, per_row, sc, out);
   else
     TORCH_CHECK(false, "decode_attention: bfloat16 or float32, not ", q.scalar_type());
   return out;
@@ -267,7 +296,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llamactl_cpu, lib) {
-  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor pos, float scale, Tensor? k_scale=None, "
+          "Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llamactl_cpu, CPU, lib) { lib.impl("decode_attention", decode_attention); }

@@ -178,13 +178,15 @@ class Attention(nn.Module):
             y = decode_attention(q.reshape(b, self.n_kv_heads, rep, self.head_dim), *cache.first(b), input_pos.view(-1),
                                  self.attn_min_chunk, self.pdl, *cache.first_scales(b))  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
+        if (kernel and self.decode_kernel == "cpu" and not paged and q.dtype == cache.dtype
+                and cache.fmt.storage in (q.dtype, torch.int8)):  # reads positions 0..input_pos alone, int8 ones too
+            cache.write(input_pos, k, v)
+            y = torch.ops.llamactl_cpu.decode_attention.default(
+                q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), *cache.first(b), input_pos.reshape(-1),
+                self.head_dim**-0.5, *cache.first_scales(b))  # [B, H_kv, rep, D]
+            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
         if cache is not None:  # [B, H_kv, max_seq or span, D] ([B, H_kv, S, D] for slots [B])
             k, v = cache.update(input_pos, k, v, slot, mask.shape[-1])
-        if kernel and self.decode_kernel == "cpu" and q.dtype == k.dtype and not paged:  # reads positions 0..input_pos alone
-            y = torch.ops.llamactl_cpu.decode_attention.default(
-                q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), k, v, input_pos.reshape(-1),
-                self.head_dim**-0.5)  # [B, H_kv, rep, D]
-            return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
         if mask.shape[-1] < k.shape[2]:  # the caller cut the cache to the positions that matter (eager steps)
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
         if rep > 1:

@@ -187,6 +187,30 @@ def test_decode_attention_matches_float64(dtype, b, h, r, d, s, pos):
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,h,r,d,s,pos", [(3, 2, 4, 64, 600, [0, 300, 599]), (1, 2, 2, 128, 300, [299])])
+def test_decode_attention_reads_an_int8_cache_with_its_scales(dtype, b, h, r, d, s, pos):
+    """An 8-bit cache (runtime.kv_format): int8 K/V and a float16 scale per position and head,
+    against float64 attention over the dequantized cache; scales past a row's position (NaN here)
+    are never read."""
+    from llamactl.runtime.kv_format import dequantize, quantize, resolve
+
+    g = torch.Generator().manual_seed(b * 100 + s)
+    q = torch.randn(b, h, r, d, generator=g).to(dtype)
+    (k, ks), (v, vs) = (quantize(torch.randn(b + 1, h, s, d, generator=g) * 3, resolve("int8", dtype)) for _ in range(2))
+    p = torch.tensor(pos)
+    ref = attention_reference(q, dequantize(k, ks, torch.float64), dequantize(v, vs, torch.float64), p)
+    for sc in (ks, vs):
+        for row, n in enumerate([*pos, -1]):
+            sc[row, :, n + 1 :] = float("nan")
+    got = torch.ops.llamactl_cpu.decode_attention(q, k, v, p, d**-0.5, ks, vs)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    with pytest.raises(RuntimeError, match="scales with an int8 cache alone"):
+        torch.ops.llamactl_cpu.decode_attention(q, k, v, p, d**-0.5)
+
+
 def test_decode_attention_refuses_a_position_outside_the_cache():
     q, k = torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 8, 64)
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -240,3 +264,35 @@ def test_decode_attention_is_planned_where_it_fits(tmp_path, heads, kv_heads, wa
     vector = lcpu.quant_fast() or lcpu.bf16_fast()  # the CPU layers (and this attention) run at all here
     assert runs[True][1] == (want if vector else "sdpa") and runs[False][1] == "sdpa"
     assert runs[True][0] == runs[False][0]
+
+
+def test_a_decode_step_over_an_int8_cache_runs_the_cpu_attention_on_the_int8_values(tiny_gqa, monkeypatch):
+    """The model's CPU decode path with an int8 cache hands the kernel the cache's int8 rows and
+    scales (no dequantized copy), and gives the logits SDPA gives over the dequantized cache."""
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.kv_cache import StaticCache
+    from llamactl.runtime.kv_format import resolve
+    from llamactl.runtime.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 8192, (1, n)) for n in (3, 9, 5)]
+    tok, pos = torch.randint(0, 8192, (3, 1)), torch.tensor([3, 9, 5]).view(-1, 1)
+
+    def step(kernel: str):
+        for layer in model.model.layers:
+            layer.self_attn.decode_kernel = kernel
+        cache = StaticCache.for_model(model, 3, 64, fmt=resolve("int8", torch.float32))
+        for r, ids in enumerate(prompts):
+            model(ids, torch.arange(ids.shape[1]), cache, slot=r)
+        return model(tok, pos, cache)[:, -1]  # [B, V]
+
+    seen = []
+    op = torch.ops.llamactl_cpu.decode_attention.default
+    with torch.inference_mode():
+        ref = step("")
+        monkeypatch.setattr(torch.ops.llamactl_cpu.decode_attention, "default",
+                            lambda q, k, v, *a: seen.append(k.dtype) or op(q, k, v, *a))
+        got = step("cpu")
+    assert seen == [torch.int8] * len(model.model.layers)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
