@@ -14,7 +14,7 @@ _llamactl() {
         bench:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
         bench:--pdl) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
         bench:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
-        bench:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
+        bench:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-7b-32k llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
         bench:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
         bench:--format) COMPREPLY=( $(compgen -W "table json csv markdown" -- "$cur") ); return ;;
         calibrate:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
@@ -37,7 +37,7 @@ _llamactl() {
         quantize:--gptq-variant) COMPREPLY=( $(compgen -W "gptq gptaq foem" -- "$cur") ); return ;;
         quantize:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
         quantize:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
-        serve:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
+        serve:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-7b-32k llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
         serve:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
         serve:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
         serve:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
@@ -49,15 +49,15 @@ _llamactl() {
         return
     fi
     case "$cmd" in
-        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --ramp-up --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --tp --help -h" ;;
+        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --ramp-up --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --kv-dtype --tp --help -h" ;;
         calibrate) opts="--output -o --calib --n-samples --seq-len --device --force --json --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert) opts="--output -o --to --type --dtype --tokenizer --context --dequantize --eval-tokens --allow-pickle --force --json --help -h" ;;
         convert-heads) opts="--output -o --kv-heads --grouping --merge --calib --n-samples --seq-len --distill-steps --distill-lr --eval --eval-tokens --device --force --json --help -h" ;;
-        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --chat-template --ignore-eos --draft --speculate --compile --no-compile --aot --trust-compile-cache --quant-inputs --kernels --pins-file --json --allow-pickle --tp --help -h" ;;
+        generate) opts="--prompt -p --max-new-tokens -n --temperature --top-p --top-k --seed --device --dtype --chat --chat-template --ignore-eos --draft --speculate --compile --no-compile --aot --trust-compile-cache --quant-inputs --kernels --pins-file --kv-dtype --json --allow-pickle --tp --help -h" ;;
         inspect) opts="--json --allow-pickle --help -h" ;;
         quantize) opts="--output -o --method --bits --group-size --sym --asym --desc-act --no-desc-act --damp --clip-search --gptq-variant --quantize-lm-head --head-bits --embed-bits --calib --n-samples --seq-len --target-bpw --widths --calib-stats --eval --eval-tokens --device --force --json --help -h" ;;
-        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --draft --speculate --speculate-rows --mixed-steps --no-mixed-steps --prefill-chunk --gather-ms --api-key --served-model-name --max-request-bytes --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --allow-pickle --tp --help -h" ;;
+        serve) opts="--host --port --max-batch --max-queue --max-seq --kv-memory --gpu-memory-fraction --block-size --chat-template --prefix-cache --no-prefix-cache --draft --speculate --speculate-rows --mixed-steps --no-mixed-steps --prefill-chunk --gather-ms --api-key --served-model-name --max-request-bytes --drain-timeout --mode --prefill-graphs --no-prefill-graphs --synthetic --synthetic-quant --device --dtype --quant-inputs --kernels --pins-file --kv-dtype --allow-pickle --tp --help -h" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -18,6 +18,10 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048),
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    # llama2-7b's shape at 32K positions (Together's LLaMA-2-7B-32K): the long-context MHA model
+    # whose KV cache outweighs its int4 weights (8 GiB of bf16 K/V at 16K tokens)
+    "llama2-7b-32k": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768),
     "llama2-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                        num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

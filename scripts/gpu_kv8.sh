@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The 8-bit KV cache's decode goals (issue 52) on the lent GPU: each bench times the 16-bit cache
+# and the int8 and fp8 ones in one run (--kv-dtype auto,int8,fp8), so their ratios are of one call.
+#   kv8-7b-16k    llama2-7b-32k shape, int4 weights (RTN), batch 1 after a 16,384-token prompt
+#   kv8-8b-32x4k  llama3-8b bf16, 32 rows after 4,096-token prompts
+# First the kernels' tests on the GPU (tests/kernels/test_kv8.py). The capacity goal is
+# scripts/gpu_paged.sh's chat-kv16-new and chat-kv8-half. Usage: bash scripts/gpu_kv8.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: gpu_kv8.sh OUTDIR}
+. "$(dirname "$0")/device_env.sh"
+timeout 150 python -m pytest -q -x tests/kernels/test_kv8.py > "$out/kv8-tests.log" 2>&1; tail -1 "$out/kv8-tests.log"
+# NAME BENCH_ARGS...: bench's JSON to OUTDIR/NAME.json, and each row's decode rate against the first's
+run() {
+  local name=$1; shift
+  timeout 280 python -m llamactl bench "$@" --kv-dtype auto,int8,fp8 --format json -o "$out/$name.json" \
+    > /dev/null 2> "$out/$name.err" || tail -3 "$out/$name.err"
+  python - "$out/$name.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+base = next((r["decode_tok_s"] for r in rows if r.get("decode_tok_s")), None)
+for r in rows:
+    tok = r.get("decode_tok_s")
+    print(f"{r.get('kv_dtype', '?'):8} {tok or 0:8.1f} tok/s  {tok / base if tok and base else 0:.3f}x  "
+          f"{r.get('bandwidth_ceiling_frac', 0):.2f} of the ceiling  {r.get('skipped', '')}")
+PY
+}
+run kv8-7b-16k --synthetic llama2-7b-32k --synthetic-quant int4 --batch 1 --prompt-len 16384 --gen-len 128 --warmup 1 --repeat 3
+run kv8-8b-32x4k --synthetic llama3-8b --batch 32 --prompt-len 4096 --gen-len 64 --warmup 1 --repeat 2
