@@ -8,11 +8,11 @@
 set -uo pipefail
 out=${1:?usage: gpu_kv8.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
-timeout 150 python -m pytest -q -x tests/kernels/test_kv8.py > "$out/kv8-tests.log" 2>&1; tail -1 "$out/kv8-tests.log"
+timeout 100 python -m pytest -q -x tests/kernels/test_kv8.py > "$out/kv8-tests.log" 2>&1; tail -1 "$out/kv8-tests.log"
 # NAME BENCH_ARGS...: bench's JSON to OUTDIR/NAME.json, and each row's decode rate against the first's
 run() {
   local name=$1; shift
-  timeout 280 python -m llamactl bench "$@" --kv-dtype auto,int8,fp8 --format json -o "$out/$name.json" \
+  timeout 220 python -m llamactl bench "$@" --kv-dtype auto,int8,fp8 --format json -o "$out/$name.json" \
     > /dev/null 2> "$out/$name.err" || tail -3 "$out/$name.err"
   python - "$out/$name.json" <<'PY'
 import json, sys
