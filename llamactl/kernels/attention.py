@@ -47,10 +47,12 @@ def kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION: tl.constexpr, KV8: 
     float32. KV8: the keys are 8-bit, each position's scale at ks_ptr + at // D, multiplied into
     its scores (one conversion a key value, exact: 8-bit values are 16-bit numbers)."""
     k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-    if KV8:
+    if KV8:  # (one return after both branches: Triton compiles what follows a constexpr branch's return)
         ks = tl.load(ks_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
-        return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks[None, :] * scale)
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks[None, :] * scale)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return s
 
 
 @triton.jit
@@ -60,8 +62,10 @@ def kv_weighted(p, v_ptr, vs_ptr, at, d, ok, dtype, PRECISION: tl.constexpr, KV8
     v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
     if KV8:
         vs = tl.load(vs_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
-        return tl.dot((p * vs[None, :]).to(dtype), v.to(dtype), input_precision=PRECISION)
-    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        o = tl.dot((p * vs[None, :]).to(dtype), v.to(dtype), input_precision=PRECISION)
+    else:
+        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return o
 
 
 @triton.jit
