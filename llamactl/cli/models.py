@@ -68,7 +68,7 @@ def _kv_line(info: dict) -> str:
 def quantize(
     model: ModelReq,
     output: OutOpt,
-    method: Annotated[str, typer.Option(help="gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes).")] = "gptq",
+    method: Annotated[str, typer.Option(help="gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes), or fp8 (e4m3 weights per channel and activations per token, compressed-tensors' format: FP8 tensor cores on Hopper).")] = "gptq",
     bits: Annotated[Optional[int], typer.Option(help="Bits per weight: 3, 4, 5, 6 or 8 for gptq and rtn (default 4; 3, 5 and 6 are read by llamactl and GPTQModel only); nf4 is 4, int8 is 8 (their defaults).", show_default=False)] = None,
     group_size: Annotated[int, typer.Option("--group-size", min=-1, help="Columns per quantization group; -1 = one group per output channel.")] = 128,
     sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (zero point fixed) or asymmetric groups.")] = True,

@@ -67,7 +67,7 @@ def _load_input(x_ptr, idx, mask, K, nw_ptr, NORM: tl.constexpr, GLU: tl.constex
 @triton.jit
 def _block(row_ptrs, idx, row_ok, limit):
     """Weights row_ptrs[:, None] + idx[None, :] ([BN, len(idx)]), zero past `limit` and outside the rows."""
-    return tl.load(row_ptrs + idx[None, :], mask=row_ok[:, None] & (idx < limit)[None, :], other=0)
+    return tl.load(row_ptrs + idx[None, :], mask=row_ok[:, None] & (idx < limit)[None, :], other=0.0)
 
 
 @triton.jit

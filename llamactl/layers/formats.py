@@ -123,9 +123,43 @@ def _bnb_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
             else [])
 
 
+def _fp8_swap(art, model) -> None:
+    """compressed-tensors' float-quantized folders of FP8 weights with a scale per output channel
+    (llm-compressor's FP8_DYNAMIC, quantize --method fp8; static activation scales are read as
+    dynamic per-token ones)."""
+    from llamactl.layers.fp8 import FP8Linear
+    from llamactl.layers.gptq import swap_linears
+
+    q = art.quantization
+    for name, group in (q.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if (w.get("type"), w.get("num_bits"), w.get("strategy")) != ("float", 8, "channel"):
+            raise CheckpointError(f"{art.path}: compressed-tensors group {name} quantizes weights as "
+                                  f"{w.get('type')} {w.get('num_bits')}-bit per {w.get('strategy')}, which the runtime "
+                                  "does not read", "llamactl reads FP8 weights with a scale per channel "
+                                  "(llamactl quantize --method fp8 writes them)")
+    names = sorted(n[: -len(".weight_scale")] for n in art.tensor_index() if n.endswith(".weight_scale"))
+    if not names:
+        raise CheckpointError(f"{art.path}: config.json says compressed-tensors but no tensor ends in .weight_scale")
+    with torch.device("meta"):
+        swap_linears(model, names, lambda lin: FP8Linear(lin.in_features, lin.out_features, lin.bias is not None))
+
+
+def _fp8_rename(name: str) -> str | None:
+    return None if name.endswith(".input_scale") else name  # static activation scales: per token here
+
+
+def _fp8_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
+    from llamactl.layers.fp8 import use_fp8_kernels
+
+    label = use_fp8_kernels(model, kernels == "triton")
+    return [label] if label else []
+
+
 GPTQ = Format("gptq", _gptq_swap, lambda n: n, _gptq_finish)
 BITSANDBYTES = Format("bitsandbytes", _bnb_swap, _bnb_rename, _bnb_finish)
-FORMATS = {f.quant_method: f for f in (GPTQ, BITSANDBYTES)}
+COMPRESSED_TENSORS = Format("compressed-tensors", _fp8_swap, _fp8_rename, _fp8_finish)
+FORMATS = {f.quant_method: f for f in (GPTQ, BITSANDBYTES, COMPRESSED_TENSORS)}
 
 
 def for_checkpoint(art) -> Format:

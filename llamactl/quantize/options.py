@@ -8,8 +8,8 @@ from llamactl.folder.artifact import Artifact
 from llamactl.folder.schemes import EMBED, embedding_scheme_of, module_scheme, scheme_label  # noqa: F401
 
 GPTQ_VARIANTS = ("gptq", "gptaq", "foem")
-BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,)}
-DEFAULT_BITS = {"gptq": 4, "rtn": 4, "nf4": 4, "int8": 8}
+BITS = {"gptq": (3, 4, 5, 6, 8), "rtn": (3, 4, 5, 6, 8), "nf4": (4,), "int8": (8,), "fp8": (8,)}
+DEFAULT_BITS = {"gptq": 4, "rtn": 4, "nf4": 4, "int8": 8, "fp8": 8}
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -107,6 +107,7 @@ USED = {
              "head_bits", "embed_bits", "calib", "n_samples", "seq_len", "seed", "target_bpw", "calib_stats", "widths"),
     "nf4": ("method", "bits"),
     "int8": ("method", "bits"),
+    "fp8": ("method", "bits", "lm_head"),
 }
 
 

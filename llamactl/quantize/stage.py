@@ -60,6 +60,12 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
     if opts.method in ("nf4", "int8") and (opts.clip_search or opts.lm_head or opts.embed_bits != 16):
         raise InputError(f"--clip-search, --quantize-lm-head, --head-bits and --embed-bits are not available with --method {opts.method}",
                          "use --method rtn or gptq")
+    if opts.method == "fp8" and (opts.clip_search or opts.embed_bits != 16 or opts.head_bits is not None):
+        raise InputError("--clip-search, --head-bits and --embed-bits are not available with --method fp8",
+                         "drop them (--quantize-lm-head makes lm_head FP8 too)")
+    if opts.method == "fp8" and opts.lm_head and art.args.tie_word_embeddings:
+        raise InputError("--quantize-lm-head with --method fp8 on a tied model: its head is its embedding table, "
+                         "which FP8 keeps 16-bit", "drop --quantize-lm-head")
     from llamactl.layers.embedding import EMBED_BITS
 
     if opts.embed_bits not in EMBED_BITS:

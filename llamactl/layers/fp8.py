@@ -1,0 +1,110 @@
+"""FP8 (e4m3) linear layers: weights [out, in] in float8_e4m3fn with a scale per output channel
+(compressed-tensors' float-quantized checkpoints: quantize.fp8 writes them, layers.formats reads
+them), activations quantized per token when they are multiplied in FP8.
+
+What multiplies x [rows, in]:
+- one row where llamactl's kernels run: its GEMV (kernels.gemv), which reads the 8-bit weights and
+  converts them in registers (the bytes of int8, the scales applied per row);
+- more rows on a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper): x quantized to
+  e4m3 with a scale per row (its largest magnitude over 448), then torch._scaled_mm (cuBLASLt)
+  with the two scale vectors, out in the activations' dtype;
+- elsewhere (the CPU, older GPUs): the weights dequantized to the activations' dtype each call,
+  and more than one row rounded per token as scaled_mm's inputs are, so a quality report measured
+  there is W8A8's (`product` names the path, so a plan says so).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_matmul(device_index: int) -> bool:
+    """Whether torch._scaled_mm runs FP8 here: a CUDA device of compute capability 8.9 or later."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]): x ~ q * scale, per row (token)."""
+    scale = (x.abs().amax(-1, keepdim=True).float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class FP8Linear(nn.Module):
+    """y = x (W * scale)^T + bias, W float8_e4m3fn [out, in], weight_scale [out, 1] (the
+    checkpoint's names). `gemv` (llamactl's kernels run) and `scaled_mm` (FP8 tensor cores) are
+    set by `use_fp8_kernels` once the weights are on their device."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scale_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.empty(out_features, 1, dtype=scale_dtype))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.gemv = False
+        self.scaled_mm = False
+        self.pdl = False
+
+    @classmethod
+    def concat(cls, mods: list["FP8Linear"]) -> "FP8Linear | None":
+        """One layer computing the outputs of `mods` (same input) side by side."""
+        if any((m.bias is None) != (mods[0].bias is None) for m in mods):
+            return None
+        with torch.device("meta"):  # buffers assigned below: nothing allocated twice
+            out = cls(mods[0].in_features, sum(m.out_features for m in mods), mods[0].bias is not None,
+                      mods[0].weight_scale.dtype)
+        out.weight = torch.cat([m.weight.view(torch.uint8) for m in mods]).view(torch.float8_e4m3fn)  # no fp8 cat on the CPU
+        out.weight_scale = torch.cat([m.weight_scale for m in mods])
+        if out.bias is not None:
+            out.bias = nn.Parameter(torch.cat([m.bias for m in mods]), requires_grad=False)
+        out.gemv, out.scaled_mm, out.pdl = mods[0].gemv, mods[0].scaled_mm, mods[0].pdl
+        return out
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W * scale: [out, in] in dtype."""
+        return (self.weight.to(torch.float32) * self.weight_scale.float()).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        shape = x.shape
+        rows = x.numel() // self.in_features
+        if self.gemv and rows == 1:
+            from llamactl.kernels.gemv import gemv
+
+            y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.weight_scale.view(-1),
+                     pdl=self.pdl).view(*shape[:-1], self.out_features).to(x.dtype)
+        elif self.scaled_mm:
+            xq, xs = quantize_rows(x.reshape(-1, self.in_features))
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.float().view(1, -1),
+                                 out_dtype=x.dtype).view(*shape[:-1], self.out_features)
+        else:  # the activations rounded as scaled_mm's would be (rows > 1), so quality measured here is W8A8's
+            if rows > 1:
+                xq, xs = quantize_rows(x.reshape(-1, self.in_features))
+                x = (xq.float() * xs).to(x.dtype).view(shape)
+            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def product(self, rows: int) -> str:
+        """What multiplies `rows` rows (bench rows name it)."""
+        if self.gemv and rows == 1:
+            return "fp8 weights GEMV"
+        return "fp8 scaled_mm (cuBLASLt)" if self.scaled_mm else "fp8 dequantized per call"
+
+
+def use_fp8_kernels(model, triton: bool) -> str | None:
+    """Point every FP8Linear at the fastest path here; returns the plan's label (None: no FP8 layers)."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    if not layers:
+        return None
+    dev = model.device
+    mm = dev.type == "cuda" and fp8_matmul(dev.index if dev.index is not None else torch.cuda.current_device())
+    for m in layers:
+        m.gemv, m.scaled_mm = triton, mm
+    rows = "FP8 scaled_mm" if mm else "dequantized per call (no FP8 tensor cores here)"
+    return f"fp8: {'triton GEMV at 1 row, ' if triton else ''}{rows}"
