@@ -152,7 +152,7 @@ def _fp8_rename(name: str) -> str | None:
 def _fp8_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
     from llamactl.layers.fp8 import use_fp8_kernels
 
-    label = use_fp8_kernels(model, kernels == "triton")
+    label = use_fp8_kernels(model)
     return [label] if label else []
 
 

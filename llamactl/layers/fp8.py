@@ -8,9 +8,9 @@ What multiplies x [rows, in]:
 - more rows on a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper): x quantized to
   e4m3 with a scale per row (its largest magnitude over 448), then torch._scaled_mm (cuBLASLt)
   with the two scale vectors, out in the activations' dtype;
-- elsewhere (the CPU, older GPUs): the weights dequantized to the activations' dtype each call,
-  and more than one row rounded per token as scaled_mm's inputs are, so a quality report measured
-  there is W8A8's (`product` names the path, so a plan says so).
+- elsewhere: the weights dequantized to the activations' dtype (on the CPU once, `keep_dense`; on
+  older GPUs each call), and more than one row rounded per token as scaled_mm's inputs are, so a
+  quality report measured there is W8A8's (layers.plan warns; `product` names the path).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class FP8Linear(nn.Module):
         self.gemv = False
         self.scaled_mm = False
         self.pdl = False
+        self.dense: torch.Tensor | None = None  # keep_dense's weights
 
     @classmethod
     def concat(cls, mods: list["FP8Linear"]) -> "FP8Linear | None":
@@ -68,7 +69,16 @@ class FP8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W * scale: [out, in] in dtype."""
+        if self.dense is not None and self.dense.dtype == dtype:
+            return self.dense
         return (self.weight.to(torch.float32) * self.weight_scale.float()).to(dtype)
+
+    def keep_dense(self, dtype: torch.dtype) -> None:
+        """Hold the weights dequantized to dtype (the CPU, where no product reads FP8: converting
+        them each call cost 20x the decode step of the 16-bit model)."""
+        if self.dense is None or self.dense.dtype != dtype:
+            self.dense = None
+            self.dense = self.dequantized(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -97,14 +107,14 @@ class FP8Linear(nn.Module):
         return "fp8 scaled_mm (cuBLASLt)" if self.scaled_mm else "fp8 dequantized per call"
 
 
-def use_fp8_kernels(model, triton: bool) -> str | None:
-    """Point every FP8Linear at the fastest path here; returns the plan's label (None: no FP8 layers)."""
+def use_fp8_kernels(model) -> str | None:
+    """Point every FP8Linear at FP8 tensor cores where the device has them (layers.plan.prepare
+    chooses the one-row GEMV); returns the load's label (None: no FP8 layers)."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     if not layers:
         return None
     dev = model.device
     mm = dev.type == "cuda" and fp8_matmul(dev.index if dev.index is not None else torch.cuda.current_device())
     for m in layers:
-        m.gemv, m.scaled_mm = triton, mm
-    rows = "FP8 scaled_mm" if mm else "dequantized per call (no FP8 tensor cores here)"
-    return f"fp8: {'triton GEMV at 1 row, ' if triton else ''}{rows}"
+        m.scaled_mm = mm
+    return "fp8 scaled_mm" if mm else "fp8 dequantized"

@@ -101,6 +101,25 @@ def quant_input_layers(model) -> list[nn.Module]:
             if isinstance(m, TritonInt4Linear) or (isinstance(m, Int8Kernel) and m.in_features % 32 == 0)]
 
 
+def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
+    """FP8 layers (layers.fp8): one row on llamactl's GEMV where its kernels run (`on`); the
+    warning where there are no FP8 tensor cores (on the CPU the weights are dequantized once)."""
+    from llamactl.layers.fp8 import FP8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in layers:
+        m.gemv, m.pdl = on, pdl
+        if model.device.type == "cpu":
+            m.keep_dense(model.dtype)
+    if not layers or layers[0].scaled_mm:
+        return []
+    if model.device.type == "cpu":
+        return [f"FP8 weights on the CPU: dequantized to {str(model.dtype).replace('torch.', '')} once (no FP8 "
+                "products here), so they take 16-bit memory and speed; activations are rounded per token as on a GPU"]
+    return [f"no FP8 tensor cores on {torch.cuda.get_device_name(model.device)}: FP8 products of 2+ rows dequantize "
+            "their weights each call (one row reads them as they are)"]
+
+
 @torch.no_grad()
 def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = False) -> Plan:
     """Route the model's linears and decode attention through llamactl's kernels where they run
@@ -145,6 +164,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
             mod.pdl, mod.pins, mod.glue_kernels, mod.skinny = pdl, pins.id, on, skinny
         elif isinstance(mod, RMSNorm):
             mod.kernel, mod.pdl = on, pdl
+    warnings += fp8_plan(model, on, pdl)
     if on:
         fuse(model, options.swiglu)
     hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
