@@ -15,7 +15,7 @@ _llamactl() {
         bench:--pdl) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
         bench:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
         bench:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-7b-32k llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
-        bench:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
+        bench:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8 fp8" -- "$cur") ); return ;;
         bench:--format) COMPREPLY=( $(compgen -W "table json csv markdown" -- "$cur") ); return ;;
         calibrate:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
         calibrate:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
@@ -38,7 +38,7 @@ _llamactl() {
         quantize:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
         quantize:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
         serve:--synthetic) COMPREPLY=( $(compgen -W "tiny llama2-7b llama2-7b-32k llama2-13b llama3-8b llama3-70b" -- "$cur") ); return ;;
-        serve:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8" -- "$cur") ); return ;;
+        serve:--synthetic-quant) COMPREPLY=( $(compgen -W "none int4 int8 fp8" -- "$cur") ); return ;;
         serve:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;
         serve:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
         serve:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;

@@ -423,3 +423,52 @@ def test_two_gpus_give_the_greedy_tokens_of_one(trained_model):
     agree = sum(a == b for a, b in zip(one, two))
     print(f"--tp 2 against --tp 1: {agree} of {len(one)} greedy tokens agree")
     assert two[:16] == one[:16] and len(two) == len(one)
+
+
+def test_fp8_layers_on_the_gpu_match_their_dequantized_products():
+    """FP8 weights on the GPU: one row through the GEMV (the weights as they are), rows through
+    torch._scaled_mm with per-token scales where the GPU has FP8, against float64 products of the
+    dequantized weights and (rows) the per-token-rounded activations."""
+    from llamactl.layers.fp8 import FP8Linear, fp8_matmul, quantize_rows, use_fp8_kernels
+    from llamactl.quantize.fp8 import quantize_fp8
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lin = FP8Linear(4096, 1024, False)
+    lin.weight, lin.weight_scale = quantize_fp8(torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16))
+    use_fp8_kernels(lin)
+    lin.gemv = True
+    assert lin.scaled_mm == fp8_matmul(torch.cuda.current_device())
+    w = lin.weight.double() * lin.weight_scale.double()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    one = lin(x[:1]).double()
+    ref = x[:1].double() @ w.t()
+    assert ((one - ref).norm() / ref.norm()) < 1e-2
+    xq, xs = quantize_rows(x)
+    ref = (xq.double() * xs.double()) @ w.t()
+    assert ((lin(x).double() - ref).norm() / ref.norm()) < 1e-2
+    assert lin.product(64) == ("fp8 scaled_mm (cuBLASLt)" if lin.scaled_mm else "fp8 dequantized per call")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_an_8bit_kv_cache_decodes_on_the_gpu_through_graphs(trained_model, kv_dtype):
+    """The trained model in bf16 with an 8-bit cache: the CUDA-graph steps (the kernels' quantizing
+    write and 8-bit reads) give the eager steps' greedy tokens, and mostly the 16-bit cache's."""
+    from llamactl.options import RuntimeOptions
+
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+
+    def run(mode: str, kv: str) -> list[int]:
+        ids = torch.arange(10, 60, device="cuda").view(1, -1)
+        dec = Decoder(model, 1, ids.shape[1] + 32, mode, options=RuntimeOptions(kv_dtype=kv))
+        assert dec.cache.fmt.name == ("bfloat16" if kv == "auto" else kv)
+        tok = dec.prefill(ids)
+        out = [int(tok)]
+        for i in range(31):
+            tok = dec.step(tok, ids.shape[1] + i)
+            out.append(int(tok))
+        return out
+
+    graphs, eager, sixteen = run("graphs", kv_dtype), run("eager", kv_dtype), run("graphs", "auto")
+    assert graphs == eager
+    assert sum(a == b for a, b in zip(graphs, sixteen)) >= 24, (graphs, sixteen)

@@ -58,7 +58,7 @@ def bench(
     quant_inputs: Annotated[Optional[str], typer.Option("--quant-inputs", help="What the int4/int8 GEMVs multiply with (GPU kernels): float, int8 (rounded per 32 columns, DP4A), fp16 (packed fp16 arithmetic), int16 (16-bit fixed point, DP2A), or a comma list such as float,int16 to time each in one run (default: LLAMACTL_QUANT_INPUTS, else int16).")] = None,
     stages: Annotated[bool, typer.Option("--stages", help="The optimization ladder: transformers eager and static cache, llamactl eager, + CUDA graphs, + compile.")] = False,
     synthetic: Annotated[Optional[str], typer.Option(help="Random weights of a named shape: tiny, llama2-7b, llama2-7b-32k, llama2-13b, llama3-8b, llama3-70b.")] = None,
-    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int3, int4, int5, int6 (RTN, group 128), int8 (per channel) or none; a comma list times several copies of the synthetic model in one run.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="int3, int4, int5, int6 (RTN, group 128), int8 (per channel), fp8 (e4m3 per channel, W8A8 on FP8 GPUs) or none; a comma list times several copies of the synthetic model in one run.")] = None,
     quality: Annotated[bool, typer.Option("--quality", help="Also perplexity, and KL/top-1 against --reference.")] = False,
     reference: Annotated[Optional[str], typer.Option(help="Reference model for KL (default: the root of the manifest chain).")] = None,
     eval_file: EvalOpt = None,

@@ -231,7 +231,7 @@ def serve(
     mode: Annotated[str, typer.Option(help="The decode step: eager, graphs (a CUDA graph per batch bucket), compile (torch.compile, then graphs: faster steps at several rows, minutes to start), or auto (graphs on CUDA, eager on the CPU).")] = "auto",
     prefill_graphs: Annotated[bool, typer.Option("--prefill-graphs/--no-prefill-graphs", help="With graphs or compile: prefills of at most 2,048 tokens (whole prompts joining) replay CUDA graphs captured at start, instead of eager launches.")] = True,
     synthetic: Annotated[Optional[str], typer.Option(help="Serve random weights of a named shape instead of MODEL (load tests): tiny, llama2-7b, llama2-7b-32k, llama2-13b, llama3-8b, llama3-70b.")] = None,
-    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int3, int4, int5, int6 (RTN, group 128), int8 (per channel) or none.")] = None,
+    synthetic_quant: Annotated[Optional[str], typer.Option("--synthetic-quant", help="With --synthetic: int3, int4, int5, int6 (RTN, group 128), int8 (per channel), fp8 (e4m3 per channel) or none.")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     quant_inputs: QuantInputsOpt = None,

@@ -104,16 +104,18 @@ class FP8Linear(nn.Module):
         """What multiplies `rows` rows (bench rows name it)."""
         if self.gemv and rows == 1:
             return "fp8 weights GEMV"
-        return "fp8 scaled_mm (cuBLASLt)" if self.scaled_mm else "fp8 dequantized per call"
+        if self.scaled_mm:
+            return "fp8 scaled_mm (cuBLASLt)"
+        return "fp8 dequantized at start" if self.dense is not None else "fp8 dequantized per call"
 
 
 def use_fp8_kernels(model) -> str | None:
-    """Point every FP8Linear at FP8 tensor cores where the device has them (layers.plan.prepare
+    """Point every FP8Linear of model (any module) at FP8 tensor cores where the device has them (layers.plan.prepare
     chooses the one-row GEMV); returns the load's label (None: no FP8 layers)."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     if not layers:
         return None
-    dev = model.device
+    dev = layers[0].weight.device
     mm = dev.type == "cuda" and fp8_matmul(dev.index if dev.index is not None else torch.cuda.current_device())
     for m in layers:
         m.scaled_mm = mm

@@ -139,3 +139,23 @@ def quantize_linears_int8(model, triton: bool, every: bool = False) -> int:
         setattr(model.get_submodule(parent), child, Int8Kernel(q, scale, mod.bias, triton))
         n += 1
     return n
+
+
+def quantize_linears_fp8(model, every: bool = False) -> int:
+    """FP8 e4m3 per output channel (quantize.fp8's scheme) for every decoder linear of an in-memory
+    model (synthetic benchmarks); every: as quantize_linears_int4's."""
+    from llamactl.layers.fp8 import FP8Linear, use_fp8_kernels
+    from llamactl.quantize.fp8 import quantize_fp8
+
+    n = 0
+    for name, mod in _decoder_linears(model, every):
+        with torch.device("meta"):
+            layer = FP8Linear(mod.in_features, mod.out_features, mod.bias is not None)
+        layer.weight, layer.weight_scale = quantize_fp8(mod.weight, mod.weight.dtype)
+        if mod.bias is not None:
+            layer.bias = mod.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        n += 1
+    use_fp8_kernels(model)
+    return n

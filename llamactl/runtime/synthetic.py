@@ -130,6 +130,10 @@ def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: boo
     triton = kernels == "triton"
     if quant == "none":
         return None, 16, ""
+    if quant == "fp8":
+        if tp:
+            raise InputError("--synthetic-quant fp8 with --tp is not supported", "use int4 or int8 with --tp")
+        return lambda layer: rtn.quantize_linears_fp8(layer, every=True), 8.1, "fp8"
     bits = int(quant[3:])
     if kernels == "cpu":  # every width on llamactl's CPU layers (RTN, as below)
         from llamactl.layers.cpu import quant_fast
@@ -155,11 +159,11 @@ def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: boo
 def synthetic_model(shape: str, quant: str, device: torch.device, dtype: torch.dtype, kernels: str,
                     world=None) -> tuple[str, "torch.nn.Module"]:
     """(label, model) of random weights of a named shape, its decoder linears RTN-quantized to
-    `quant` (none, int3-int8) as each layer is drawn; kernels: layers.plan.linear_kernels
+    `quant` (none, int3-int8, fp8) as each layer is drawn; kernels: layers.plan.linear_kernels
     ("triton", "cpu" or "torch"); world: a tensor-parallel group (this rank's shard)."""
-    if quant not in ("none", "int3", "int4", "int5", "int6", "int8"):
+    if quant not in ("none", "int3", "int4", "int5", "int6", "int8", "fp8"):
         raise InputError(f"--synthetic-quant {quant!r} is not supported",
-                         "use int3, int4, int5, int6, int8 or none (a comma list for several)")
+                         "use int3, int4, int5, int6, int8, fp8 or none (a comma list for several)")
     if quant != "none" and dtype != torch.bfloat16:
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
     shard = None
