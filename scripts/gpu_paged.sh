@@ -16,6 +16,7 @@
 #   chat-kv16-new   chat with --kv-memory 16
 #   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
 #   chat-kv8-half   chat with --kv-memory 8 --kv-dtype int8 (half chat-kv16-new's memory, 8-bit)
+#   chat-fp8        chat with FP8 weights and activations (--synthetic-quant fp8; against chat-new)
 # Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
 set -uo pipefail
 out=${1:?usage: gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
@@ -62,6 +63,7 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     chat-kv16-new) start "$run" "$new" --kv-memory 16; load "$run" "${CHAT[@]}" ;;
     chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
     chat-kv8-half) start "$run" "$new" --kv-memory 8 --kv-dtype int8; load "$run" "${CHAT[@]}" ;;
+    chat-fp8) start "$run" "$new" --synthetic-quant fp8; load "$run" "${CHAT[@]}" ;;
     *) echo "unknown run $run"; continue ;;
   esac
   stop "$run"
