@@ -18,7 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from llamactl.kernels import attention, gemv, gemv_int4, int4_layout, multirow, prefill_attention  # noqa: E402
+from llamactl.kernels import attention, fp8, gemv, gemv_int4, int4_layout, multirow, prefill_attention  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "nw_ptr": "*bf16", "r_ptr": "*bf16", "y_ptr": "*bf16",
@@ -136,6 +136,9 @@ def cases():
         yield (f"multirow int{4 + hi} split-K unpack={unpack}", multirow._int4_splitk_kernel,
                dict(rows, w_ptr="*i32", h_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32"),
                dict(G=128, UNPACK=unpack, SPLIT=2, BLOCK_M=block_m, BLOCK_N=64, HI=hi))
+    yield ("fp8 row quantization", fp8._quant_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                                                              "K": "i32", "x_row": "i32"},
+           dict(QMAX=fp8.E4M3_MAX, TINY_=fp8.TINY, BLOCK_=fp8.BLOCK))
     for pdl in (False, True):
         yield (f"attention merge pdl={pdl}", attention._merge_kernel,
                {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from llamactl.kernels.device import index, pdl_launch
+from llamactl.kernels.fp8 import e4m3_round, round_half_even
 from llamactl.kernels.gdc import wait_for_previous
 
 MAX_SPLITS = 64
@@ -78,11 +79,9 @@ def _store_kv(ptr, scale_ptr, at, x, d, KV8: tl.constexpr, INT8: tl.constexpr, Q
         sc = tl.minimum(tl.maximum(amax / QMAX, 2.0**-24), 65504.0).to(tl.float16)
         y = x / sc.to(tl.float32)[:, None]
         if INT8:
-            y = tl.minimum(tl.maximum(tl.floor(y + 0.5), -127.0), 127.0)
-        else:  # rounded to e4m3's grid here (3 mantissa bits; a step of 2^-9 below 2^-6), so the
-            # conversion is exact whatever its rounding (Triton's interpreter's is not to nearest)
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(y), 2.0**-6))) - 3.0)
-            y = tl.minimum(tl.maximum(tl.floor(y / step + 0.5) * step, -QMAX), QMAX)
+            y = tl.minimum(tl.maximum(round_half_even(y), -127.0), 127.0)
+        else:
+            y = e4m3_round(tl.minimum(tl.maximum(y, -QMAX), QMAX))
         tl.store(ptr + at + d[None, :], y.to(ptr.dtype.element_ty))
         tl.store(scale_ptr + at // d.shape[0] + tl.arange(0, 1), sc)
     else:

@@ -6,8 +6,8 @@ What multiplies x [rows, in]:
 - one row where llamactl's kernels run: its GEMV (kernels.gemv), which reads the 8-bit weights and
   converts them in registers (the bytes of int8, the scales applied per row);
 - more rows on a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper): x quantized to
-  e4m3 with a scale per row (its largest magnitude over 448), then torch._scaled_mm (cuBLASLt)
-  with the two scale vectors, out in the activations' dtype;
+  e4m3 with a scale per row (its largest magnitude over 448; one Triton kernel, kernels.fp8), then
+  torch._scaled_mm (cuBLASLt) with the two scale vectors, out in the activations' dtype;
 - elsewhere: the weights dequantized to the activations' dtype (on the CPU once, `keep_dense`; on
   older GPUs each call), and more than one row rounded per token as scaled_mm's inputs are, so a
   quality report measured there is W8A8's (layers.plan warns; `product` names the path).
@@ -90,7 +90,9 @@ class FP8Linear(nn.Module):
             y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.weight_scale.view(-1),
                      pdl=self.pdl).view(*shape[:-1], self.out_features).to(x.dtype)
         elif self.scaled_mm:
-            xq, xs = quantize_rows(x.reshape(-1, self.in_features))
+            from llamactl.kernels.fp8 import quantize_rows as quantize_rows_kernel
+
+            xq, xs = quantize_rows_kernel(x.reshape(-1, self.in_features))
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.float().view(1, -1),
                                  out_dtype=x.dtype).view(*shape[:-1], self.out_features)
         else:  # the activations rounded as scaled_mm's would be (rows > 1), so quality measured here is W8A8's

@@ -130,3 +130,18 @@ def test_what_fp8_refuses(tmp_path, fp8_folder):
     (blocky / "config.json").write_text(json.dumps(cfg))
     r = runner.invoke(app, ["generate", str(blocky), "-p", "x", "-n", "2"])
     assert r.exit_code == 1 and "8-bit per block, which the runtime does not read" in r.stderr
+
+
+def test_the_row_quantizing_kernel_gives_pytorchs_codes_and_scales():
+    """kernels.fp8.quantize_rows (one Triton program a row, before torch._scaled_mm) against the
+    PyTorch definition, bit for bit: ties to even, an all-zero row, rows wider than a pass."""
+    pytest.importorskip("triton")
+    from llamactl.kernels.fp8 import quantize_rows as kernel_rows
+    from test_kernels import DEV
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 3000, dtype=torch.bfloat16) * torch.rand(5, 1, dtype=torch.bfloat16) * 10  # bf16: exact ties
+    x[2] = 0
+    q, s = kernel_rows(x.to(DEV))
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
