@@ -140,6 +140,25 @@ def test_decode_attention_reads_slices_of_the_fused_projection_as_they_are():
     assert attention._rows(odd)[0].is_contiguous()
 
 
+def rows_step(model, fmt=None, dev: str = DEV):
+    """A decode step of 3 rows at their own positions (pos [B, 1]) after prompts of 3, 9 and 5
+    tokens joined one by one, each call over a fresh StaticCache in fmt (runtime.kv_format; None:
+    the model's dtype): () -> logits [3, V]."""
+    torch.manual_seed(3)
+    lens = [3, 9, 5]
+    prompts = [torch.randint(0, 8192, (1, n), device=dev) for n in lens]
+    tok = torch.randint(0, 8192, (3, 1), device=dev)
+    pos = torch.tensor(lens, device=dev).view(-1, 1)  # [B, 1]: each row's next position
+
+    def step():
+        cache = StaticCache.for_model(model, 3, 64, fmt=fmt)
+        for r, ids in enumerate(prompts):
+            model(ids, torch.arange(ids.shape[1], device=dev), cache, slot=r)
+        return model(tok, pos, cache)[:, -1]  # [B, V]
+
+    return step
+
+
 def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_gqa, monkeypatch):
     """A decode step of rows at different positions (pos [B, 1]) goes through llamactl's attention
     kernel (RoPE and the cache write folded in) and gives the logits SDPA gives over each row's
@@ -150,18 +169,7 @@ def test_rows_at_their_own_positions_run_the_decode_kernel_and_match_sdpa(tiny_g
     from llamactl.options import RuntimeOptions
 
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
-    torch.manual_seed(3)
-    lens = [3, 9, 5]
-    prompts = [torch.randint(0, 8192, (1, n), device=DEV) for n in lens]
-    tok = torch.randint(0, 8192, (3, 1), device=DEV)
-    pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
-
-    def step():
-        cache = StaticCache.for_model(model, 3, 64)  # a fresh cache
-        for r, ids in enumerate(prompts):
-            model(ids, torch.arange(ids.shape[1], device=DEV), cache, slot=r)
-        return model(tok, pos, cache)[:, -1]  # [B, V]
-
+    step = rows_step(model)
     with torch.inference_mode():
         prepare(model, RuntimeOptions(kernels=False), interpreter=True)
         ref = step()

@@ -274,18 +274,15 @@ def test_a_decode_step_over_an_int8_cache_runs_the_cpu_attention_on_the_int8_val
     from llamactl.runtime.kv_format import resolve
     from llamactl.runtime.load import load_model
 
+    from test_attention_kernels import rows_step
+
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
-    torch.manual_seed(3)
-    prompts = [torch.randint(0, 8192, (1, n)) for n in (3, 9, 5)]
-    tok, pos = torch.randint(0, 8192, (3, 1)), torch.tensor([3, 9, 5]).view(-1, 1)
+    rows = rows_step(model, resolve("int8", torch.float32), "cpu")
 
     def step(kernel: str):
         for layer in model.model.layers:
             layer.self_attn.decode_kernel = kernel
-        cache = StaticCache.for_model(model, 3, 64, fmt=resolve("int8", torch.float32))
-        for r, ids in enumerate(prompts):
-            model(ids, torch.arange(ids.shape[1]), cache, slot=r)
-        return model(tok, pos, cache)[:, -1]  # [B, V]
+        return rows()
 
     seen = []
     op = torch.ops.llamactl_cpu.decode_attention.default

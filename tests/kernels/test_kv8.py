@@ -13,6 +13,7 @@ from llamactl.errors import InputError  # noqa: E402
 from llamactl.kernels import attention  # noqa: E402
 from llamactl.runtime.kv_cache import PagedCache, StaticCache  # noqa: E402
 from llamactl.runtime.kv_format import SCALE_DTYPE, dequantize, quantize, resolve  # noqa: E402
+from test_attention_kernels import rows_step  # noqa: E402
 from test_kernels import ATTN_DTYPE, DEV, rel  # noqa: E402
 
 EIGHT = ["int8", "fp8"]
@@ -195,19 +196,7 @@ def test_a_decode_step_over_an_8bit_cache_runs_the_kernel_and_matches_sdpa(tiny_
     from llamactl.runtime.load import load_model
 
     model = load_model(open_artifact(tiny_gqa), torch.device(DEV), torch.float32)
-    fmt = resolve(name, torch.float32)
-    torch.manual_seed(3)
-    lens = [3, 9, 5]
-    prompts = [torch.randint(0, 8192, (1, n), device=DEV) for n in lens]
-    tok = torch.randint(0, 8192, (3, 1), device=DEV)
-    pos = torch.tensor(lens, device=DEV).view(-1, 1)  # [B, 1]: each row's next position
-
-    def step():
-        cache = StaticCache.for_model(model, 3, 64, fmt=fmt)
-        for r, ids in enumerate(prompts):
-            model(ids, torch.arange(ids.shape[1], device=DEV), cache, slot=r)
-        return model(tok, pos, cache)[:, -1]  # [B, V]
-
+    step = rows_step(model, resolve(name, torch.float32))
     with torch.inference_mode():
         prepare(model, RuntimeOptions(kernels=False), interpreter=True)
         ref = step()
