@@ -475,3 +475,26 @@ def test_an_8bit_pool_gives_the_tokens_of_generate_with_that_cache(embedded, kv_
         assert got == next(e for e in events if isinstance(e, gen.Result)).token_ids
     sixteen = Engine(model, eos, max_batch=2, max_queue=16, max_seq=128, kv=KvOptions(memory_gib=1 / 1024))
     assert eng.runner.cache.tokens > 1.9 * sixteen.runner.cache.tokens  # a float32 model: 4 bytes a value to 1 (+ scale)
+
+
+def test_an_fp8_model_serves_the_tokens_generate_gives(tmp_path):
+    """A `quantize --method fp8` folder (the embedded model) in the serving engine: rows joining in
+    chunks and decoding together give the greedy tokens `llamactl generate` gives alone."""
+    from typer.testing import CliRunner
+
+    from llamactl.cli.app import app
+    from llamactl.layers.fp8 import FP8Linear
+    from llamactl.runtime.load import load
+    from llamactl.serve.engine import Params
+
+    out = tmp_path / "fp8"
+    r = CliRunner().invoke(app, ["quantize", "embedded", "-o", str(out), "--method", "fp8", "--eval-tokens", "0"])
+    assert r.exit_code == 0, r.output
+    art, model, tok, _ = load(str(out), "cpu", "float32")
+    assert any(isinstance(m, FP8Linear) for m in model.modules())
+    eos = gen.eos_ids(model, tok, art)
+    reqs = [(tok(p).input_ids, Params(8, Sampling(temperature=0.0))) for p in PROMPTS[:3]]
+    together = _run_engine(model, eos, reqs, max_batch=2, prefill_chunk=4)
+    for (ids, p), (got, _) in zip(reqs, together):
+        events = gen.generate(model, tok, ids, p.max_tokens, gen.Sampling(temperature=0), eos)
+        assert got == next(e for e in events if isinstance(e, gen.Result)).token_ids
