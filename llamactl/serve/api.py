@@ -29,7 +29,7 @@ from llamactl import ui
 from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.metrics import Metrics
-from llamactl.serve.protocol import MAX_BODY, ApiError, Ask, chunk, new_id, parse, usage, whole
+from llamactl.serve.protocol import MAX_BODY, SEED_MOD, ApiError, Ask, chunk, new_id, parse, usage, whole
 from llamactl.runtime.textstream import TextStream
 
 BODY_TIMEOUT_S = 30.0  # a body that has not arrived in full by then is a 408 (a slow client holds nothing)
@@ -103,24 +103,29 @@ def _text_bytes(ask: Ask) -> int:
 
 
 class Completion:
-    """One submitted request's tokens -> text pieces, with its stop strings and metrics."""
+    """One choice of a request: its engine request's tokens -> text pieces, with its stop strings
+    and metrics."""
 
     def __init__(self, svc: Service, ask: Ask, prompt_tokens: int):
         self.svc, self.ask, self.prompt_tokens = svc, ask, prompt_tokens
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tokens = 0
         self.request = None
+        self.failed: ApiError | None = None  # its submission was refused (a choice after the first)
 
-    def submit(self, ids: list[int]) -> None:
+    def submit(self, ids: list[int], seed: int) -> None:
         ask, engine, loop = self.ask, self.svc.engine, asyncio.get_running_loop()
         max_tokens = ask.max_tokens if ask.max_tokens is not None else engine.max_seq - len(ids)
         why = engine.fits(len(ids), max_tokens)
         if why:
             param = "max_tokens" if len(ids) < engine.max_seq else ("messages" if ask.chat else "prompt")
             raise ApiError(400, why, param, code="context_length_exceeded")
-        seed = ask.seed if ask.seed is not None else secrets.randbits(63)
+        bad = next((t for t in ask.stop_token_ids if t >= self.svc.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0 to {self.svc.vocab_size - 1})",
+                           "stop_token_ids")
         params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos,
-                        ask.speculate)
+                        ask.speculate, frozenset(ask.stop_token_ids))
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:
@@ -133,6 +138,8 @@ class Completion:
         """(text, None) for each token (text may be empty), then (the last text, finish reason
         "stop" or "length");
         raises ApiError when generation failed. Leaving early cancels the request."""
+        if self.failed is not None:
+            raise self.failed
         m, req = self.svc.metrics, self.request
         stream, last, reason = TextStream(self.svc.decoder, self.ask.stop), None, "cancelled"
         try:
@@ -164,6 +171,77 @@ class Completion:
             m.finished.labels(reason).inc()
             if last is not None:
                 m.e2e.observe(last - req.arrived)
+
+
+class Choices:
+    """The n choices of a request, each its own engine request with its own seed (seed + i where
+    the request gives one). The first is submitted at once, the others when its first token is out:
+    its prompt's KV blocks are cached by then, so theirs are prefix hits, not n prefills."""
+
+    def __init__(self, svc: Service, ask: Ask, ids: list[int]):
+        self.ids, self.comps = ids, [Completion(svc, ask, len(ids)) for _ in range(ask.n)]
+        base = ask.seed if ask.seed is not None else secrets.randbits(63)
+        self.seeds = [(base + i) % SEED_MOD if ask.seed is not None or i == 0 else secrets.randbits(63)
+                      for i in range(ask.n)]
+        self.comps[0].submit(ids, self.seeds[0])  # its ApiError is the request's
+        self.rest = asyncio.Event()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.comps)
+
+    def _start_rest(self) -> None:
+        if self.rest.is_set():
+            return
+        for c, seed in zip(self.comps[1:], self.seeds[1:]):
+            try:
+                c.submit(self.ids, seed)
+            except ApiError as e:
+                c.failed = e
+        self.rest.set()
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice, text, finish) as Completion.pieces gives each choice's, interleaved as they
+        come; raises the first choice's ApiError. Leaving early cancels every choice."""
+        if len(self.comps) == 1:
+            async for piece, finish in self.comps[0].pieces():
+                yield 0, piece, finish
+            return
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, comp: Completion) -> None:
+            try:
+                if i:
+                    await self.rest.wait()
+                async for piece, finish in comp.pieces():
+                    if i == 0:
+                        self._start_rest()
+                    await out.put((i, piece, finish, None))
+            except ApiError as e:
+                await out.put((i, None, None, e))
+            finally:
+                if i == 0:
+                    self._start_rest()
+                await out.put((i, None, None, StopAsyncIteration()))
+
+        tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.comps)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                i, piece, finish, err = await out.get()
+                if isinstance(err, StopAsyncIteration):
+                    ended += 1
+                elif err is not None:
+                    raise err
+                else:
+                    yield i, piece, finish
+        finally:
+            for t in tasks:
+                t.cancel()
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -202,8 +280,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         svc.check_key(request)
         ask = parse(await _read_body(request, svc.max_body), chat, svc.model_name)
         ids = await asyncio.get_running_loop().run_in_executor(svc.pool, svc.encode, ask)
-        comp = Completion(svc, ask, len(ids))
-        comp.submit(ids)
+        comp = Choices(svc, ask, ids)
     except ApiError as e:
         svc.metrics.rejected.labels(str(e.status)).inc()
         return _error(e)
@@ -214,14 +291,15 @@ async def _complete(request: Request, chat: bool) -> Response:
     return await _whole(request, comp, rid)
 
 
-async def _events(comp: Completion, rid: str) -> AsyncIterator[str]:
-    """The stream as server-sent events: chunks, an error object if generation failed, the usage
-    chunk when asked for, then [DONE]."""
-    svc, ask, first = comp.svc, comp.ask, True
+async def _events(comp: Choices, rid: str) -> AsyncIterator[str]:
+    """The stream as server-sent events: chunks (each choice's, as they come), an error object if
+    generation failed, the usage chunk when asked for, then [DONE]."""
+    svc, ask = comp.comps[0].svc, comp.comps[0].ask
+    started: set[int] = set()
     try:
-        async for piece, finish in comp.pieces():
-            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, first))}\n\n"
-            first = False
+        async for i, piece, finish in comp.pieces():
+            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, i not in started, i))}\n\n"
+            started.add(i)
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
     if ask.include_usage:
@@ -232,13 +310,13 @@ async def _events(comp: Completion, rid: str) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _whole(request: Request, comp: Completion, rid: str) -> Response:
-    async def collect() -> tuple[str, str]:
-        parts, reason = [], "length"
-        async for piece, finish in comp.pieces():
-            parts.append(piece)
-            reason = finish or reason
-        return "".join(parts), reason
+async def _whole(request: Request, comp: Choices, rid: str) -> Response:
+    async def collect() -> list[tuple[str, str]]:
+        parts, reasons = [[] for _ in comp.comps], ["length"] * len(comp.comps)
+        async for i, piece, finish in comp.pieces():
+            parts[i].append(piece)
+            reasons[i] = finish or reasons[i]
+        return [("".join(p), r) for p, r in zip(parts, reasons)]
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -253,10 +331,11 @@ async def _whole(request: Request, comp: Completion, rid: str) -> Response:
             await task
         return Response(status_code=499)
     try:
-        text, reason = task.result()
+        choices = task.result()
     except ApiError as e:
         return _error(e)
-    return JSONResponse(whole(rid, comp.svc.model_name, comp.ask.chat, text, reason, comp.prompt_tokens, comp.tokens))
+    first = comp.comps[0]
+    return JSONResponse(whole(rid, first.svc.model_name, first.ask.chat, choices, comp.prompt_tokens, comp.tokens))
 
 
 async def completions(request: Request) -> Response:

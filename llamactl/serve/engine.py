@@ -287,7 +287,7 @@ class Engine:
         self.times.emit_s += time.perf_counter() - now
 
     def _emit(self, r: Request, token: int, now: float) -> None:
-        if token in self.eos_ids and not r.params.ignore_eos:
+        if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_ids:
             self._release(r, "stop")
             return
         r.tokens.append(token)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
+MAX_STOP_IDS = 64  # stop_token_ids a request may give
+MAX_N = 16  # choices a request may ask for (n)
 SEED_MOD = 2**63
 
 
@@ -50,6 +52,8 @@ class Ask:
     include_usage: bool = False
     ignore_eos: bool = False
     speculate: bool = True  # llamactl's: false keeps this request out of speculative steps (serve --draft)
+    n: int = 1  # choices, each drawn with its own seed (seed + i where a seed is given)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -85,8 +89,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-              "echo": lambda v: bool(v), "logprobs": lambda v: v not in (None, False, 0),
+    checks = {"echo": lambda v: bool(v), "logprobs": lambda v: v not in (None, False, 0),
               "top_logprobs": lambda v: v not in (None, 0), "logit_bias": lambda v: bool(v),
               "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
               "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
@@ -189,6 +192,17 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
         ask.include_usage = _flag(opts, "include_usage")
     ask.ignore_eos = _flag(body, "ignore_eos")
     ask.speculate = _flag(body, "speculate", True)
+    ask.n = _integer(body, "n", 1, MAX_N) or 1
+    best_of = _integer(body, "best_of", 1, MAX_N)
+    if best_of not in (None, ask.n):
+        raise ApiError(400, f"best_of {best_of} with n {ask.n}: choosing the best of more choices ranks them by "
+                       "log-probability, which this server does not compute yet; pass best_of equal to n, or leave "
+                       "it out", "best_of")
+    ids = body.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_IDS
+                            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise ApiError(400, f"stop_token_ids must be a list of up to {MAX_STOP_IDS} token ids", "stop_token_ids")
+    ask.stop_token_ids = list(ids or [])
     return ask
 
 
@@ -201,23 +215,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False) -> dict:
-    """One server-sent event's object of a stream."""
+def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False,
+          index: int = 0) -> dict:
+    """One server-sent event's object of a stream (of choice `index`)."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
 
 
-def whole(rid: str, model: str, chat: bool, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """The response to a request without stream."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def whole(rid: str, model: str, chat: bool, choices: list[tuple[str, str]], prompt_tokens: int,
+          completion_tokens: int) -> dict:
+    """The response to a request without stream: choices [(text, finish reason)], in order."""
+    def one(i: int, text: str, finish: str) -> dict:
+        if chat:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": [one(i, *c) for i, c in enumerate(choices)],
+            "usage": usage(prompt_tokens, completion_tokens)}

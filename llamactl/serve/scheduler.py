@@ -34,12 +34,14 @@ from llamactl.serve.blocks import BlockPool, chain
 @dataclass(frozen=True)
 class Params:
     """What one request asks for: at most max_tokens, drawn as `sampling` says, ending at EOS
-    unless ignore_eos; speculate: it may propose tokens (where the server speculates)."""
+    unless ignore_eos, and at any of stop_ids (not emitted either); speculate: it may propose
+    tokens (where the server speculates)."""
 
     max_tokens: int
     sampling: Sampling = Sampling()
     ignore_eos: bool = False
     speculate: bool = True
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,12 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "stop": [1]}, 400, "stop"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "stop_token_ids": [1, "2"]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -203,6 +208,48 @@ def test_bad_requests_get_a_4xx_json_error_naming_the_field(server, body, status
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
     assert c.get("/health").json()["status"] == "ok"  # and the server keeps serving
+
+
+def test_n_choices_greedy_equal_sampled_each_its_own_seed_streamed_and_whole(server):
+    """n: greedy choices are the same text; sampled ones (seed s) differ, and choice i is what a
+    request of its own with seed s + i gives; the choices after the first find the prompt's KV
+    blocks cached (prefix hits, not prefills); streamed, each choice's chunks carry its index and
+    end with its finish reason; usage counts every choice's tokens."""
+    c = server.client
+    body = {"prompt": PROMPTS[1], "max_tokens": 8}
+    r = c.post("/v1/completions", json=body | {"n": 4, "temperature": 0}).json()
+    texts = [ch["text"] for ch in r["choices"]]
+    assert [ch["index"] for ch in r["choices"]] == [0, 1, 2, 3] and len(set(texts)) == 1
+    assert r["usage"]["completion_tokens"] == 4 * 8
+    r = c.post("/v1/completions", json=body | {"n": 3, "temperature": 1.0, "seed": 11, "best_of": 3}).json()
+    texts = [ch["text"] for ch in r["choices"]]
+    assert len(set(texts)) > 1, texts
+    for i, t in enumerate(texts):
+        alone = c.post("/v1/completions", json=body | {"temperature": 1.0, "seed": 11 + i}).json()
+        assert alone["choices"][0]["text"] == t, i
+    hits = lambda: float(next(line.split()[1] for line in c.get("/metrics").text.splitlines()  # noqa: E731
+                              if line.startswith("llamactl_prefix_cache_hit_tokens ")))
+    before, prompt = hits(), list(range(100, 164))  # 64 tokens: whole blocks
+    r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": 3, "temperature": 0})
+    assert r.status_code == 200 and hits() - before >= 2 * 48  # choices 1 and 2 found the prompt's blocks cached
+    events, _ = _stream(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                                    "n": 2, "temperature": 1.0, "seed": 3})
+    chunks = [e for e in events if e != "[DONE]"]
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
+        assert mine[0]["delta"].get("role") == "assistant" and mine[-1]["finish_reason"] in ("length", "stop")
+
+
+def test_stop_token_ids_end_a_choice_before_that_token(server):
+    c = server.client
+    ids = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}).json()
+    full = ids["choices"][0]["text"]
+    tok = _tok()
+    first = tok(full, add_special_tokens=False).input_ids  # the greedy tokens, as text re-tokenized
+    r = c.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                                        "stop_token_ids": [first[2]]}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and full.startswith(choice["text"]) and len(choice["text"]) < len(full)
 
 
 def test_unknown_routes_and_methods_are_json_errors(server):
@@ -519,3 +566,12 @@ def test_the_official_openai_sdk_against_the_server(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="x", max_tokens=4, temperature=-1)
     assert "temperature" in str(e.value)
+    several = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                                             max_tokens=8, temperature=0, n=2)
+    assert [c.message.content for c in several.choices] == [chat.choices[0].message.content] * 2
+    streamed = {}
+    for c in client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                       n=2, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {0: done.choices[0].text, 1: done.choices[0].text}
