@@ -28,6 +28,7 @@ def _(x):
     return torch.empty_like(x)
 
 
+TOP_LOGPROBS = 20  # alternatives a step records per row where log-probabilities are asked for (OpenAI's most)
 _P = 2**31 - 1  # the hash works modulo this prime, on int64 without overflow (products < 2^62)
 _A, _B, _C, _D = 1_103_515_245, 2_147_482_951, 48_271, 69_621
 
@@ -65,11 +66,24 @@ class RowSampling:
     seed: torch.Tensor
     greedy: bool = False  # the host's word that every row's temperature is 0 (steps skip the draw)
     ids: torch.Tensor | None = None  # vocab_hash of the model's vocabulary (prepare())
+    # the host's word that some row asks for log-probabilities: steps record, for each row they
+    # draw for, the log-probability of its token and its TOP_LOGPROBS likeliest, of the
+    # distribution it draws from (the logits over its temperature; a greedy row's own), into
+    # lp_token [R], lp_ids [R, K], lp_vals [R, K] at the row (a graph of their own)
+    logprobs: bool = False
+    lp_token: torch.Tensor | None = None
+    lp_ids: torch.Tensor | None = None
+    lp_vals: torch.Tensor | None = None
 
     def prepare(self, vocab: int) -> None:
-        """Make the vocabulary's share of the hash now, outside any compiled step."""
+        """Make the vocabulary's share of the hash and the log-probability buffers now, outside
+        any compiled step."""
         if self.ids is None or self.ids.numel() != vocab:
             self.ids = vocab_hash(vocab, self.seed.device)
+            rows, k, dev = self.seed.numel(), min(TOP_LOGPROBS, vocab), self.seed.device
+            self.lp_token = torch.zeros(rows, device=dev)
+            self.lp_ids = torch.zeros(rows, k, dtype=torch.long, device=dev)
+            self.lp_vals = torch.zeros(rows, k, device=dev)
 
     @classmethod
     def make(cls, rows: list[Sampling], device) -> "RowSampling":
@@ -79,6 +93,32 @@ class RowSampling:
 
         return cls(col([r.temperature for r in rows], torch.float32), col([r.top_k for r in rows], torch.long),
                    col([r.top_p for r in rows], torch.float32), col([r.seed or 0 for r in rows], torch.long))
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, V] of the first B rows, every one greedy -> their tokens [B] (recorded
+        where log-probabilities are asked for)."""
+        tok = logits.argmax(-1)
+        if self.logprobs:
+            self._record(logits, self.temperature[: logits.shape[0]], tok, None)
+        return tok
+
+    def _record(self, logits: torch.Tensor, t: torch.Tensor, tok: torch.Tensor, rows: torch.Tensor | None) -> None:
+        # logits [B, V], t [B], tok [B] -> the log-probability buffers at rows (None: the first B)
+        x = logits.float() / torch.where(t > 0, t, torch.ones_like(t))[:, None]
+        lsm = torch.log_softmax(x, -1)  # [B, V]
+        vals, ids = lsm.topk(self.lp_ids.shape[1], dim=-1)  # [B, K]
+        chosen = lsm.gather(-1, tok.view(-1, 1))[:, 0]  # [B]
+        if rows is None:
+            n = logits.shape[0]
+            self.lp_token[:n], self.lp_ids[:n], self.lp_vals[:n] = chosen, ids, vals
+        else:
+            self.lp_token[rows], self.lp_ids[rows], self.lp_vals[rows] = chosen, ids, vals
+
+    def read_logprobs(self, rows: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """What the last step recorded for rows (host; syncs): (its token's log-probability, its
+        k likeliest as (id, log-probability), likeliest first) each."""
+        at = torch.tensor(rows, dtype=torch.long, device=self.lp_token.device)
+        return snapshot_rows((self.lp_token[at], self.lp_ids[at], self.lp_vals[at]), k)
 
     def sample(self, logits: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """logits: [B, V] for rows `rows` ([B] indexes of the settings; None: the first B), the
@@ -100,4 +140,14 @@ class RowSampling:
         x = x.masked_fill(torch.empty_like(x).scatter_(-1, order, cut) == float("-inf"), float("-inf"))
         u = uniforms(seed, pos, v, self.ids if self.ids is not None and self.ids.numel() == v else None)
         drawn = (x - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max: exactly softmax(x)
-        return torch.where(t > 0, drawn, logits.argmax(-1))
+        tok = torch.where(t > 0, drawn, logits.argmax(-1))
+        if self.logprobs:
+            self._record(logits, t, tok, rows)
+        return tok
+
+
+def snapshot_rows(lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int) -> list[tuple[float, list]]:
+    """(token log-probabilities [n], ids [n, K], values [n, K]) -> per row (its token's, its k
+    likeliest as (id, value)), on the host."""
+    tok, ids, vals = (t.tolist() for t in lp)
+    return [(t, list(zip(i[:k], v[:k]))) for t, i, v in zip(tok, ids, vals)]

@@ -175,7 +175,7 @@ class Decoder:
         if self.rows is None:
             return self.sample(logits)
         if self.rows.greedy:  # the host's word that no row samples: skip the draw (a graph of its own)
-            return logits.argmax(-1)
+            return self.rows.argmax(logits)
         drawn_at = (pos.view(-1) + 1).expand(logits.shape[0])  # where each row's new token will sit
         return self.rows.sample(logits, drawn_at)
 
@@ -204,7 +204,8 @@ class Decoder:
             raise ValueError(f"slot {slot}: one sequence [1, S] into a row below {self.batch}, not {tuple(ids.shape)}")
         if not 0 <= start <= self.max_seq - s:
             raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
-        if slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s):
+        if (slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s)
+                and not (self.rows is not None and self.rows.logprobs)):  # (prefill graphs do not record them)
             return self.prefill_slots(ids, [slot], [n])  # a whole prompt, or its first chunk: a graph
         ids = ids.to(self.device)
         logits = self.model(ids, torch.arange(start, start + s, device=self.device), self.cache, last_only=True, slot=slot,
@@ -225,7 +226,8 @@ class Decoder:
         b, s = ids.shape
         if not (len(slots) == len(valid) == b and s <= self.max_seq and all(0 < n <= s for n in valid)):
             raise ValueError(f"prefill_slots: {b} prompts of {s} for slots {slots}, lengths {valid}")
-        if self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None:
+        if (self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None
+                and not (self.rows is not None and self.rows.logprobs)):  # (prefill graphs do not record them)
             toks, self.prefill_finite = self.prefill_graphs.run(ids, slots, valid)
             return toks
         ids = ids.to(self.device)
@@ -302,7 +304,8 @@ class Decoder:
         the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
         greedy = self.rows is not None and self.rows.greedy
-        kind = ("rows" if rows else "shared", tok.numel(), greedy)  # a graph per batch bucket, greedy or not
+        logprobs = self.rows is not None and self.rows.logprobs
+        kind = ("rows" if rows else "shared", tok.numel(), greedy, logprobs)  # a graph per batch bucket and kind
         if rows and not 0 < tok.numel() <= self.batch:
             raise ValueError(f"{tok.numel()} rows for a cache of {self.batch}")
         if not self.use_graph or kind not in self._graphs:

@@ -29,7 +29,8 @@ from llamactl import ui
 from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.metrics import Metrics
-from llamactl.serve.protocol import MAX_BODY, SEED_MOD, ApiError, Ask, chunk, new_id, parse, usage, whole
+from llamactl.serve.protocol import (MAX_BODY, SEED_MOD, ApiError, Ask, chunk, logprobs_block, new_id, parse, usage,
+                                     whole)
 from llamactl.runtime.textstream import TextStream
 
 BODY_TIMEOUT_S = 30.0  # a body that has not arrived in full by then is a 408 (a slow client holds nothing)
@@ -125,7 +126,7 @@ class Completion:
             raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0 to {self.svc.vocab_size - 1})",
                            "stop_token_ids")
         params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos,
-                        ask.speculate, frozenset(ask.stop_token_ids))
+                        ask.speculate and ask.logprobs is None, frozenset(ask.stop_token_ids), ask.logprobs)
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:
@@ -134,9 +135,16 @@ class Completion:
             raise ApiError(503, f"the server cannot take requests now: {e}", kind="server_error") from None
         self.svc.metrics.prompt_tokens.inc(len(ids))
 
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, None) for each token (text may be empty), then (the last text, finish reason
-        "stop" or "length");
+    def _entry(self, ev: Event) -> tuple[str, float, list[tuple[str, float]]] | None:
+        """A token's log-probability entry for logprobs_block: its text, value, alternatives."""
+        if ev.logprob is None:
+            return None
+        text = self.svc.decoder.decode
+        return text([ev.token]), ev.logprob[0], [(text([i]), v) for i, v in ev.logprob[1]]
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None, tuple | None]]:
+        """(text, None, entry) for each token (text may be empty; entry: its log-probability's,
+        where asked for), then (the last text, finish reason "stop" or "length", None);
         raises ApiError when generation failed. Leaving early cancels the request."""
         if self.failed is not None:
             raise self.failed
@@ -154,7 +162,7 @@ class Completion:
                     reason = "stop" if ev.reason == "stop" else "length"
                     tail = stream.finish()
                     reason = "stop" if stream.stopped else reason
-                    yield tail, reason
+                    yield tail, reason, None
                     return
                 self.tokens += 1
                 m.generated_tokens.inc()
@@ -163,9 +171,9 @@ class Completion:
                 piece = stream.add(ev.token)
                 if stream.stopped:
                     reason = "stop"
-                    yield piece, "stop"
+                    yield piece, "stop", self._entry(ev)
                     return
-                yield piece, None  # one chunk a token, as OpenAI streams (text held back: empty)
+                yield piece, None, self._entry(ev)  # one chunk a token, as OpenAI streams (text held back: empty)
         finally:
             req.cancel()  # a stop string or a client gone: the slot is freed at the next step
             m.finished.labels(reason).inc()
@@ -204,12 +212,12 @@ class Choices:
                 c.failed = e
         self.rest.set()
 
-    async def pieces(self) -> AsyncIterator[tuple[int, str, str | None]]:
-        """(choice, text, finish) as Completion.pieces gives each choice's, interleaved as they
-        come; raises the first choice's ApiError. Leaving early cancels every choice."""
+    async def pieces(self) -> AsyncIterator[tuple[int, str, str | None, tuple | None]]:
+        """(choice, text, finish, entry) as Completion.pieces gives each choice's, interleaved as
+        they come; raises the first choice's ApiError. Leaving early cancels every choice."""
         if len(self.comps) == 1:
-            async for piece, finish in self.comps[0].pieces():
-                yield 0, piece, finish
+            async for piece, finish, entry in self.comps[0].pieces():
+                yield 0, piece, finish, entry
             return
         out: asyncio.Queue = asyncio.Queue()
 
@@ -217,28 +225,28 @@ class Choices:
             try:
                 if i:
                     await self.rest.wait()
-                async for piece, finish in comp.pieces():
+                async for piece, finish, entry in comp.pieces():
                     if i == 0:
                         self._start_rest()
-                    await out.put((i, piece, finish, None))
+                    await out.put((i, piece, finish, entry, None))
             except ApiError as e:
-                await out.put((i, None, None, e))
+                await out.put((i, None, None, None, e))
             finally:
                 if i == 0:
                     self._start_rest()
-                await out.put((i, None, None, StopAsyncIteration()))
+                await out.put((i, None, None, None, StopAsyncIteration()))
 
         tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.comps)]
         try:
             ended = 0
             while ended < len(tasks):
-                i, piece, finish, err = await out.get()
+                i, piece, finish, entry, err = await out.get()
                 if isinstance(err, StopAsyncIteration):
                     ended += 1
                 elif err is not None:
                     raise err
                 else:
-                    yield i, piece, finish
+                    yield i, piece, finish, entry
         finally:
             for t in tasks:
                 t.cancel()
@@ -296,9 +304,12 @@ async def _events(comp: Choices, rid: str) -> AsyncIterator[str]:
     generation failed, the usage chunk when asked for, then [DONE]."""
     svc, ask = comp.comps[0].svc, comp.comps[0].ask
     started: set[int] = set()
+    offsets = [0] * len(comp.comps)  # each choice's text so far (completions' text_offset)
     try:
-        async for i, piece, finish in comp.pieces():
-            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, i not in started, i))}\n\n"
+        async for i, piece, finish, entry in comp.pieces():
+            lp = None if entry is None else logprobs_block(ask.chat, [entry], offsets[i])
+            offsets[i] += len(entry[0]) if entry is not None else 0
+            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, i not in started, i, lp))}\n\n"
             started.add(i)
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
@@ -311,12 +322,16 @@ async def _events(comp: Choices, rid: str) -> AsyncIterator[str]:
 
 
 async def _whole(request: Request, comp: Choices, rid: str) -> Response:
-    async def collect() -> list[tuple[str, str]]:
-        parts, reasons = [[] for _ in comp.comps], ["length"] * len(comp.comps)
-        async for i, piece, finish in comp.pieces():
+    async def collect() -> list[tuple[str, str, dict | None]]:
+        n = len(comp.comps)
+        parts, reasons, entries = [[] for _ in range(n)], ["length"] * n, [[] for _ in range(n)]
+        async for i, piece, finish, entry in comp.pieces():
             parts[i].append(piece)
             reasons[i] = finish or reasons[i]
-        return [("".join(p), r) for p, r in zip(parts, reasons)]
+            if entry is not None:
+                entries[i].append(entry)
+        chat, asked = comp.comps[0].ask.chat, comp.comps[0].ask.logprobs is not None
+        return [("".join(p), r, logprobs_block(chat, e) if asked else None) for p, r, e in zip(parts, reasons, entries)]
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":

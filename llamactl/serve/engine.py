@@ -197,6 +197,7 @@ class Engine:
             self.runner.set_sampling(r.slot, r.params)
         for r in plan.cancelled:
             self._finish(r, "cancelled")
+        self.runner.set_logprobs(any(r is not None and r.params.logprobs is not None for r in self.scheduler.slots))
         if plan.speculate:  # proposals follow every token: the step in flight is read first
             self._collect(self._inflight)
             self._inflight = None
@@ -212,9 +213,11 @@ class Engine:
                 first = self.runner.prefill(work)
             now = time.perf_counter()
             self.times.prefilled(now - t0, work.tokens)
+            asked = [r for r, end in zip(work.requests, work.ends) if end and r.params.logprobs is not None]
+            lps = dict(zip((r.id for r in asked), self.runner.logprobs_of([r.slot for r in asked]))) if asked else {}
             for r, tok, end in zip(work.requests, first or [], work.ends):
                 if end:
-                    self._emit(r, tok, now)
+                    self._emit(r, tok, now, lps.get(r.id))
         if not self.scheduler.mixing:
             step = self.scheduler.decode()
         if step is not None:
@@ -274,6 +277,7 @@ class Engine:
         if step is None:
             return
         tokens = step.tokens()
+        lps = step.logprobs()
         now = time.perf_counter()
         if not step.mixed:  # a mixed step's time is its prefill forward's
             self.times.decode_s += now - max(step.launched, self._last_read)
@@ -283,15 +287,17 @@ class Engine:
             if not r.finished:
                 self.times.decode_rows += 1
                 self.times.mixed_rows += step.mixed
-                self._emit(r, tokens[row], now)
+                self._emit(r, tokens[row], now, lps[row] if lps is not None else None)
         self.times.emit_s += time.perf_counter() - now
 
-    def _emit(self, r: Request, token: int, now: float) -> None:
+    def _emit(self, r: Request, token: int, now: float, lp: tuple | None = None) -> None:
         if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_ids:
             self._release(r, "stop")
             return
         r.tokens.append(token)
-        self._send(r, Event("token", token=token, time=now))
+        k = r.params.logprobs
+        logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))
+        self._send(r, Event("token", token=token, time=now, logprob=logprob))
         if r.generated >= r.params.max_tokens:
             self._release(r, "length")
 

@@ -18,6 +18,7 @@ from typing import Any
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 MAX_STOP_IDS = 64  # stop_token_ids a request may give
 MAX_N = 16  # choices a request may ask for (n)
+MAX_LOGPROBS = 20  # alternatives a token's log-probability may come with (runtime.sampling.TOP_LOGPROBS)
 SEED_MOD = 2**63
 
 
@@ -53,6 +54,7 @@ class Ask:
     ignore_eos: bool = False
     speculate: bool = True  # llamactl's: false keeps this request out of speculative steps (serve --draft)
     n: int = 1  # choices, each drawn with its own seed (seed + i where a seed is given)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
@@ -89,8 +91,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"echo": lambda v: bool(v), "logprobs": lambda v: v not in (None, False, 0),
-              "top_logprobs": lambda v: v not in (None, 0), "logit_bias": lambda v: bool(v),
+    checks = {"echo": lambda v: bool(v), "logit_bias": lambda v: bool(v),
               "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
               "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
                   None, {"type": "text"})}
@@ -101,6 +102,35 @@ def _unsupported(body: dict) -> None:
             refused = True
         if refused:
             raise ApiError(400, f"{name} is not supported by this server", name)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives a request asks for with each token's log-probability, or None: completions
+    take `logprobs` (0 to 20), chats `logprobs: true` and `top_logprobs` (0 to 20)."""
+    if not chat:
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    on = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not on:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def logprobs_block(chat: bool, entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
+    """OpenAI's `logprobs` of a choice (or of a stream chunk) for its tokens: entries (the token's
+    text, its log-probability, its alternatives as (text, log-probability)); offset: the text's
+    length before the first (completions' text_offset)."""
+    if chat:
+        def one(t: str, lp: float) -> dict:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+        return {"content": [one(t, lp) | {"top_logprobs": [one(a, v) for a, v in tops]} for t, lp, tops in entries]}
+    offsets, at = [], offset
+    for t, _, _ in entries:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(tops) for _, _, tops in entries], "text_offset": offsets}
 
 
 def _messages(v: Any) -> list[dict]:
@@ -198,6 +228,7 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
         raise ApiError(400, f"best_of {best_of} with n {ask.n}: choosing the best of more choices ranks them by "
                        "log-probability, which this server does not compute yet; pass best_of equal to n, or leave "
                        "it out", "best_of")
+    ask.logprobs = _logprobs(body, chat)
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_IDS
                             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
@@ -216,25 +247,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False,
-          index: int = 0) -> dict:
-    """One server-sent event's object of a stream (of choice `index`)."""
+          index: int = 0, logprobs: dict | None = None) -> dict:
+    """One server-sent event's object of a stream (of choice `index`; logprobs: logprobs_block's
+    of its token)."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
 
 
-def whole(rid: str, model: str, chat: bool, choices: list[tuple[str, str]], prompt_tokens: int,
+def whole(rid: str, model: str, chat: bool, choices: list[tuple[str, str, dict | None]], prompt_tokens: int,
           completion_tokens: int) -> dict:
-    """The response to a request without stream: choices [(text, finish reason)], in order."""
-    def one(i: int, text: str, finish: str) -> dict:
+    """The response to a request without stream: choices [(text, finish reason, logprobs_block's
+    or None)], in order."""
+    def one(i: int, text: str, finish: str, logprobs: dict | None) -> dict:
         if chat:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [one(i, *c) for i, c in enumerate(choices)],

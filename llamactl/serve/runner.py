@@ -84,6 +84,26 @@ class Runner:
         self._staging = Staging(max_batch, self.device)
         self._followers_stopped = False
 
+    def set_logprobs(self, on: bool) -> None:
+        """Whether the steps from now record log-probabilities (some running request asks)."""
+        if on != self.rows.logprobs:
+            self._do(("logprobs", on))
+
+    def logprobs_of(self, slots: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+        """What the last forward recorded for these rows (a prefill's first tokens; syncs)."""
+        return self.rows.read_logprobs(slots, self.rows.lp_ids.shape[1])
+
+    def _lp_copy(self, rows: "list[int] | int") -> tuple | None:
+        """Device copies of the log-probabilities just recorded for rows (a list, or the first n),
+        so a step launched next cannot overwrite them before they are read; None where none are."""
+        if not self.rows.logprobs:
+            return None
+        r = self.rows
+        if isinstance(rows, int):
+            return r.lp_token[:rows].clone(), r.lp_ids[:rows].clone(), r.lp_vals[:rows].clone()
+        at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return r.lp_token[at], r.lp_ids[at], r.lp_vals[at]
+
     def set_sampling(self, slot: int, p: Params) -> None:
         s = p.sampling
         self._do(("row", slot, s.temperature, s.top_k, s.top_p, s.seed or 0))
@@ -118,7 +138,8 @@ class Runner:
         toks = self._do(("prefill_packed", work.ids, [r.slot for r in work.requests], work.starts, work.ends,
                          drows, dpos))  # [d + k]
         d = len(drows)
-        launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True)
+        launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True,
+                                            lp=self._lp_copy(drows) if d else None)
         return (toks[d:].tolist() if any(work.ends) else None), launched
 
     def verify(self, v: Verify) -> list[list[int]]:
@@ -140,7 +161,7 @@ class Runner:
         t0 = time.perf_counter()
         self.arrange([], step.tables)
         out = self._do(("step", step.rows, step.positions, step.kv_len, step.greedy))  # [b]
-        return self._staging.read_later(out, step.requests, step.at, t0)
+        return self._staging.read_later(out, step.requests, step.at, t0, lp=self._lp_copy(step.rows))
 
     # -- model actions: run here, and on a tensor-parallel leader sent to the other ranks first -----
 
@@ -190,6 +211,8 @@ class Runner:
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
             chunks, slots, starts = a
             return self.decoder.verify_packed(chunks, slots, starts)  # [T]
+        elif kind == "logprobs":
+            self.rows.logprobs = a[0]
         elif kind == "last":
             slots, tokens = a
             if slots:

@@ -35,25 +35,30 @@ from llamactl.serve.blocks import BlockPool, chain
 class Params:
     """What one request asks for: at most max_tokens, drawn as `sampling` says, ending at EOS
     unless ignore_eos, and at any of stop_ids (not emitted either); speculate: it may propose
-    tokens (where the server speculates)."""
+    tokens (where the server speculates); logprobs: each token comes with its log-probability and
+    this many likeliest alternatives (None: no log-probabilities)."""
 
     max_tokens: int
     sampling: Sampling = Sampling()
     ignore_eos: bool = False
     speculate: bool = True
     stop_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Event:
     """kind "token" (a generated token id) or "done" (reason: "stop" at EOS, "length",
-    "cancelled" or "error" with `error`); time: time.perf_counter() when it was emitted."""
+    "cancelled" or "error" with `error`); time: time.perf_counter() when it was emitted;
+    logprob: the token's log-probability and its request's likeliest alternatives ((id,
+    log-probability), likeliest first), where the request asks for them (Params.logprobs)."""
 
     kind: str
     token: int = -1
     reason: str = ""
     time: float = 0.0
     error: str = ""
+    logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass
@@ -518,9 +523,11 @@ class Scheduler:
 
     def _speculating(self) -> bool:
         """Whether this step is a verify step: speculation on, no prompt prefilling, 1..spec_rows
-        rows, one of them proposing again (spec_after)."""
+        rows, one of them proposing again (spec_after), none asking for log-probabilities (a
+        verify step records none)."""
         rows = [r for r in self.slots if r is not None]
         return (self.spec_k > 0 and 0 < len(rows) <= self.spec_rows and all(r.decoding for r in rows)
+                and not any(r.params.logprobs is not None for r in rows)
                 and any(r.params.speculate and r.launched >= r.spec_after for r in rows))
 
     def verify(self, proposals: dict[int, list[int]]) -> Verify | None:

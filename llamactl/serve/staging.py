@@ -12,9 +12,17 @@ class Launched:
     at[i]), its tokens on their way to the host."""
 
     def __init__(self, rows: list, at: list[int], host: torch.Tensor, ready: "torch.cuda.Event | None",
-                 launched: float, mixed: bool = False):
+                 launched: float, mixed: bool = False, lp: tuple | None = None):
         self.rows, self.at, self._host, self._ready, self.launched = rows, at, host, ready, launched
         self.mixed = mixed  # carried by a prefill forward
+        self.lp = lp  # the step's log-probabilities (copies on the device: token [b], ids and values [b, K]), if recorded
+
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """Each of the step's rows' (token log-probability, [(id, log-probability)] of its K
+        likeliest), read after tokens(); None where the step recorded none."""
+        from llamactl.runtime.sampling import snapshot_rows
+
+        return None if self.lp is None else snapshot_rows(self.lp, self.lp[1].shape[1])
 
     def tokens(self) -> list[int]:
         if self._ready is not None:
@@ -68,8 +76,9 @@ class Staging:
         return dev
 
     def read_later(self, out: torch.Tensor, rows: list, at: list[int], launched: float,
-                   mixed: bool = False) -> Launched:
-        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them."""
+                   mixed: bool = False, lp: tuple | None = None) -> Launched:
+        """Start copying a step's tokens out [b] to the host; Launched.tokens() reads them (and
+        Launched.logprobs() lp, device copies of its log-probabilities, where recorded)."""
         i, host = self._tok.take(out.numel())
         host.copy_(out, non_blocking=self.gpu)
-        return Launched(rows, at, host, self._tok.copied(i), launched, mixed)
+        return Launched(rows, at, host, self._tok.copied(i), launched, mixed, lp)

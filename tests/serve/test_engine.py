@@ -33,9 +33,11 @@ def prefills_together(monkeypatch) -> list[int]:
     return calls
 
 
-def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None, kv=None, engine=None):
+def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=None, kv=None, engine=None,
+                logprobs: list[list] | None = None):
     """requests: [(prompt ids, Params)] submitted together -> each one's (tokens, finish reason).
-    kv: the KV pool (engine.KvOptions); engine: one made already (not stopped after)."""
+    kv: the KV pool (engine.KvOptions); engine: one made already (not stopped after); logprobs:
+    a list per request that gets each token event's logprob."""
     from llamactl.serve.engine import Engine
 
     eng = engine or Engine(model, eos, max_batch=max_batch, max_queue=16, max_seq=128, prefill_chunk=prefill_chunk,
@@ -46,6 +48,8 @@ def _run_engine(model, eos, requests, max_batch=4, prefill_chunk=512, overlap=No
         def on(ev):
             if ev.kind == "token":
                 out[i][0].append(ev.token)
+                if logprobs is not None:
+                    logprobs[i].append(ev.logprob)
             else:
                 out[i] = (out[i][0], ev.reason)
         return on
@@ -498,3 +502,34 @@ def test_an_fp8_model_serves_the_tokens_generate_gives(tmp_path):
     for (ids, p), (got, _) in zip(reqs, together):
         events = gen.generate(model, tok, ids, p.max_tokens, gen.Sampling(temperature=0), eos)
         assert got == next(e for e in events if isinstance(e, gen.Result)).token_ids
+
+
+def test_logprobs_are_the_log_softmax_of_the_runtimes_logits(embedded):
+    """Rows asking for log-probabilities (greedy, and sampled at temperature 0.7) decoding beside a
+    row that does not, joining in chunks: each token's value is the log-softmax of the logits the
+    runtime computes at its position (over the row's temperature), and its alternatives are the
+    true top k, likeliest first (CPU float32, to 1e-5)."""
+    import torch
+
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    reqs = [(tok(PROMPTS[0]).input_ids, Params(6, Sampling(temperature=0.0), logprobs=5)),
+            (tok(PROMPTS[1]).input_ids, Params(6, Sampling(temperature=0.7, seed=3), logprobs=2)),
+            (tok(PROMPTS[2]).input_ids, Params(6, Sampling(temperature=0.0)))]
+    lps = [[], [], []]
+    out = _run_engine(model, eos, reqs, max_batch=3, prefill_chunk=4, logprobs=lps)
+    assert lps[2] == [None] * len(out[2][0])  # asked for none
+    for (ids, p), (toks, _), got in zip(reqs[:2], out[:2], lps[:2]):
+        seq = torch.tensor([ids + toks])
+        with torch.inference_mode():
+            logits = model(seq, torch.arange(seq.shape[1]))[0].double()  # [S, V]
+        t = p.sampling.temperature or 1.0
+        want = torch.log_softmax(logits / t, -1)[len(ids) - 1 : len(ids) - 1 + len(toks)]  # the draw at each token
+        assert len(got) == len(toks)
+        for i, (token, (value, alts)) in enumerate(zip(toks, got)):
+            assert abs(value - want[i, token].item()) < 1e-5, (i, value, want[i, token].item())
+            top = want[i].topk(p.logprobs)
+            assert [a for a, _ in alts] == top.indices.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(alts, top.values.tolist())) < 1e-5

@@ -196,7 +196,7 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of"),
     ({"prompt": "x", "stop_token_ids": [1, "2"]}, 400, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -238,6 +238,34 @@ def test_n_choices_greedy_equal_sampled_each_its_own_seed_streamed_and_whole(ser
     for i in (0, 1):
         mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == i]
         assert mine[0]["delta"].get("role") == "assistant" and mine[-1]["finish_reason"] in ("length", "stop")
+
+
+def test_logprobs_in_openais_shapes_streamed_and_whole(server):
+    """Completions' logprobs (tokens, token_logprobs, top_logprobs, text_offset) and chats'
+    (content: token, logprob, bytes, top_logprobs), whole and streamed alike; greedy tokens are
+    their own likeliest alternative; none where none were asked for."""
+    c = server.client
+    body = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+    r = c.post("/v1/completions", json=body | {"logprobs": 3}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 5
+    for chosen, tops in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(tops) <= 3 and chosen <= 0 and abs(max(tops.values()) - chosen) < 1e-6
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    events, _ = _stream(c, "/v1/completions", body | {"logprobs": 3})
+    streamed = [v for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+                for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    assert c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"] is None
+    chat = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 4, "temperature": 0}
+    r = c.post("/v1/chat/completions", json=chat | {"logprobs": True, "top_logprobs": 2}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_stop_token_ids_end_a_choice_before_that_token(server):
@@ -575,3 +603,10 @@ def test_the_official_openai_sdk_against_the_server(server):
         for ch in c.choices:
             streamed[ch.index] = streamed.get(ch.index, "") + ch.text
     assert streamed == {0: done.choices[0].text, 1: done.choices[0].text}
+    scored = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       logprobs=2)
+    assert len(scored.choices[0].logprobs.token_logprobs) == 4 and len(scored.choices[0].logprobs.top_logprobs[0]) <= 2
+    rated = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a fruit."}],
+                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    first = rated.choices[0].logprobs.content[0]
+    assert first.logprob <= 0 and len(first.top_logprobs) == 2 and first.top_logprobs[0].logprob == first.logprob
