@@ -29,6 +29,7 @@ def _(x):
 
 
 TOP_LOGPROBS = 20  # alternatives a step records per row where log-probabilities are asked for (OpenAI's most)
+MAX_BIAS = 300  # logit_bias entries a row may have (OpenAI's most)
 _P = 2**31 - 1  # the hash works modulo this prime, on int64 without overflow (products < 2^62)
 _A, _B, _C, _D = 1_103_515_245, 2_147_482_951, 48_271, 69_621
 
@@ -74,6 +75,15 @@ class RowSampling:
     lp_token: torch.Tensor | None = None
     lp_ids: torch.Tensor | None = None
     lp_vals: torch.Tensor | None = None
+    # the host's word that some row has penalties or a logit bias (Sampling.adjusts_logits): steps
+    # adjust every row's logits before the draw and count the tokens drawn (a graph of their own);
+    # the buffers (penalties [R], bias [R, MAX_BIAS], counts [R, V]) are made by `adjust_rows`
+    adjusted: bool = False
+    penalty: torch.Tensor | None = None  # [R, 3]: presence, frequency, repetition
+    bias_ids: torch.Tensor | None = None
+    bias_vals: torch.Tensor | None = None
+    counts: torch.Tensor | None = None  # [R, V] int32: each row's generated tokens
+    seen: torch.Tensor | None = None  # [R, V] bool: its prompt's and generated tokens (repetition)
 
     def prepare(self, vocab: int) -> None:
         """Make the vocabulary's share of the hash and the log-probability buffers now, outside
@@ -94,9 +104,63 @@ class RowSampling:
         return cls(col([r.temperature for r in rows], torch.float32), col([r.top_k for r in rows], torch.long),
                    col([r.top_p for r in rows], torch.float32), col([r.seed or 0 for r in rows], torch.long))
 
+    def adjust_rows(self, rows: list[int], settings: list[Sampling], seen: list[list[int]],
+                    generated: list[list[int]]) -> None:
+        """Rows' penalties and logit bias (buffers made at the first call), their prompt's and
+        generated tokens seen and the generated ones counted (a row joining, or rejoining after a
+        preemption)."""
+        if self.penalty is None:
+            r, v, dev = self.seed.numel(), self.ids.numel(), self.seed.device
+            self.penalty = torch.tensor([[0.0, 0.0, 1.0]] * r, device=dev)
+            self.bias_ids = torch.zeros(r, MAX_BIAS, dtype=torch.long, device=dev)
+            self.bias_vals = torch.zeros(r, MAX_BIAS, device=dev)
+            self.counts = torch.zeros(r, v, dtype=torch.int32, device=dev)
+            self.seen = torch.zeros(r, v, dtype=torch.bool, device=dev)
+        for row, st, ids, gen in zip(rows, settings, seen, generated):
+            self.penalty[row] = torch.tensor([st.presence_penalty, st.frequency_penalty, st.repetition_penalty])
+            bias = list(st.logit_bias) + [(0, 0.0)] * (MAX_BIAS - len(st.logit_bias))
+            self.bias_ids[row] = torch.tensor([i for i, _ in bias])
+            self.bias_vals[row] = torch.tensor([b for _, b in bias])
+            self.counts[row] = 0
+            self.seen[row] = False
+            if ids:
+                self.seen[row, torch.tensor(ids, device=self.seen.device)] = True
+            if gen:
+                self.counts[row].index_add_(0, torch.tensor(gen, device=self.seen.device),
+                                            torch.ones(len(gen), dtype=torch.int32, device=self.seen.device))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows src's settings to rows dst (a server's rows kept packed)."""
+        for t in (self.temperature, self.top_k, self.top_p, self.seed, self.penalty, self.bias_ids, self.bias_vals,
+                  self.counts, self.seen):
+            if t is not None:
+                t[dst] = t[src]
+
+    def _adjusted(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        # logits [B, V] of rows (None: the first B) -> with each row's bias and penalties, float32
+        at = slice(0, logits.shape[0]) if rows is None else rows
+        x = logits.float().scatter_add(-1, self.bias_ids[at], self.bias_vals[at])
+        pen, counts = self.penalty[at], self.counts[at].float()  # [B, 3], [B, V]
+        x = x - pen[:, :1] * (counts > 0) - pen[:, 1:2] * counts
+        rep = pen[:, 2:3]
+        return torch.where(self.seen[at], torch.where(x > 0, x / rep, x * rep), x)
+
+    def count(self, tok: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Tokens [B] a step feeds its rows (None: the first B), each the row's last generated one,
+        counted and seen: every generated token is fed once, so the counts are the generated text's
+        (a prompt's own chunks, and draws a chunk not ending its prompt makes, are not). Where
+        `adjusted`; graph-safe."""
+        if not self.adjusted:
+            return
+        at = torch.arange(tok.numel(), device=tok.device) if rows is None else rows
+        self.counts.index_put_((at, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
+        self.seen[at, tok] = True
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] of the first B rows, every one greedy -> their tokens [B] (recorded
-        where log-probabilities are asked for)."""
+        where log-probabilities are asked for; adjusted where `adjusted`)."""
+        if self.adjusted:
+            logits = self._adjusted(logits, None)
         tok = logits.argmax(-1)
         if self.logprobs:
             self._record(logits, self.temperature[: logits.shape[0]], tok, None)
@@ -128,6 +192,8 @@ class RowSampling:
         else:  # the first rows (a batch bucket may be fewer than the settings)
             n = logits.shape[0]
             t, k, p, seed = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n]
+        if self.adjusted:
+            logits = self._adjusted(logits, rows)
         v = logits.shape[-1]
         x = logits.float() / t.clamp(min=1e-6)[:, None]  # [B, V]
         ordered, order = torch.sort(x, dim=-1, descending=True)  # [B, V]

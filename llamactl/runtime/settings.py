@@ -16,7 +16,21 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # a server's (runtime.sampling.RowSampling applies them; generate does not take them): OpenAI's
+    # presence and frequency penalties over the tokens generated so far, vLLM's repetition penalty
+    # over the prompt's and those (1: off; logits of seen tokens divided by it where positive,
+    # multiplied where negative), and a bias added to the logits of token ids
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a bias change the logits before the draw."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)

@@ -171,6 +171,8 @@ class Decoder:
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
+        if self.rows is not None:
+            self.rows.count(tok.view(-1))  # (penalties: each row's newest generated token)
         logits = self.model(tok, pos, self.cache, kv_len=kv_len)[:, -1]  # [B, V]
         if self.rows is None:
             return self.sample(logits)
@@ -205,7 +207,7 @@ class Decoder:
         if not 0 <= start <= self.max_seq - s:
             raise ValueError(f"positions {start}..{start + s - 1} do not fit the cache of {self.max_seq}")
         if (slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s)
-                and not (self.rows is not None and self.rows.logprobs)):  # (prefill graphs do not record them)
+                and not self._recording()):
             return self.prefill_slots(ids, [slot], [n])  # a whole prompt, or its first chunk: a graph
         ids = ids.to(self.device)
         logits = self.model(ids, torch.arange(start, start + s, device=self.device), self.cache, last_only=True, slot=slot,
@@ -217,6 +219,11 @@ class Decoder:
         which = None if slot is None else torch.tensor([slot], device=self.device)
         return self.rows.sample(logits[:, -1], drawn_at, which)
 
+    def _recording(self) -> bool:
+        """Whether draws record log-probabilities or adjust logits now (prefill graphs, captured
+        without, do neither)."""
+        return self.rows is not None and (self.rows.logprobs or self.rows.adjusted)
+
     @torch.inference_mode()
     def prefill_slots(self, ids: torch.Tensor, slots: list[int], valid: list[int]) -> torch.Tensor:
         """Several prompts joining at once, in one forward: ids: [B, S] (row i: a prompt of valid[i]
@@ -226,8 +233,7 @@ class Decoder:
         b, s = ids.shape
         if not (len(slots) == len(valid) == b and s <= self.max_seq and all(0 < n <= s for n in valid)):
             raise ValueError(f"prefill_slots: {b} prompts of {s} for slots {slots}, lengths {valid}")
-        if (self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None
-                and not (self.rows is not None and self.rows.logprobs)):  # (prefill graphs do not record them)
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None and not self._recording():
             toks, self.prefill_finite = self.prefill_graphs.run(ids, slots, valid)
             return toks
         ids = ids.to(self.device)
@@ -263,6 +269,8 @@ class Decoder:
         ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T - d]
         if drows:
             ids = torch.cat([tok.view(1, -1), ids], 1)  # [1, T]
+            if self.rows is not None:
+                self.rows.count(tok.view(-1), torch.tensor(drows, device=self.device))
         return self._packed(ids, packed)  # [d + n]
 
     @torch.inference_mode()
@@ -304,8 +312,8 @@ class Decoder:
         the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
         greedy = self.rows is not None and self.rows.greedy
-        logprobs = self.rows is not None and self.rows.logprobs
-        kind = ("rows" if rows else "shared", tok.numel(), greedy, logprobs)  # a graph per batch bucket and kind
+        extras = (self.rows.logprobs, self.rows.adjusted) if self.rows is not None else (False, False)
+        kind = ("rows" if rows else "shared", tok.numel(), greedy, *extras)  # a graph per batch bucket and kind
         if rows and not 0 < tok.numel() <= self.batch:
             raise ValueError(f"{tok.numel()} rows for a cache of {self.batch}")
         if not self.use_graph or kind not in self._graphs:

@@ -121,12 +121,14 @@ class Completion:
         if why:
             param = "max_tokens" if len(ids) < engine.max_seq else ("messages" if ask.chat else "prompt")
             raise ApiError(400, why, param, code="context_length_exceeded")
-        bad = next((t for t in ask.stop_token_ids if t >= self.svc.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"stop_token_ids: {bad} is outside the vocabulary (0 to {self.svc.vocab_size - 1})",
-                           "stop_token_ids")
-        params = Params(max_tokens, Sampling(ask.temperature, ask.top_p, ask.top_k, seed), ask.ignore_eos,
-                        ask.speculate and ask.logprobs is None, frozenset(ask.stop_token_ids), ask.logprobs)
+        for field, given in (("stop_token_ids", ask.stop_token_ids), ("logit_bias", [i for i, _ in ask.logit_bias])):
+            bad = next((t for t in given if t >= self.svc.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"{field}: {bad} is outside the vocabulary (0 to {self.svc.vocab_size - 1})", field)
+        sampling = Sampling(ask.temperature, ask.top_p, ask.top_k, seed, ask.presence_penalty, ask.frequency_penalty,
+                            ask.repetition_penalty, ask.logit_bias)
+        params = Params(max_tokens, sampling, ask.ignore_eos, ask.speculate and ask.logprobs is None,
+                        frozenset(ask.stop_token_ids), ask.logprobs)
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:

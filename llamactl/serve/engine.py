@@ -195,9 +195,16 @@ class Engine:
         self.runner.arrange(plan.moves, plan.tables)
         for r in plan.joined:
             self.runner.set_sampling(r.slot, r.params)
+        # their penalties and biases (a row that has none resets what its slot's last request left)
+        adjusting = [r for r in plan.joined if r.params.sampling.adjusts_logits or self.runner.rows.penalty is not None]
+        if adjusting:
+            self.runner.adjust_rows([r.slot for r in adjusting], [r.params.sampling for r in adjusting],
+                                    [r.tokens for r in adjusting], [r.tokens[r.prompt_len :] for r in adjusting])
+        running = [r for r in self.scheduler.slots if r is not None]
+        self.runner.set_adjusted(any(r.params.sampling.adjusts_logits for r in running))
         for r in plan.cancelled:
             self._finish(r, "cancelled")
-        self.runner.set_logprobs(any(r is not None and r.params.logprobs is not None for r in self.scheduler.slots))
+        self.runner.set_logprobs(any(r.params.logprobs is not None for r in running))
         if plan.speculate:  # proposals follow every token: the step in flight is read first
             self._collect(self._inflight)
             self._inflight = None

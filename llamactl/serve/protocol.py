@@ -18,6 +18,7 @@ from typing import Any
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 MAX_STOP_IDS = 64  # stop_token_ids a request may give
 MAX_N = 16  # choices a request may ask for (n)
+MAX_BIAS = 300  # logit_bias entries (runtime.sampling.MAX_BIAS)
 MAX_LOGPROBS = 20  # alternatives a token's log-probability may come with (runtime.sampling.TOP_LOGPROBS)
 SEED_MOD = 2**63
 
@@ -55,6 +56,10 @@ class Ask:
     speculate: bool = True  # llamactl's: false keeps this request out of speculative steps (serve --draft)
     n: int = 1  # choices, each drawn with its own seed (seed + i where a seed is given)
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
@@ -91,9 +96,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"echo": lambda v: bool(v), "logit_bias": lambda v: bool(v),
-              "presence_penalty": lambda v: v not in (None, 0), "frequency_penalty": lambda v: v not in (None, 0),
-              "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
+    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
                   None, {"type": "text"})}
     for name, bad in checks.items():
         try:
@@ -102,6 +105,26 @@ def _unsupported(body: dict) -> None:
             refused = True
         if refused:
             raise ApiError(400, f"{name} is not supported by this server", name)
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {token id (a string or an integer): bias from -100 to 100}, at most
+    MAX_BIAS entries -> ((id, bias), ...) (ids checked against the vocabulary at submission)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > MAX_BIAS:
+        raise ApiError(400, f"logit_bias must be an object of up to {MAX_BIAS} token ids to biases", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+        if tid < 0 or isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias: token {key!r} needs an id of 0 or more and a bias from -100 to 100",
+                           "logit_bias")
+        out.append((tid, float(bias)))
+    return tuple(out)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -229,6 +252,10 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
                        "log-probability, which this server does not compute yet; pass best_of equal to n, or leave "
                        "it out", "best_of")
     ask.logprobs = _logprobs(body, chat)
+    ask.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    ask.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    ask.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
+    ask.logit_bias = _logit_bias(body.get("logit_bias"))
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_IDS
                             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):

@@ -89,6 +89,16 @@ class Runner:
         if on != self.rows.logprobs:
             self._do(("logprobs", on))
 
+    def set_adjusted(self, on: bool) -> None:
+        """Whether the steps from now apply penalties and logit biases (some running request has them)."""
+        if on != self.rows.adjusted:
+            self._do(("adjusted", on))
+
+    def adjust_rows(self, rows: list[int], settings: list, seen: list[list[int]], generated: list[list[int]]) -> None:
+        """Joining rows' penalties and biases, their tokens so far seen and generated ones counted
+        (runtime.sampling.RowSampling.adjust_rows)."""
+        self._do(("adjust_rows", rows, settings, seen, generated))
+
     def logprobs_of(self, slots: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
         """What the last forward recorded for these rows (a prefill's first tokens; syncs)."""
         return self.rows.read_logprobs(slots, self.rows.lp_ids.shape[1])
@@ -182,8 +192,8 @@ class Runner:
             if moves:
                 src, dst = (torch.tensor(x, device=self.device) for x in zip(*moves))
                 self.cache.move(src, dst)
-                for t in (self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.seed, self._tok):
-                    t[dst] = t[src]
+                self.rows.move(src, dst)
+                self._tok[dst] = self._tok[src]
             if tables:
                 self.cache.set_rows([r for r, _ in tables], [b for _, b in tables])
         elif kind == "prefill":  # one prompt chunk into its slot; the last one sets the row's token
@@ -213,6 +223,10 @@ class Runner:
             return self.decoder.verify_packed(chunks, slots, starts)  # [T]
         elif kind == "logprobs":
             self.rows.logprobs = a[0]
+        elif kind == "adjusted":
+            self.rows.adjusted = a[0]
+        elif kind == "adjust_rows":
+            self.rows.adjust_rows(*a)
         elif kind == "last":
             slots, tokens = a
             if slots:

@@ -523,11 +523,11 @@ class Scheduler:
 
     def _speculating(self) -> bool:
         """Whether this step is a verify step: speculation on, no prompt prefilling, 1..spec_rows
-        rows, one of them proposing again (spec_after), none asking for log-probabilities (a
-        verify step records none)."""
+        rows, one of them proposing again (spec_after), none asking for log-probabilities or
+        adjusting its logits (a verify step records none, and counts no tokens)."""
         rows = [r for r in self.slots if r is not None]
         return (self.spec_k > 0 and 0 < len(rows) <= self.spec_rows and all(r.decoding for r in rows)
-                and not any(r.params.logprobs is not None for r in rows)
+                and not any(r.params.logprobs is not None or r.params.sampling.adjusts_logits for r in rows)
                 and any(r.params.speculate and r.launched >= r.spec_after for r in rows))
 
     def verify(self, proposals: dict[int, list[int]]) -> Verify | None:

@@ -533,3 +533,46 @@ def test_logprobs_are_the_log_softmax_of_the_runtimes_logits(embedded):
             top = want[i].topk(p.logprobs)
             assert [a for a, _ in alts] == top.indices.tolist()
             assert max(abs(v - w) for (_, v), w in zip(alts, top.values.tolist())) < 1e-5
+
+
+def _adjusted_greedy(model, ids: list[int], n: int, s) -> list[int]:
+    """The greedy tokens after ids with Sampling s's penalties and bias applied as OpenAI and vLLM
+    define them, each step a whole forward (the reference for the engine's on-device ones)."""
+    import torch
+
+    out = []
+    for _ in range(n):
+        seq = torch.tensor([ids + out])
+        with torch.inference_mode():
+            x = model(seq, torch.arange(seq.shape[1]))[0, -1].double()  # [V]
+        for tid, b in s.logit_bias:
+            x[tid] += b
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.numel()).double() if out else 0 * x
+        x = x - s.presence_penalty * (counts > 0) - s.frequency_penalty * counts
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[torch.tensor(ids + out)] = True
+        x = torch.where(seen, torch.where(x > 0, x / s.repetition_penalty, x * s.repetition_penalty), x)
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_penalties_and_logit_bias_give_the_reference_tokens_and_leave_other_rows_alone(embedded):
+    """Greedy rows with presence, frequency and repetition penalties, or a logit bias, decoding
+    beside a row without any (joining in chunks of 4): each gives the tokens of the reference that
+    applies them to a whole forward's logits; the plain row gives the tokens it gives alone; a +100
+    bias makes its token every token."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    plain = Sampling(temperature=0.0)
+    pen = Sampling(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
+    bias = Sampling(temperature=0.0, logit_bias=((tok(" the").input_ids[-1], 100.0),))
+    reqs = [(tok(PROMPTS[0]).input_ids, Params(10, pen, ignore_eos=True)),
+            (tok(PROMPTS[1]).input_ids, Params(10, plain, ignore_eos=True)),
+            (tok(PROMPTS[3]).input_ids, Params(6, bias, ignore_eos=True))]
+    out = _run_engine(model, eos, reqs, max_batch=3, prefill_chunk=4)
+    assert out[0][0] == _adjusted_greedy(model, reqs[0][0], 10, pen)
+    assert out[0][0] != _adjusted_greedy(model, reqs[0][0], 10, plain)  # the penalties changed something
+    assert out[1][0] == _run_engine(model, eos, [reqs[1]], max_batch=3)[0][0]
+    assert out[2][0] == [bias.logit_bias[0][0]] * 6

@@ -197,6 +197,11 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "stop_token_ids": [1, "2"]}, 400, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -266,6 +271,20 @@ def test_logprobs_in_openais_shapes_streamed_and_whole(server):
         assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
     r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_a_logit_bias_and_penalties_through_http(server):
+    """logit_bias {id: 100} makes that token every token; penalties change a greedy text (the
+    exact values: tests/serve/test_engine.py)."""
+    c = server.client
+    tid = _tok()(" the", add_special_tokens=False).input_ids[-1]
+    body = {"prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = c.post("/v1/completions", json=body | {"logit_bias": {str(tid): 100}, "logprobs": 0}).json()
+    assert r["choices"][0]["logprobs"]["tokens"] == [_tok().decode([tid])] * 5
+    plain = c.post("/v1/completions", json=body | {"max_tokens": 24}).json()["choices"][0]["text"]
+    tamed = c.post("/v1/completions", json=body | {"max_tokens": 24, "repetition_penalty": 1.8,
+                                                   "frequency_penalty": 2.0}).json()
+    assert tamed["choices"][0]["text"] != plain
 
 
 def test_stop_token_ids_end_a_choice_before_that_token(server):
