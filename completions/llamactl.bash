@@ -33,7 +33,7 @@ _llamactl() {
         generate:--dtype) COMPREPLY=( $(compgen -W "auto float32 bfloat16 float16" -- "$cur") ); return ;;
         generate:--quant-inputs) COMPREPLY=( $(compgen -W "int16 float int8 fp16" -- "$cur") ); return ;;
         generate:--kernels) COMPREPLY=( $(compgen -W "on off" -- "$cur") ); return ;;
-        quantize:--method) COMPREPLY=( $(compgen -W "rtn gptq nf4 int8" -- "$cur") ); return ;;
+        quantize:--method) COMPREPLY=( $(compgen -W "rtn gptq nf4 int8 fp8" -- "$cur") ); return ;;
         quantize:--gptq-variant) COMPREPLY=( $(compgen -W "gptq gptaq foem" -- "$cur") ); return ;;
         quantize:--calib) COMPREPLY=( $(compgen -W "docs wikitext2 c4" -- "$cur") ); return ;;
         quantize:--device) COMPREPLY=( $(compgen -W "auto cpu cuda" -- "$cur") ); return ;;

@@ -133,7 +133,7 @@ complete -c llamactl -n '__fish_seen_subcommand_from inspect' -l allow-pickle -d
 complete -c llamactl -n '__fish_seen_subcommand_from inspect' -l help -s h -d 'Show help.'
 complete -c llamactl -n '__fish_seen_subcommand_from inspect' -F
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l output -s o -r -d 'Output folder (written atomically).'
-complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l method -x -a 'rtn gptq nf4 int8' -d 'gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes), or fp8 (e4m3 weights per channel and activations per token, compressed-tensors format: FP8 tensor cores on Hopper).'
+complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l method -x -a 'rtn gptq nf4 int8 fp8' -d 'gptq (GPTQModel), rtn (round-to-nearest), nf4 or int8 (bitsandbytes), or fp8 (e4m3 weights per channel and activations per token, compressed-tensors format: FP8 tensor cores on Hopper).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l bits -r -d 'Bits per weight: 3, 4, 5, 6 or 8 for gptq and rtn (default 4; 3, 5 and 6 are read by llamactl and GPTQModel only); nf4 is 4, int8 is 8 (their defaults).'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l group-size -r -d 'Columns per quantization group; -1 = one group per output channel.'
 complete -c llamactl -n '__fish_seen_subcommand_from quantize' -l sym -l asym -d 'Symmetric (zero point fixed) or asymmetric groups.'

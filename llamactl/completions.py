@@ -12,7 +12,7 @@ from pathlib import Path
 SHELLS = {"bash": "llamactl.bash", "zsh": "_llamactl", "fish": "llamactl.fish"}
 # the values an option takes, completed after it (command-specific entries win over plain ones)
 VALUES = {
-    "--method": "rtn gptq nf4 int8", "--format": "table json csv markdown", "--device": "auto cpu cuda",
+    "--method": "rtn gptq nf4 int8 fp8", "--format": "table json csv markdown", "--device": "auto cpu cuda",
     "--dtype": "auto float32 bfloat16 float16", "--merge": "fit mean", "--grouping": "contiguous similarity",
     "--quant-inputs": "int16 float int8 fp16", "--kernels": "on off", "--pdl": "on off",
     "--synthetic": "tiny llama2-7b llama2-7b-32k llama2-13b llama3-8b llama3-70b", "--synthetic-quant": "none int4 int8 fp8",

@@ -27,7 +27,7 @@ def test_bash_completion_offers_commands_and_options():
                        '_llamactl; echo "${COMPREPLY[@]}"'], capture_output=True, text=True, check=True).stdout.split()
     assert {"generate", "inspect"} <= set(run("llamactl ''"))
     assert "--max-new-tokens" in run("llamactl generate --max")
-    assert run("llamactl quantize m --method ''") == ["rtn", "gptq", "nf4", "int8"]  # option values too
+    assert run("llamactl quantize m --method ''") == ["rtn", "gptq", "nf4", "int8", "fp8"]  # option values too
     assert run("llamactl bench --mode c") == ["compile"] and run("llamactl compile --mode d") == ["default"]
     assert run("llamactl generate --device c") == ["cpu", "cuda"]
 

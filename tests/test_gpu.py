@@ -430,7 +430,7 @@ def test_fp8_layers_on_the_gpu_match_their_dequantized_products():
     torch._scaled_mm with per-token scales where the GPU has FP8, against float64 products of the
     dequantized weights and (rows) the per-token-rounded activations."""
     from llamactl.layers.fp8 import FP8Linear, fp8_matmul, quantize_rows, use_fp8_kernels
-    from llamactl.quantize.fp8 import quantize_fp8
+    from llamactl.layers.fp8 import quantize_fp8
 
     torch.manual_seed(0)
     with torch.device("meta"):

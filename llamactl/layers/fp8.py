@@ -30,6 +30,16 @@ def fp8_matmul(device_index: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+def quantize_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (float8_e4m3fn codes [out, in], scales [out, 1] in scale_dtype): w ~ codes * scales,
+    a scale per output channel (its largest magnitude over 448). The codes divide by the stored
+    (rounded) scale, so dequantizing reproduces them exactly."""
+    amax = w.detach().abs().amax(1, keepdim=True).float()
+    scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
+    codes = (w.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]): x ~ q * scale, per row (token)."""
     scale = (x.abs().amax(-1, keepdim=True).float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)

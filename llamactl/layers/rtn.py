@@ -144,8 +144,7 @@ def quantize_linears_int8(model, triton: bool, every: bool = False) -> int:
 def quantize_linears_fp8(model, every: bool = False) -> int:
     """FP8 e4m3 per output channel (quantize.fp8's scheme) for every decoder linear of an in-memory
     model (synthetic benchmarks); every: as quantize_linears_int4's."""
-    from llamactl.layers.fp8 import FP8Linear, use_fp8_kernels
-    from llamactl.quantize.fp8 import quantize_fp8
+    from llamactl.layers.fp8 import FP8Linear, quantize_fp8, use_fp8_kernels
 
     n = 0
     for name, mod in _decoder_linears(model, every):

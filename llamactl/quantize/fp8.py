@@ -16,17 +16,9 @@ from typing import Any
 
 import torch
 
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+from llamactl.layers.fp8 import quantize_fp8
+
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config fields this writes (checked against its loader)
-
-
-def quantize_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (float8_e4m3fn codes [out, in], scales [out, 1] in scale_dtype): w ~ codes * scales.
-    The codes divide by the stored (rounded) scale, so dequantizing reproduces them exactly."""
-    amax = w.detach().abs().amax(1, keepdim=True).float()
-    scale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
-    codes = (w.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes, scale
 
 
 def quantization_config(modules: list[str], ignore: list[str]) -> dict[str, Any]:

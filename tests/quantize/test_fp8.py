@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 from conftest import make_hf_model
 from llamactl.cli.app import app
 from llamactl.folder.artifact import open_artifact
-from llamactl.layers.fp8 import FP8Linear, quantize_rows
-from llamactl.quantize.fp8 import quantize_fp8
+from llamactl.layers.fp8 import FP8Linear, quantize_fp8, quantize_rows
 from llamactl.runtime.load import load_model
 
 runner = CliRunner()
