@@ -34,7 +34,7 @@ def test_bash_completion_offers_commands_and_options():
 
 def test_zsh_and_fish_scripts_complete_option_values():
     zsh, fish = render("zsh"), render("fish")
-    assert ":value:(fit mean)'" in zsh and "-x -a 'rtn gptq nf4 int8'" in fish
+    assert ":value:(fit mean)'" in zsh and "-x -a 'rtn gptq nf4 int8 fp8'" in fish
 
 
 def test_every_completed_value_is_accepted_by_the_cli():
