@@ -30,6 +30,7 @@ def _(x):
 
 TOP_LOGPROBS = 20  # alternatives a step records per row where log-probabilities are asked for (OpenAI's most)
 MAX_BIAS = 300  # logit_bias entries a row may have (OpenAI's most)
+MAX_BANNED = 72  # stop tokens a row's min_tokens holds back (a model's EOS ids and a request's stop_token_ids)
 _P = 2**31 - 1  # the hash works modulo this prime, on int64 without overflow (products < 2^62)
 _A, _B, _C, _D = 1_103_515_245, 2_147_482_951, 48_271, 69_621
 
@@ -84,6 +85,10 @@ class RowSampling:
     bias_vals: torch.Tensor | None = None
     counts: torch.Tensor | None = None  # [R, V] int32: each row's generated tokens
     seen: torch.Tensor | None = None  # [R, V] bool: its prompt's and generated tokens (repetition)
+    generated: torch.Tensor | None = None  # [R] int32: how many tokens each row has generated
+    min_tokens: torch.Tensor | None = None  # [R] int32: its stop tokens held back until it has this many
+    banned: torch.Tensor | None = None  # [R, MAX_BANNED] long: those stop tokens (padded with the first)
+    ban_valid: torch.Tensor | None = None  # [R, MAX_BANNED] bool: whether the row has any
 
     def prepare(self, vocab: int) -> None:
         """Make the vocabulary's share of the hash and the log-probability buffers now, outside
@@ -105,10 +110,10 @@ class RowSampling:
                    col([r.top_p for r in rows], torch.float32), col([r.seed or 0 for r in rows], torch.long))
 
     def adjust_rows(self, rows: list[int], settings: list[Sampling], seen: list[list[int]],
-                    generated: list[list[int]]) -> None:
-        """Rows' penalties and logit bias (buffers made at the first call), their prompt's and
-        generated tokens seen and the generated ones counted (a row joining, or rejoining after a
-        preemption)."""
+                    generated: list[list[int]], stops: list[list[int]]) -> None:
+        """Rows' penalties, logit bias and min_tokens (buffers made at the first call), their
+        prompt's and generated tokens seen and the generated ones counted (a row joining, or
+        rejoining after a preemption); stops: the tokens each row's min_tokens holds back."""
         if self.penalty is None:
             r, v, dev = self.seed.numel(), self.ids.numel(), self.seed.device
             self.penalty = torch.tensor([[0.0, 0.0, 1.0]] * r, device=dev)
@@ -116,7 +121,15 @@ class RowSampling:
             self.bias_vals = torch.zeros(r, MAX_BIAS, device=dev)
             self.counts = torch.zeros(r, v, dtype=torch.int32, device=dev)
             self.seen = torch.zeros(r, v, dtype=torch.bool, device=dev)
-        for row, st, ids, gen in zip(rows, settings, seen, generated):
+            self.generated = torch.zeros(r, dtype=torch.int32, device=dev)
+            self.min_tokens = torch.zeros(r, dtype=torch.int32, device=dev)
+            self.banned = torch.zeros(r, MAX_BANNED, dtype=torch.long, device=dev)
+            self.ban_valid = torch.zeros(r, MAX_BANNED, dtype=torch.bool, device=dev)
+        for row, st, ids, gen, stop in zip(rows, settings, seen, generated, stops):
+            stop = list(stop)[:MAX_BANNED]
+            self.banned[row] = torch.tensor((stop + [stop[0] if stop else 0] * MAX_BANNED)[:MAX_BANNED])
+            self.ban_valid[row] = bool(stop)  # the padding repeats the first id: the same value for each copy
+            self.min_tokens[row], self.generated[row] = st.min_tokens, len(gen)
             self.penalty[row] = torch.tensor([st.presence_penalty, st.frequency_penalty, st.repetition_penalty])
             bias = list(st.logit_bias) + [(0, 0.0)] * (MAX_BIAS - len(st.logit_bias))
             self.bias_ids[row] = torch.tensor([i for i, _ in bias])
@@ -132,7 +145,7 @@ class RowSampling:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows src's settings to rows dst (a server's rows kept packed)."""
         for t in (self.temperature, self.top_k, self.top_p, self.seed, self.penalty, self.bias_ids, self.bias_vals,
-                  self.counts, self.seen):
+                  self.counts, self.seen, self.generated, self.min_tokens, self.banned, self.ban_valid):
             if t is not None:
                 t[dst] = t[src]
 
@@ -143,7 +156,10 @@ class RowSampling:
         pen, counts = self.penalty[at], self.counts[at].float()  # [B, 3], [B, V]
         x = x - pen[:, :1] * (counts > 0) - pen[:, 1:2] * counts
         rep = pen[:, 2:3]
-        return torch.where(self.seen[at], torch.where(x > 0, x / rep, x * rep), x)
+        x = torch.where(self.seen[at], torch.where(x > 0, x / rep, x * rep), x)
+        ban = self.banned[at]  # [B, MAX_BANNED]: a row's stop tokens while it has fewer than min_tokens
+        held = self.ban_valid[at] & (self.generated[at] < self.min_tokens[at])[:, None]
+        return x.scatter(-1, ban, torch.where(held, float("-inf"), x.gather(-1, ban)))
 
     def count(self, tok: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Tokens [B] a step feeds its rows (None: the first B), each the row's last generated one,
@@ -155,6 +171,7 @@ class RowSampling:
         at = torch.arange(tok.numel(), device=tok.device) if rows is None else rows
         self.counts.index_put_((at, tok), torch.ones_like(tok, dtype=torch.int32), accumulate=True)
         self.seen[at, tok] = True
+        self.generated[at] += 1
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] of the first B rows, every one greedy -> their tokens [B] (recorded

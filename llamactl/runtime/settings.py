@@ -19,11 +19,13 @@ class Sampling:
     # a server's (runtime.sampling.RowSampling applies them; generate does not take them): OpenAI's
     # presence and frequency penalties over the tokens generated so far, vLLM's repetition penalty
     # over the prompt's and those (1: off; logits of seen tokens divided by it where positive,
-    # multiplied where negative), and a bias added to the logits of token ids
+    # multiplied where negative), a bias added to the logits of token ids, and vLLM's min_tokens
+    # (the stop tokens cannot be drawn before that many tokens)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -31,6 +33,6 @@ class Sampling:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether penalties or a bias change the logits before the draw."""
+        """Whether penalties, a bias or min_tokens change the logits before the draw."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)

@@ -126,7 +126,7 @@ class Completion:
             if bad is not None:
                 raise ApiError(400, f"{field}: {bad} is outside the vocabulary (0 to {self.svc.vocab_size - 1})", field)
         sampling = Sampling(ask.temperature, ask.top_p, ask.top_k, seed, ask.presence_penalty, ask.frequency_penalty,
-                            ask.repetition_penalty, ask.logit_bias)
+                            ask.repetition_penalty, ask.logit_bias, min(ask.min_tokens, max_tokens))
         params = Params(max_tokens, sampling, ask.ignore_eos, ask.speculate and ask.logprobs is None,
                         frozenset(ask.stop_token_ids), ask.logprobs)
         try:

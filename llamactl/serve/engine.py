@@ -199,7 +199,9 @@ class Engine:
         adjusting = [r for r in plan.joined if r.params.sampling.adjusts_logits or self.runner.rows.penalty is not None]
         if adjusting:
             self.runner.adjust_rows([r.slot for r in adjusting], [r.params.sampling for r in adjusting],
-                                    [r.tokens for r in adjusting], [r.tokens[r.prompt_len :] for r in adjusting])
+                                    [r.tokens for r in adjusting], [r.tokens[r.prompt_len :] for r in adjusting],
+                                    [sorted((set() if r.params.ignore_eos else self.eos_ids) | r.params.stop_ids)
+                                     for r in adjusting])
         running = [r for r in self.scheduler.slots if r is not None]
         self.runner.set_adjusted(any(r.params.sampling.adjusts_logits for r in running))
         for r in plan.cancelled:

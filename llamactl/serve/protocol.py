@@ -60,6 +60,7 @@ class Ask:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # vLLM's: no stop token before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
@@ -256,6 +257,9 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
     ask.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     ask.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
     ask.logit_bias = _logit_bias(body.get("logit_bias"))
+    ask.min_tokens = _integer(body, "min_tokens", 0) or 0
+    if ask.max_tokens is not None and ask.min_tokens > ask.max_tokens:
+        raise ApiError(400, f"min_tokens {ask.min_tokens} is more than max_tokens {ask.max_tokens}", "min_tokens")
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_IDS
                             or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):

@@ -94,10 +94,11 @@ class Runner:
         if on != self.rows.adjusted:
             self._do(("adjusted", on))
 
-    def adjust_rows(self, rows: list[int], settings: list, seen: list[list[int]], generated: list[list[int]]) -> None:
-        """Joining rows' penalties and biases, their tokens so far seen and generated ones counted
-        (runtime.sampling.RowSampling.adjust_rows)."""
-        self._do(("adjust_rows", rows, settings, seen, generated))
+    def adjust_rows(self, rows: list[int], settings: list, seen: list[list[int]], generated: list[list[int]],
+                    stops: list[list[int]]) -> None:
+        """Joining rows' penalties, biases and min_tokens, their tokens so far seen and generated
+        ones counted, and the stop tokens min_tokens holds back (RowSampling.adjust_rows)."""
+        self._do(("adjust_rows", rows, settings, seen, generated, stops))
 
     def logprobs_of(self, slots: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
         """What the last forward recorded for these rows (a prefill's first tokens; syncs)."""

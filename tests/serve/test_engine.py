@@ -576,3 +576,18 @@ def test_penalties_and_logit_bias_give_the_reference_tokens_and_leave_other_rows
     assert out[0][0] != _adjusted_greedy(model, reqs[0][0], 10, plain)  # the penalties changed something
     assert out[1][0] == _run_engine(model, eos, [reqs[1]], max_batch=3)[0][0]
     assert out[2][0] == [bias.logit_bias[0][0]] * 6
+
+
+def test_min_tokens_holds_the_stop_tokens_back(embedded):
+    """A bias of +100 on EOS ends a row at once; with min_tokens 3 the row makes 3 other tokens
+    first, then stops at EOS."""
+    from llamactl.serve.engine import Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    ids, end = tok(PROMPTS[0]).input_ids, min(eos)
+    eager = Sampling(temperature=0.0, logit_bias=((end, 100.0),))
+    assert _run_engine(model, eos, [(ids, Params(10, eager))])[0] == ([], "stop")
+    held = Sampling(temperature=0.0, logit_bias=((end, 100.0),), min_tokens=3)
+    toks, reason = _run_engine(model, eos, [(ids, Params(10, held))])[0]
+    assert len(toks) == 3 and end not in toks and reason == "stop"
