@@ -89,6 +89,13 @@ class RowSampling:
     min_tokens: torch.Tensor | None = None  # [R] int32: its stop tokens held back until it has this many
     banned: torch.Tensor | None = None  # [R, MAX_BANNED] long: those stop tokens (padded with the first)
     ban_valid: torch.Tensor | None = None  # [R, MAX_BANNED] bool: whether the row has any
+    # the host's word that some row follows a grammar (serve.grammar): steps keep each row's draw
+    # to the tokens its bitmask allows (a graph of their own); mask [R, ceil(V / 32)] int32, all
+    # ones for a row that follows none, made by set_masks
+    masked: bool = False
+    mask: torch.Tensor | None = None
+    _word: torch.Tensor | None = None  # [V]: the word of each token's bit
+    _bit: torch.Tensor | None = None  # [V]: its place in the word
 
     def prepare(self, vocab: int) -> None:
         """Make the vocabulary's share of the hash and the log-probability buffers now, outside
@@ -142,10 +149,27 @@ class RowSampling:
                 self.counts[row].index_add_(0, torch.tensor(gen, device=self.seen.device),
                                             torch.ones(len(gen), dtype=torch.int32, device=self.seen.device))
 
+    def set_masks(self, rows: list[int], masks: torch.Tensor | None) -> None:
+        """Rows' bitmasks of allowed tokens ([n, ceil(V / 32)] int32, host or device; None: all
+        allowed). The buffers are made at the first call."""
+        if self.mask is None:
+            v, dev = self.ids.numel(), self.seed.device
+            self.mask = torch.full((self.seed.numel(), -(-v // 32)), -1, dtype=torch.int32, device=dev)
+            self._word = torch.arange(v, device=dev) // 32
+            self._bit = (torch.arange(v, device=dev) % 32).to(torch.int32)
+        at = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.mask[at] = -1 if masks is None else masks.to(self.mask.device, torch.int32)
+
+    def _allowed(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        # logits [B, V] of rows (None: the first B) -> -inf where a row's bitmask disallows a token
+        words = self.mask[slice(0, logits.shape[0]) if rows is None else rows]  # [B, W]
+        bits = (words[:, self._word] >> self._bit) & 1  # [B, V]
+        return logits.masked_fill(bits == 0, float("-inf"))
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows src's settings to rows dst (a server's rows kept packed)."""
         for t in (self.temperature, self.top_k, self.top_p, self.seed, self.penalty, self.bias_ids, self.bias_vals,
-                  self.counts, self.seen, self.generated, self.min_tokens, self.banned, self.ban_valid):
+                  self.counts, self.seen, self.generated, self.min_tokens, self.banned, self.ban_valid, self.mask):
             if t is not None:
                 t[dst] = t[src]
 
@@ -178,6 +202,8 @@ class RowSampling:
         where log-probabilities are asked for; adjusted where `adjusted`)."""
         if self.adjusted:
             logits = self._adjusted(logits, None)
+        if self.masked:
+            logits = self._allowed(logits, None)
         tok = logits.argmax(-1)
         if self.logprobs:
             self._record(logits, self.temperature[: logits.shape[0]], tok, None)
@@ -211,6 +237,8 @@ class RowSampling:
             t, k, p, seed = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n]
         if self.adjusted:
             logits = self._adjusted(logits, rows)
+        if self.masked:
+            logits = self._allowed(logits, rows)
         v = logits.shape[-1]
         x = logits.float() / t.clamp(min=1e-6)[:, None]  # [B, V]
         ordered, order = torch.sort(x, dim=-1, descending=True)  # [B, V]

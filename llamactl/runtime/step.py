@@ -220,9 +220,9 @@ class Decoder:
         return self.rows.sample(logits[:, -1], drawn_at, which)
 
     def _recording(self) -> bool:
-        """Whether draws record log-probabilities or adjust logits now (prefill graphs, captured
-        without, do neither)."""
-        return self.rows is not None and (self.rows.logprobs or self.rows.adjusted)
+        """Whether draws record log-probabilities, adjust logits or follow grammars now (prefill
+        graphs, captured without, do none of it)."""
+        return self.rows is not None and (self.rows.logprobs or self.rows.adjusted or self.rows.masked)
 
     @torch.inference_mode()
     def prefill_slots(self, ids: torch.Tensor, slots: list[int], valid: list[int]) -> torch.Tensor:
@@ -312,7 +312,7 @@ class Decoder:
         the cache (ignored by graphs and compile)."""
         rows = isinstance(pos, torch.Tensor)
         greedy = self.rows is not None and self.rows.greedy
-        extras = (self.rows.logprobs, self.rows.adjusted) if self.rows is not None else (False, False)
+        extras = (self.rows.logprobs, self.rows.adjusted, self.rows.masked) if self.rows is not None else ()
         kind = ("rows" if rows else "shared", tok.numel(), greedy, *extras)  # a graph per batch bucket and kind
         if rows and not 0 < tok.numel() <= self.batch:
             raise ValueError(f"{tok.numel()} rows for a cache of {self.batch}")

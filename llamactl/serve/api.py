@@ -28,6 +28,7 @@ from starlette.routing import Route
 from llamactl import ui
 from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
+from llamactl.serve.grammar import Grammars
 from llamactl.serve.metrics import Metrics
 from llamactl.serve.protocol import (MAX_BODY, SEED_MOD, ApiError, Ask, chunk, logprobs_block, new_id, parse, usage,
                                      whole)
@@ -51,9 +52,13 @@ class Service:
         self.max_text_bytes = engine.max_seq * _longest_token_bytes(tokenizer)
         self.metrics = Metrics(engine)
         self.created = int(time.time())
+        self.grammars = Grammars(self.encoder, vocab_size, engine.eos_ids)
 
     def encode(self, ask: Ask) -> list[int]:
-        """The prompt's token ids (on the worker thread); ApiError when they cannot be made."""
+        """The prompt's token ids, and its grammar compiled (on the worker thread); ApiError when
+        they cannot be made."""
+        if ask.grammar is not None:
+            ask.compiled = self.grammars.compile(ask.grammar)
         tok = self.encoder
         size = _text_bytes(ask)
         if size > self.max_text_bytes:
@@ -128,7 +133,7 @@ class Completion:
         sampling = Sampling(ask.temperature, ask.top_p, ask.top_k, seed, ask.presence_penalty, ask.frequency_penalty,
                             ask.repetition_penalty, ask.logit_bias, min(ask.min_tokens, max_tokens))
         params = Params(max_tokens, sampling, ask.ignore_eos, ask.speculate and ask.logprobs is None,
-                        frozenset(ask.stop_token_ids), ask.logprobs)
+                        frozenset(ask.stop_token_ids), ask.logprobs, ask.compiled)
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:

@@ -114,6 +114,8 @@ class Engine:
         self.overlap = gpu if overlap is None else overlap
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._drafts: dict[int, NgramDraft] = {}  # a speculating request's prompt lookup, by its id
+        self._matchers: dict = {}  # a request's place in its grammar (serve.grammar.Matcher), by its id
+        self._masks: dict = {}  # bitmasks to send before the next forward: request id -> (request, mask)
         self._last_read = 0.0
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
         self._thread = threading.Thread(target=self.run, name="llamactl-engine", daemon=True)
@@ -204,6 +206,9 @@ class Engine:
                                      for r in adjusting])
         running = [r for r in self.scheduler.slots if r is not None]
         self.runner.set_adjusted(any(r.params.sampling.adjusts_logits for r in running))
+        self._follow_grammars(plan.joined)
+        constrained = any(r.params.grammar is not None for r in running)
+        self.runner.set_masked(constrained)
         for r in plan.cancelled:
             self._finish(r, "cancelled")
         self.runner.set_logprobs(any(r.params.logprobs is not None for r in running))
@@ -214,6 +219,7 @@ class Engine:
             return True
         step, launched = plan.decode, None
         for work in plan.prefills:
+            self._send_masks()
             t0 = time.perf_counter()
             if step is not None:  # the decode rows ride in the prefill forward (scheduler.mix)
                 first, launched = self.runner.mixed(work, step)
@@ -230,13 +236,41 @@ class Engine:
         if not self.scheduler.mixing:
             step = self.scheduler.decode()
         if step is not None:
+            self._send_masks()
             launched = self.runner.launch(step)
-        if self.overlap:
+        if self.overlap and not constrained:
             self._collect(self._inflight)
             self._inflight = launched
-        else:
+        else:  # (a grammar's next mask needs each token before the next step: no step ahead)
+            self._collect(self._inflight)
+            self._inflight = None
             self._collect(launched)
         return True
+
+    def _follow_grammars(self, joined: list[Request]) -> None:
+        """Joining requests' matchers (a rejoined one's replaying its tokens so far) and their
+        first masks; a joining request without a grammar clears its row's mask."""
+        for r in joined:
+            if r.params.grammar is not None:
+                from llamactl.serve.grammar import Matcher
+
+                m = self._matchers[r.id] = Matcher(r.params.grammar, self.runner.rows.ids.numel())
+                for tok in r.tokens[r.prompt_len :]:
+                    m.accept(tok)
+                self._masks[r.id] = (r, m.mask())
+            elif self.runner.rows.mask is not None:
+                self._masks[r.id] = (r, None)
+
+    def _send_masks(self) -> None:
+        """The bitmasks made since the last forward, to the device (their requests' rows now)."""
+        live = [(r, m) for r, m in self._masks.values() if r.slot is not None and not r.finished]
+        self._masks.clear()
+        if live:
+            clear = [r.slot for r, m in live if m is None]
+            rows = [(r.slot, m) for r, m in live if m is not None]
+            self.runner.set_masks(clear, None)
+            if rows:
+                self.runner.set_masks([s for s, _ in rows], torch.stack([m for _, m in rows]))
 
     def _speculate(self) -> None:
         """One verify step of the running rows, each with its prompt-lookup proposals (a plain decode
@@ -304,6 +338,10 @@ class Engine:
             self._release(r, "stop")
             return
         r.tokens.append(token)
+        m = self._matchers.get(r.id)
+        if m is not None:
+            m.accept(token)
+            self._masks[r.id] = (r, m.mask())
         k = r.params.logprobs
         logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))
         self._send(r, Event("token", token=token, time=now, logprob=logprob))
@@ -316,6 +354,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: str, error: str = "") -> None:
         self._drafts.pop(r.id, None)
+        self._matchers.pop(r.id, None)
         if not r.finished:
             r.finished = True
             self._send(r, Event("done", reason=reason, time=time.perf_counter(), error=error))

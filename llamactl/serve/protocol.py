@@ -61,6 +61,8 @@ class Ask:
     repetition_penalty: float = 1.0  # vLLM's
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # vLLM's: no stop token before this many tokens
+    grammar: tuple[str, str, str] | None = None  # structured output (serve.grammar.spec's), compiled into
+    compiled: object | None = None  # ... this on the tokenizing thread
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
@@ -97,8 +99,8 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v), "tools": lambda v: bool(v), "response_format": lambda v: v not in (
-                  None, {"type": "text"})}
+    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v), "tools": lambda v: bool(v),
+              "tool_choice": lambda v: v not in (None, "none")}
     for name, bad in checks.items():
         try:
             refused = bad(body.get(name))
@@ -258,6 +260,9 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
     ask.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
     ask.logit_bias = _logit_bias(body.get("logit_bias"))
     ask.min_tokens = _integer(body, "min_tokens", 0) or 0
+    from llamactl.serve.grammar import spec
+
+    ask.grammar = spec(body)
     if ask.max_tokens is not None and ask.min_tokens > ask.max_tokens:
         raise ApiError(400, f"min_tokens {ask.min_tokens} is more than max_tokens {ask.max_tokens}", "min_tokens")
     ids = body.get("stop_token_ids")

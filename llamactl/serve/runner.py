@@ -94,6 +94,17 @@ class Runner:
         if on != self.rows.adjusted:
             self._do(("adjusted", on))
 
+    def set_masked(self, on: bool) -> None:
+        """Whether the steps from now keep rows to their grammars' tokens (some running request follows one)."""
+        if on != self.rows.masked:
+            self._do(("masked", on))
+
+    def set_masks(self, rows: list[int], masks) -> None:
+        """Rows' bitmasks of the tokens allowed next ([n, ceil(V / 32)] int32 on the host; None:
+        all), read by the steps launched after."""
+        if rows:
+            self._do(("masks", rows, masks))
+
     def adjust_rows(self, rows: list[int], settings: list, seen: list[list[int]], generated: list[list[int]],
                     stops: list[list[int]]) -> None:
         """Joining rows' penalties, biases and min_tokens, their tokens so far seen and generated
@@ -226,6 +237,10 @@ class Runner:
             self.rows.logprobs = a[0]
         elif kind == "adjusted":
             self.rows.adjusted = a[0]
+        elif kind == "masked":
+            self.rows.masked = a[0]
+        elif kind == "masks":
+            self.rows.set_masks(*a)
         elif kind == "adjust_rows":
             self.rows.adjust_rows(*a)
         elif kind == "last":

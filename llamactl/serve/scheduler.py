@@ -36,7 +36,8 @@ class Params:
     """What one request asks for: at most max_tokens, drawn as `sampling` says, ending at EOS
     unless ignore_eos, and at any of stop_ids (not emitted either); speculate: it may propose
     tokens (where the server speculates); logprobs: each token comes with its log-probability and
-    this many likeliest alternatives (None: no log-probabilities)."""
+    this many likeliest alternatives (None: no log-probabilities); grammar: what its tokens
+    follow (a compiled grammar of serve.grammar; None: anything)."""
 
     max_tokens: int
     sampling: Sampling = Sampling()
@@ -44,6 +45,7 @@ class Params:
     speculate: bool = True
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
+    grammar: object | None = None
 
 
 @dataclass(frozen=True)
@@ -527,7 +529,8 @@ class Scheduler:
         adjusting its logits (a verify step records none, and counts no tokens)."""
         rows = [r for r in self.slots if r is not None]
         return (self.spec_k > 0 and 0 < len(rows) <= self.spec_rows and all(r.decoding for r in rows)
-                and not any(r.params.logprobs is not None or r.params.sampling.adjusts_logits for r in rows)
+                and not any(r.params.logprobs is not None or r.params.sampling.adjusts_logits
+                            or r.params.grammar is not None for r in rows)
                 and any(r.params.speculate and r.launched >= r.spec_after for r in rows))
 
     def verify(self, proposals: dict[int, list[int]]) -> Verify | None:

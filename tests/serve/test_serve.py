@@ -203,6 +203,10 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400, "response_format"),
+    ({"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
+    ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -286,6 +290,50 @@ def test_a_logit_bias_and_penalties_through_http(server):
     tamed = c.post("/v1/completions", json=body | {"max_tokens": 24, "repetition_penalty": 1.8,
                                                    "frequency_penalty": 2.0}).json()
     assert tamed["choices"][0]["text"] != plain
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+
+
+def _is_person(text: str) -> bool:
+    v = json.loads(text)
+    return (set(v) == {"name", "age", "pets"} and isinstance(v["name"], str) and len(v["name"]) <= 12
+            and isinstance(v["age"], int) and 0 <= v["age"] <= 120 and len(v["pets"]) <= 3
+            and all(p in ("cat", "dog") for p in v["pets"]))
+
+
+def test_structured_output_follows_the_schema_streamed_and_whole(server):
+    """response_format json_schema (greedy and sampled, whole and streamed), json_object, vLLM's
+    guided_choice and guided_regex: the embedded model's output parses and validates each time;
+    a schema that does not compile and two asks at once are 400s naming the field."""
+    pytest.importorskip("xgrammar")
+    c = server.client
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = {"messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 80, "response_format": fmt}
+    for body in (chat | {"temperature": 0}, chat | {"temperature": 1.0, "seed": 5, "n": 2}):
+        r = c.post("/v1/chat/completions", json=body).json()
+        for choice in r["choices"]:
+            assert choice["finish_reason"] == "stop" and _is_person(choice["message"]["content"]), choice
+    _, text = _stream(c, "/v1/chat/completions", chat | {"temperature": 0.7, "seed": 2})
+    assert _is_person(text)
+    r = c.post("/v1/completions", json={"prompt": "Data:", "max_tokens": 60, "temperature": 0.9, "seed": 1,
+                                        "response_format": {"type": "json_object"}}).json()
+    assert isinstance(json.loads(r["choices"][0]["text"]), dict)
+    for seed in range(3):
+        r = c.post("/v1/completions", json={"prompt": "The answer is", "max_tokens": 8, "temperature": 1.0,
+                                            "seed": seed, "guided_choice": ["yes", "no", "not sure"]}).json()
+        assert r["choices"][0]["text"] in ("yes", "no", "not sure")
+    r = c.post("/v1/completions", json={"prompt": "Code:", "max_tokens": 8, "temperature": 1.0, "seed": 4,
+                                        "guided_regex": "[A-Z]{2}-[0-9]{3}"}).json()
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r["choices"][0]["text"])
+    bad = c.post("/v1/completions", json={"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+    both = c.post("/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
+    assert both.status_code == 400
 
 
 def test_stop_token_ids_end_a_choice_before_that_token(server):
