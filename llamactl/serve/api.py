@@ -29,6 +29,8 @@ from llamactl import ui
 from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.grammar import Grammars
+from llamactl.serve.tools import ToolStream
+from llamactl.serve.tools import parse as parse_calls
 from llamactl.serve.metrics import Metrics
 from llamactl.serve.protocol import (MAX_BODY, SEED_MOD, ApiError, Ask, chunk, logprobs_block, new_id, parse, usage,
                                      whole)
@@ -69,7 +71,7 @@ class Service:
                 raise ApiError(400, "this model has no chat template: send the prompt to /v1/completions, or start "
                                "the server with --chat-template NAME|FILE", "messages")
             try:
-                ids = tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=True)
+                ids = self._render(tok, ask)
             except Exception as e:  # a template is the folder's program: it can fail any way
                 raise ApiError(400, f"the model's chat template failed on these messages ({type(e).__name__}: "
                                f"{str(e)[:160]})", "messages") from None
@@ -81,6 +83,23 @@ class Service:
                                "prompt")
             return ask.prompt
         return tok(ask.prompt).input_ids
+
+    @staticmethod
+    def _render(tok, ask: Ask):
+        """A chat's token ids through the template, with its tools where it asks for calls: in the
+        template's own place for them, else as a system message (serve.tools) where the template
+        renders the same text with and without them."""
+        tools = ask.tools[0] if ask.tools and ask.tools[1] != "none" else None
+        if tools is None:
+            return tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=True)
+        plain = tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=False)
+        placed = tok.apply_chat_template(ask.messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        if placed != plain:
+            return tok.apply_chat_template(ask.messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        from llamactl.serve.tools import system_message
+
+        return tok.apply_chat_template([system_message(tools), *ask.messages], add_generation_prompt=True,
+                                       tokenize=True)
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -259,6 +278,14 @@ class Choices:
                 t.cancel()
 
 
+def _tool_streams(ask: Ask, n: int) -> list[ToolStream]:
+    """A ToolStream a choice where a chat's output may be tool calls (tools given, tool_choice
+    not none; required or named: held back whole), else none."""
+    if not ask.tools or ask.tools[1] == "none":
+        return []
+    return [ToolStream(ask.tools[0], forced=ask.tools[1] != "auto") for _ in range(n)]
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
@@ -312,11 +339,19 @@ async def _events(comp: Choices, rid: str) -> AsyncIterator[str]:
     svc, ask = comp.comps[0].svc, comp.comps[0].ask
     started: set[int] = set()
     offsets = [0] * len(comp.comps)  # each choice's text so far (completions' text_offset)
+    held = _tool_streams(ask, len(comp.comps))  # where a choice's output may be tool calls
     try:
         async for i, piece, finish, entry in comp.pieces():
             lp = None if entry is None else logprobs_block(ask.chat, [entry], offsets[i])
             offsets[i] += len(entry[0]) if entry is not None else 0
-            yield f"data: {json.dumps(chunk(rid, svc.model_name, ask.chat, piece, finish, i not in started, i, lp))}\n\n"
+            calls = None
+            if held:
+                piece = held[i].feed(piece)
+                if finish is not None:
+                    tail, calls = held[i].end()
+                    piece, finish = piece + tail, "tool_calls" if calls else finish
+            body = chunk(rid, svc.model_name, ask.chat, piece, finish, i not in started, i, lp, calls)
+            yield f"data: {json.dumps(body)}\n\n"
             started.add(i)
     except ApiError as e:
         yield f"data: {json.dumps(e.body())}\n\n"
@@ -337,8 +372,14 @@ async def _whole(request: Request, comp: Choices, rid: str) -> Response:
             reasons[i] = finish or reasons[i]
             if entry is not None:
                 entries[i].append(entry)
-        chat, asked = comp.comps[0].ask.chat, comp.comps[0].ask.logprobs is not None
-        return [("".join(p), r, logprobs_block(chat, e) if asked else None) for p, r, e in zip(parts, reasons, entries)]
+        ask = comp.comps[0].ask
+        tools = ask.tools[0] if ask.tools and ask.tools[1] != "none" else None
+        out = []
+        for p, r, e in zip(parts, reasons, entries):
+            text = "".join(p)
+            out.append((text, r, logprobs_block(ask.chat, e) if ask.logprobs is not None else None,
+                        parse_calls(text, tools) if tools else None))
+        return out
 
     async def gone() -> None:
         while (await request.receive())["type"] != "http.disconnect":

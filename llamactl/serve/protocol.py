@@ -61,6 +61,7 @@ class Ask:
     repetition_penalty: float = 1.0  # vLLM's
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # vLLM's: no stop token before this many tokens
+    tools: tuple[list[dict], str | dict] | None = None  # a chat's tools and tool_choice (serve.tools.check's)
     grammar: tuple[str, str, str] | None = None  # structured output (serve.grammar.spec's), compiled into
     compiled: object | None = None  # ... this on the tokenizing thread
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
@@ -99,8 +100,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v), "tools": lambda v: bool(v),
-              "tool_choice": lambda v: v not in (None, "none")}
+    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v)}
     for name, bad in checks.items():
         try:
             refused = bad(body.get(name))
@@ -175,9 +175,16 @@ def _messages(v: Any) -> list[dict]:
                     raise ApiError(400, f"{where}.content[{j}]: only text parts are supported", f"{where}.content")
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)):
+            raise ApiError(400, f"{where}.tool_calls must be an assistant's list of calls", f"{where}.tool_calls")
+        if content is None and calls:  # an assistant's calls, in text for templates that do not place them
+            content = json.dumps([c.get("function") for c in calls if isinstance(c, dict)], ensure_ascii=False)
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append({"role": m["role"], "content": content})
+        msg = {"role": m["role"], "content": content}
+        msg |= {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}
+        out.append(msg)
     return out
 
 
@@ -263,6 +270,16 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
     from llamactl.serve.grammar import spec
 
     ask.grammar = spec(body)
+    from llamactl.serve import tools
+
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise ApiError(400, "tools are for chats: send them to /v1/chat/completions", "tools")
+    ask.tools = tools.check(body) if chat else None
+    forced = tools.forced_schema(*ask.tools) if ask.tools else None
+    if forced is not None:
+        if ask.grammar is not None:
+            raise ApiError(400, "a required or named tool_choice and a response_format: give one", "tool_choice")
+        ask.grammar = ("json", forced, "tool_choice")
     if ask.max_tokens is not None and ask.min_tokens > ask.max_tokens:
         raise ApiError(400, f"min_tokens {ask.min_tokens} is more than max_tokens {ask.max_tokens}", "min_tokens")
     ids = body.get("stop_token_ids")
@@ -283,11 +300,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None, first: bool = False,
-          index: int = 0, logprobs: dict | None = None) -> dict:
+          index: int = 0, logprobs: dict | None = None, calls: list[dict] | None = None) -> dict:
     """One server-sent event's object of a stream (of choice `index`; logprobs: logprobs_block's
-    of its token)."""
+    of its token; calls: a chat's tool_calls, sent whole)."""
     if chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = [c | {"index": j} for j, c in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -295,11 +314,14 @@ def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None
             "model": model, "choices": [choice]}
 
 
-def whole(rid: str, model: str, chat: bool, choices: list[tuple[str, str, dict | None]], prompt_tokens: int,
+def whole(rid: str, model: str, chat: bool, choices: list[tuple], prompt_tokens: int,
           completion_tokens: int) -> dict:
     """The response to a request without stream: choices [(text, finish reason, logprobs_block's
-    or None)], in order."""
-    def one(i: int, text: str, finish: str, logprobs: dict | None) -> dict:
+    or None, a chat's tool_calls or None)], in order."""
+    def one(i: int, text: str, finish: str, logprobs: dict | None, calls: list[dict] | None = None) -> dict:
+        if chat and calls:
+            return {"index": i, "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                    "logprobs": logprobs, "finish_reason": "tool_calls"}
         if chat:
             return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}

@@ -207,6 +207,7 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400, "response_format"),
     ({"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -452,6 +453,43 @@ def small_server(long_model):
     s.client.headers["Authorization"] = "Bearer k3y"
     yield s
     s.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 8}},
+                                               "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+             "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def test_tool_calls_required_named_and_auto_whole_and_streamed(small_server):
+    """tools with tool_choice required or a named function: the output is a call, returned as
+    OpenAI's tool_calls (finish_reason tool_calls; streamed as one delta), its arguments valid for
+    the function's parameters; none renders no tools; a tools request to completions is a 400."""
+    pytest.importorskip("xgrammar")
+    c = small_server.client
+    chat = {"messages": [{"role": "user", "content": "Add 2 and 3."}], "tools": TOOLS, "max_tokens": 120,
+            "temperature": 0}
+    for choice, names in (("required", {"weather", "add"}), ({"type": "function", "function": {"name": "add"}}, {"add"})):
+        r = c.post("/v1/chat/completions", json=chat | {"tool_choice": choice}).json()
+        ch = r["choices"][0]
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None, r
+        (call,) = ch["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+        assert set(args) == ({"a", "b"} if call["function"]["name"] == "add" else {"city"})
+    events, text = _stream(c, "/v1/chat/completions", chat | {"tool_choice": "required"})
+    deltas = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
+    calls = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
+    assert text == "" and len(calls) == 1 and calls[0][0]["index"] == 0 and deltas[-1]["finish_reason"] == "tool_calls"
+    r = c.post("/v1/chat/completions", json=chat | {"tool_choice": "none", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    r = c.post("/v1/completions", json={"prompt": "x", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = c.post("/v1/chat/completions", json=chat | {"tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
 def test_the_api_key_is_required(small_server):
