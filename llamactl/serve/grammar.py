@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from llamactl.serve.protocol import ApiError
+from llamactl.serve.errors import ApiError
 
 MAX_SCHEMA_BYTES = 64 << 10  # a JSON schema's size in a request
 

@@ -15,6 +15,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamactl.serve import grammar, tools
+from llamactl.serve.errors import ApiError
+
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 MAX_STOP_IDS = 64  # stop_token_ids a request may give
 MAX_N = 16  # choices a request may ask for (n)
@@ -24,18 +27,6 @@ SEED_MOD = 2**63
 
 
 MAX_BODY = 8 << 20  # bytes of a request body, by default (serve --max-request-bytes)
-
-class ApiError(Exception):
-    """An answer other than 200: status, OpenAI's error object (message, type, param, code)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
 
 @dataclass
 class Ask:
@@ -267,11 +258,7 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
     ask.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
     ask.logit_bias = _logit_bias(body.get("logit_bias"))
     ask.min_tokens = _integer(body, "min_tokens", 0) or 0
-    from llamactl.serve.grammar import spec
-
-    ask.grammar = spec(body)
-    from llamactl.serve import tools
-
+    ask.grammar = grammar.spec(body)
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise ApiError(400, "tools are for chats: send them to /v1/chat/completions", "tools")
     ask.tools = tools.check(body) if chat else None

@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from llamactl.serve.protocol import ApiError
+from llamactl.serve.errors import ApiError
 
 MAX_TOOLS = 64
 _WRAPPERS = re.compile(r"</?tool_call>|<\|python_tag\|>|<\|eom_id\|>")
