@@ -46,11 +46,12 @@ class Ragged:
 
     @classmethod
     def build(cls, cache, rows: list[int], starts: list[int], lens: list[int], decode: int = 0,
-              every: bool = False) -> "Ragged":
+              every: "bool | list[bool]" = False) -> "Ragged":
         """Sequences of lens[i] new tokens at positions starts[i].. of table rows rows[i] of cache
         (a runtime.kv_cache.PagedCache whose table holds their blocks); the first `decode` of them
         decode rows (one token each). every: the forward gives every token's logits (a verify
-        step's), not each sequence's last token's."""
+        step's), not each sequence's last token's; a list: every token's of the sequences it marks
+        (a scored prompt's), the last token's of the others."""
         if (not (len(rows) == len(starts) == len(lens)) or any(n < 1 for n in lens) or any(s < 0 for s in starts)
                 or not 0 <= decode <= len(rows) or any(n != 1 for n in lens[:decode])):
             raise ValueError(f"a packed forward of rows {rows}, starts {starts}, lengths {lens}, {decode} decoding")
@@ -64,8 +65,9 @@ class Ragged:
                for x in (rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles])]
         positions = torch.tensor([[s + j for s, n in zip(starts, lens) for j in range(n)]], device=device)  # [1, T]
         token_rows = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], device=device)  # [T]
-        last = (torch.arange(at, device=device) if every
-                else torch.tensor([a + n - 1 for a, n in zip(q_start, lens)], device=device))
+        marks = every if isinstance(every, list) else [every] * len(lens)
+        last = torch.tensor([a + j for a, n, e in zip(q_start, lens, marks) for j in (range(n) if e else [n - 1])],
+                            device=device)
         table = cache.table[i32[0][:decode].long()] if decode else None  # [decode, M]
         return cls(*i32, positions, last, cache.at(token_rows, positions[0]), token_rows, decode, table)
 

@@ -24,6 +24,7 @@ from llamactl.options import RuntimeOptions
 from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime import kv_format
 from llamactl.runtime.kv_cache import StaticCache
+from llamactl.runtime.sampling import TOP_LOGPROBS
 
 MODES = ("eager", "graphs", "compile", "aot")
 
@@ -255,23 +256,46 @@ class Decoder:
 
     @torch.inference_mode()
     def prefill_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int],
-                       decode: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
+                       decode: tuple[torch.Tensor, list[int], list[int]] | None = None,
+                       score: list[list[int] | None] | None = None):
         """Several sequences' chunks in one forward, packed end to end without padding
         (runtime.ragged; a paged cache whose table rows `rows` hold their blocks): chunk i at
         positions starts[i].. of row rows[i] -> the token after each chunk [n] (with `rows`'
         settings of its row). decode: (tokens [d] on the device, their rows, their positions),
-        a decode step of d rows carried by the same forward, their next tokens first -> [d + n]."""
+        a decode step of d rows carried by the same forward, their next tokens first -> [d + n].
+        score: per chunk, its prompt's token after each of its tokens (as many as are the
+        prompt's), or None: those chunks' prompt log-probabilities come from the same forward, and
+        the return is (tokens, [per chunk: (log-probabilities [m], ids [m, K], values [m, K]) of
+        the model's own distribution, or None])."""
         from llamactl.runtime.ragged import Ragged
 
         tok, drows, dpos = decode or (None, [], [])
         lens = [1] * len(drows) + [len(c) for c in chunks]
-        packed = Ragged.build(self.cache, drows + rows, dpos + starts, lens, decode=len(drows))
+        scored = score is not None and any(s is not None for s in score)
+        marks = [False] * len(drows) + [s is not None for s in score] if scored else False
+        packed = Ragged.build(self.cache, drows + rows, dpos + starts, lens, decode=len(drows), every=marks)
         ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T - d]
         if drows:
             ids = torch.cat([tok.view(1, -1), ids], 1)  # [1, T]
             if self.rows is not None:
                 self.rows.count(tok.view(-1), torch.tensor(drows, device=self.device))
-        return self._packed(ids, packed)  # [d + n]
+        if not scored:
+            return self._packed(ids, packed)  # [d + n]
+        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [L, V]: marked sequences' every token
+        sizes = [n if m else 1 for n, m in zip(lens, marks)]
+        ends = torch.tensor(sizes, device=self.device).cumsum(0) - 1  # each sequence's last entry
+        self.prefill_finite = torch.isfinite(logits).all()
+        toks = self._draw(logits[ends], packed.positions[0, packed.last[ends]] + 1, packed.token_rows[packed.last[ends]])
+        out, at = [], len(drows)  # the decode rows' entries (one each) come first
+        for size, nxt in zip(sizes[len(drows) :], score):
+            if nxt:
+                lsm = torch.log_softmax(logits[at : at + len(nxt)].float(), -1)  # [m, V]
+                vals, top = lsm.topk(min(TOP_LOGPROBS, lsm.shape[-1]), -1)
+                out.append((lsm.gather(-1, torch.tensor(nxt, device=self.device)[:, None])[:, 0], top, vals))
+            else:
+                out.append(None)
+            at += size
+        return toks, out
 
     @torch.inference_mode()
     def verify_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
@@ -289,9 +313,13 @@ class Decoder:
         # of its tokens packed.last [n], each with its row's settings, at the position after it
         logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
         self.prefill_finite = torch.isfinite(logits).all()
+        return self._draw(logits, packed.positions[0, packed.last] + 1, packed.token_rows[packed.last])
+
+    def _draw(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # logits [n, V] of table rows `rows` [n], drawn for positions `at` [n] -> tokens [n]
         if self.rows is None:
             return self.sample(logits)
-        return self.rows.sample(logits, packed.positions[0, packed.last] + 1, packed.token_rows[packed.last])
+        return self.rows.sample(logits, at, rows)
 
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []

@@ -137,6 +137,7 @@ class Completion:
         self.tokens = 0
         self.request = None
         self.failed: ApiError | None = None  # its submission was refused (a choice after the first)
+        self.ids: list[int] = []  # its prompt's token ids (submit)
 
     def submit(self, ids: list[int], seed: int) -> None:
         ask, engine, loop = self.ask, self.svc.engine, asyncio.get_running_loop()
@@ -152,7 +153,9 @@ class Completion:
         sampling = Sampling(ask.temperature, ask.top_p, ask.top_k, seed, ask.presence_penalty, ask.frequency_penalty,
                             ask.repetition_penalty, ask.logit_bias, min(ask.min_tokens, max_tokens))
         params = Params(max_tokens, sampling, ask.ignore_eos, ask.speculate and ask.logprobs is None,
-                        frozenset(ask.stop_token_ids), ask.logprobs, ask.compiled)
+                        frozenset(ask.stop_token_ids), ask.logprobs, ask.compiled,
+                        ask.logprobs if ask.echo else None)
+        self.ids = ids
         try:
             self.request = engine.submit(ids, params, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
         except QueueFull as e:
@@ -160,6 +163,18 @@ class Completion:
         except Rejected as e:
             raise ApiError(503, f"the server cannot take requests now: {e}", kind="server_error") from None
         self.svc.metrics.prompt_tokens.inc(len(ids))
+
+    def _prompt_text(self) -> str:
+        p = self.ask.prompt
+        return p if isinstance(p, str) else self.svc.decoder.decode(self.ids)
+
+    def _prompt_entries(self, scores: tuple) -> list[tuple[str, float | None, list]]:
+        """The echoed prompt's logprobs entries: its first token's without a value, then each
+        next one's (log-probability, alternatives) as the prefill computed them."""
+        text = self.svc.decoder.decode
+        first = [(text(self.ids[:1]), None, [])]
+        return first + [(text([t]), lp, [(text([i]), v) for i, v in alts])
+                        for t, (lp, alts) in zip(self.ids[1:], scores)]
 
     def _entry(self, ev: Event) -> tuple[str, float, list[tuple[str, float]]] | None:
         """A token's log-probability entry for logprobs_block: its text, value, alternatives."""
@@ -177,8 +192,13 @@ class Completion:
         m, req = self.svc.metrics, self.request
         stream, last, reason = TextStream(self.svc.decoder, self.ask.stop), None, "cancelled"
         try:
+            if self.ask.echo and self.ask.logprobs is None:  # the prompt first (with logprobs: its "prompt" event)
+                yield self._prompt_text(), None, None
             while True:
                 ev = await self.events.get()
+                if ev.kind == "prompt":
+                    yield self._prompt_text(), None, self._prompt_entries(ev.prompt)
+                    continue
                 if ev.kind == "done":
                     if ev.reason in ("error", "cancelled"):
                         reason = ev.reason
@@ -342,8 +362,9 @@ async def _events(comp: Choices, rid: str) -> AsyncIterator[str]:
     held = _tool_streams(ask, len(comp.comps))  # where a choice's output may be tool calls
     try:
         async for i, piece, finish, entry in comp.pieces():
-            lp = None if entry is None else logprobs_block(ask.chat, [entry], offsets[i])
-            offsets[i] += len(entry[0]) if entry is not None else 0
+            entries = [] if entry is None else entry if isinstance(entry, list) else [entry]
+            lp = logprobs_block(ask.chat, entries, offsets[i]) if entries else None
+            offsets[i] += sum(len(e[0]) for e in entries)
             calls = None
             if held:
                 piece = held[i].feed(piece)
@@ -371,7 +392,7 @@ async def _whole(request: Request, comp: Choices, rid: str) -> Response:
             parts[i].append(piece)
             reasons[i] = finish or reasons[i]
             if entry is not None:
-                entries[i].append(entry)
+                entries[i] += entry if isinstance(entry, list) else [entry]
         ask = comp.comps[0].ask
         tools = ask.tools[0] if ask.tools and ask.tools[1] != "none" else None
         out = []

@@ -228,6 +228,9 @@ class Engine:
                 first = self.runner.prefill(work)
             now = time.perf_counter()
             self.times.prefilled(now - t0, work.tokens)
+            for r, sc in zip(work.requests, self.runner.scores):
+                if sc is not None and len(r.prompt_scores) == sc[0]:  # (a recomputed chunk was scored already)
+                    r.prompt_scores.extend(sc[1])
             asked = [r for r, end in zip(work.requests, work.ends) if end and r.params.logprobs is not None]
             lps = dict(zip((r.id for r in asked), self.runner.logprobs_of([r.slot for r in asked]))) if asked else {}
             for r, tok, end in zip(work.requests, first or [], work.ends):
@@ -334,6 +337,8 @@ class Engine:
         self.times.emit_s += time.perf_counter() - now
 
     def _emit(self, r: Request, token: int, now: float, lp: tuple | None = None) -> None:
+        if r.params.prompt_logprobs is not None and r.generated == 0:  # the prompt's, before its first token
+            self._send(r, Event("prompt", time=now, prompt=tuple(r.prompt_scores)))
         if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_ids:
             self._release(r, "stop")
             return

@@ -53,6 +53,7 @@ class Ask:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # vLLM's: no stop token before this many tokens
     tools: tuple[list[dict], str | dict] | None = None  # a chat's tools and tool_choice (serve.tools.check's)
+    echo: bool = False  # completions: the prompt first (with its log-probabilities where logprobs is given)
     grammar: tuple[str, str, str] | None = None  # structured output (serve.grammar.spec's), compiled into
     compiled: object | None = None  # ... this on the tokenizing thread
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
@@ -91,7 +92,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 def _unsupported(body: dict) -> None:
     """Fields llamactl does not implement: refused when they would change the answer."""
-    checks = {"echo": lambda v: bool(v), "suffix": lambda v: bool(v)}
+    checks = {"suffix": lambda v: bool(v)}
     for name, bad in checks.items():
         try:
             refused = bad(body.get(name))
@@ -133,10 +134,11 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if on else None
 
 
-def logprobs_block(chat: bool, entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
+def logprobs_block(chat: bool, entries: list[tuple[str, float | None, list[tuple[str, float]]]],
+                   offset: int = 0) -> dict:
     """OpenAI's `logprobs` of a choice (or of a stream chunk) for its tokens: entries (the token's
-    text, its log-probability, its alternatives as (text, log-probability)); offset: the text's
-    length before the first (completions' text_offset)."""
+    text, its log-probability (None: an echoed prompt's first token), its alternatives as (text,
+    log-probability)); offset: the text's length before the first (completions' text_offset)."""
     if chat:
         def one(t: str, lp: float) -> dict:
             return {"token": t, "logprob": lp, "bytes": list(t.encode())}
@@ -147,7 +149,7 @@ def logprobs_block(chat: bool, entries: list[tuple[str, float, list[tuple[str, f
         offsets.append(at)
         at += len(t)
     return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(tops) for _, _, tops in entries], "text_offset": offsets}
+            "top_logprobs": [None if lp is None else dict(tops) for _, lp, tops in entries], "text_offset": offsets}
 
 
 def _messages(v: Any) -> list[dict]:
@@ -259,6 +261,9 @@ def parse(raw: bytes, chat: bool, model_name: str) -> Ask:
     ask.logit_bias = _logit_bias(body.get("logit_bias"))
     ask.min_tokens = _integer(body, "min_tokens", 0) or 0
     ask.grammar = grammar.spec(body)
+    ask.echo = _flag(body, "echo")
+    if ask.echo and chat:
+        raise ApiError(400, "echo is for completions", "echo")
     if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
         raise ApiError(400, "tools are for chats: send them to /v1/chat/completions", "tools")
     ask.tools = tools.check(body) if chat else None

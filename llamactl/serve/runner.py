@@ -82,6 +82,7 @@ class Runner:
         self.max_seq = max_seq
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self._staging = Staging(max_batch, self.device)
+        self.scores: list = []  # the last prefill's prompt scores, per chunk (prefill())
         self._followers_stopped = False
 
     def set_logprobs(self, on: bool) -> None:
@@ -143,7 +144,12 @@ class Runner:
         slots = [r.slot for r in work.requests]
         graphs = self.decoder.prefill_graphs
         longest = max(len(c) for c in work.ids)
-        if work.whole and graphs is not None and graphs.bucket(len(slots), longest) is not None:
+        score = self._scored(work)
+        self.scores = [None] * len(slots)
+        if score is not None:  # prompt log-probabilities (echo): a packed forward that keeps every position's
+            toks, scores = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends, [], [], score))
+            self.scores = self._host_scores(scores, work)
+        elif work.whole and graphs is not None and graphs.bucket(len(slots), longest) is not None:
             ids = [c + [0] * (longest - len(c)) for c in work.ids]
             toks = self._do(("prefill_slots", ids, slots, [len(c) for c in work.ids]))  # [k]
         elif len(slots) > 1 or self.device.type == "cuda":
@@ -152,13 +158,38 @@ class Runner:
             toks = self._do(("prefill", work.ids[0], slots[0], work.starts[0], work.ends[0]))  # [1]
         return toks.tolist() if any(work.ends) else None
 
+    @staticmethod
+    def _scored(work: Prefill) -> list[list[int] | None] | None:
+        """Per chunk, its prompt's token after each of its positions, where its request asks for
+        prompt log-probabilities (and they are not all scored yet), else None; None for no chunk."""
+        out = []
+        for r, chunk, start in zip(work.requests, work.ids, work.starts):
+            k = r.params.prompt_logprobs
+            nxt = r.tokens[start + 1 : min(start + len(chunk) + 1, r.prompt_len)]
+            out.append(nxt if k is not None and len(r.prompt_scores) < r.prompt_len - 1 else None)
+        return out if any(x is not None for x in out) else None
+
+    @staticmethod
+    def _host_scores(scores: list, work: Prefill) -> list:
+        """The prefill's prompt scores on the host: per chunk, (start, [(log-probability,
+        [(id, value)] of the request's k)]) or None."""
+        from llamactl.runtime.sampling import snapshot_rows
+
+        return [None if sc is None else (start, snapshot_rows(sc, r.params.prompt_logprobs))
+                for sc, r, start in zip(scores, work.requests, work.starts)]
+
     def mixed(self, work: Prefill, step: Decode) -> tuple[list[int] | None, Launched]:
         """One packed forward of a prefill's chunks and a decode step's rows (a mixed step): the
         chunks' next tokens as prefill() returns them, the rows' as launch() does."""
         t0 = time.perf_counter()
         drows, dpos = list(step.at), [step.positions[i] for i in step.at]
+        score = self._scored(work)
         toks = self._do(("prefill_packed", work.ids, [r.slot for r in work.requests], work.starts, work.ends,
-                         drows, dpos))  # [d + k]
+                         drows, dpos, *([score] if score else [])))  # [d + k]
+        self.scores = [None] * len(work.requests)
+        if score:
+            toks, scores = toks
+            self.scores = self._host_scores(scores, work)
         d = len(drows)
         launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True,
                                             lp=self._lp_copy(drows) if d else None)
@@ -215,16 +246,20 @@ class Runner:
                 self._tok[slot] = tok[0]
             return tok  # [1]
         elif kind == "prefill_packed":  # chunks of several rows in one forward, and decode rows first (mixed)
-            chunks, slots, starts, ends, drows, dpos = a
+            chunks, slots, starts, ends, drows, dpos, *score = a
             d = len(drows)
             at = torch.tensor(drows, dtype=torch.long, device=self.device) if d else None
-            toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None)
+            toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None,
+                                               score[0] if score else None)
+            scores = None
+            if score:
+                toks, scores = toks
             done = [d + i for i, e in enumerate(ends) if e]  # [d + k]: the rows' tokens, then the chunks'
             if d:
                 self._tok[at] = toks[:d]
             if done:
                 self._tok[torch.tensor([slots[i - d] for i in done], device=self.device)] = toks[done]
-            return toks
+            return (toks, scores) if score else toks
         elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
             ids, slots, lens = a
             toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]

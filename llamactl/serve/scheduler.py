@@ -37,7 +37,9 @@ class Params:
     unless ignore_eos, and at any of stop_ids (not emitted either); speculate: it may propose
     tokens (where the server speculates); logprobs: each token comes with its log-probability and
     this many likeliest alternatives (None: no log-probabilities); grammar: what its tokens
-    follow (a compiled grammar of serve.grammar; None: anything)."""
+    follow (a compiled grammar of serve.grammar; None: anything); prompt_logprobs: its prompt's
+    tokens' log-probabilities with this many alternatives too (echo; its prefill computes every
+    position, no prefix hits)."""
 
     max_tokens: int
     sampling: Sampling = Sampling()
@@ -46,11 +48,13 @@ class Params:
     stop_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
     grammar: object | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Event:
-    """kind "token" (a generated token id) or "done" (reason: "stop" at EOS, "length",
+    """kind "token" (a generated token id), "prompt" (before the first token of a request that asks
+    for its prompt's log-probabilities) or "done" (reason: "stop" at EOS, "length",
     "cancelled" or "error" with `error`); time: time.perf_counter() when it was emitted;
     logprob: the token's log-probability and its request's likeliest alternatives ((id,
     log-probability), likeliest first), where the request asks for them (Params.logprobs)."""
@@ -61,6 +65,7 @@ class Event:
     time: float = 0.0
     error: str = ""
     logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    prompt: tuple | None = None  # kind "prompt": the prompt's tokens' (log-probability, alternatives), from the second
 
 
 @dataclass
@@ -129,6 +134,7 @@ class Request:
         self.prefilled = 0  # of those, tokens whose K/V are computed (or queued; a cached prefix's too)
         self.launched = 0  # output tokens computed or in flight (the prefill's first one included)
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.prompt_scores: list = []  # prompt token i + 1's (log-probability, alternatives), where asked for
         self.spec_k = 0  # speculation: proposals its next verify step may carry (0: the server's most)
         self.spec_after = 0  # ... none before this many launched tokens (it found nothing to propose)
         self.cancelled = False
@@ -420,7 +426,8 @@ class Scheduler:
         bs = self.block_size
         r.target = len(r.tokens)  # a preempted request prefills its output so far too
         r.names = chain(r.tokens, bs, self.pool.salt)
-        hits = self.pool.match(r.names[: (r.target - 1) // bs])
+        scoring = r.params.prompt_logprobs is not None and len(r.prompt_scores) < r.prompt_len - 1
+        hits = [] if scoring else self.pool.match(r.names[: (r.target - 1) // bs])  # (a scored prompt: every position computed)
         need = -(-r.target // bs) - len(hits)
         if need > self.pool.available - (self.watermark if busy else 0) - self._idle_in(hits):
             return False

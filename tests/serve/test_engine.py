@@ -591,3 +591,37 @@ def test_min_tokens_holds_the_stop_tokens_back(embedded):
     held = Sampling(temperature=0.0, logit_bias=((end, 100.0),), min_tokens=3)
     toks, reason = _run_engine(model, eos, [(ids, Params(10, held))])[0]
     assert len(toks) == 3 and end not in toks and reason == "stop"
+
+
+def test_prompt_logprobs_come_from_the_prefill_and_equal_the_runtimes(embedded):
+    """A request asking for its prompt's log-probabilities (echo), prefilled in chunks of 4 beside
+    a request that does not: a "prompt" event before its first token with each prompt token's
+    log-probability after the first and its top 3, the log-softmax of the runtime's logits at the
+    position before (CPU float32, 1e-5); the same prompt again (cached blocks) is scored too."""
+    import torch
+
+    from llamactl.serve.engine import Engine, Params
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    ids = tok("The model folder holds the weights and a manifest of how it was made.").input_ids
+    seq = torch.tensor([ids])
+    with torch.inference_mode():
+        want = torch.log_softmax(model(seq, torch.arange(seq.shape[1]))[0].double(), -1)  # [S, V]
+    eng = Engine(model, eos, max_batch=2, max_queue=16, max_seq=128, prefill_chunk=4).start()
+    try:
+        for _ in range(2):  # the second time its blocks are cached: still every position computed
+            seen = []
+            req = eng.submit(ids, Params(3, Sampling(temperature=0.0), prompt_logprobs=3), seen.append)
+            eng.submit(tok(PROMPTS[1]).input_ids, Params(3, Sampling(temperature=0.0)), lambda ev: None)
+            deadline = time.time() + 60
+            while not req.finished and time.time() < deadline:
+                time.sleep(0.01)
+            assert seen[0].kind == "prompt" and seen[1].kind == "token"
+            scores = seen[0].prompt
+            assert len(scores) == len(ids) - 1
+            for i, (value, alts) in enumerate(scores):
+                assert abs(value - want[i, ids[i + 1]].item()) < 1e-5, i
+                assert [a for a, _ in alts] == want[i].topk(3).indices.tolist()
+    finally:
+        eng.stop()

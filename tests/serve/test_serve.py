@@ -207,7 +207,6 @@ def test_stop_strings_usage_chunk_and_the_embedded_models_chat(server, embedded)
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400, "response_format"),
     ({"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({"prompt": "x", "echo": True}, 400, "echo"),
     ({"prompt": [5, 99999]}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
 ])
@@ -335,6 +334,26 @@ def test_structured_output_follows_the_schema_streamed_and_whole(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
     both = c.post("/v1/completions", json={"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
     assert both.status_code == 400
+
+
+def test_echo_gives_the_prompt_first_with_its_log_probabilities(server):
+    """echo: the prompt's text before the completion's; with logprobs, its tokens' too (the first
+    without a value, as OpenAI's), computed by the prefill; streamed alike; not for chats."""
+    c = server.client
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+    plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert c.post("/v1/completions", json=body | {"echo": True}).json()["choices"][0]["text"] == PROMPTS[0] + plain
+    r = c.post("/v1/completions", json=body | {"echo": True, "logprobs": 1}).json()
+    lp, n = r["choices"][0]["logprobs"], len(gen.encode_prompt(_tok(), PROMPTS[0], False)[0])
+    assert r["choices"][0]["text"] == PROMPTS[0] + plain and len(lp["tokens"]) == n + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+    events, text = _stream(c, "/v1/completions", body | {"echo": True, "logprobs": 1})
+    streamed = [v for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
+                for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert text == PROMPTS[0] + plain and streamed == lp["token_logprobs"]
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def test_stop_token_ids_end_a_choice_before_that_token(server):
