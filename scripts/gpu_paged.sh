@@ -17,6 +17,8 @@
 #   chat-kv16-old   chat on OLD's grid of the same 16 GiB (--max-batch 32 --max-seq 4096)
 #   chat-kv8-half   chat with --kv-memory 8 --kv-dtype int8 (half chat-kv16-new's memory, 8-bit)
 #   chat-fp8        chat with FP8 weights and activations (--synthetic-quant fp8; against chat-new)
+#   plain32         32 streams, prompts 64:256 words, answers of 256 tokens (the structured-output baseline)
+#   json32          the same, every request held to a JSON schema (needs the carried xgrammar wheel)
 # Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
 set -uo pipefail
 out=${1:?usage: gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
@@ -32,6 +34,10 @@ mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
 CHAT=(--prompt-len 64:1024 --gen-len 64:512 --concurrency 256 --requests 512)
 PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 128)
+JSON32=(--prompt-len 64:256 --gen-len 256 --concurrency 32 --requests 64)
+# a schema whose documents run long (an array of up to 64 records): answers end by length, not by the grammar
+SCHEMA='{"response_format": {"type": "json_schema", "json_schema": {"name": "rows", "schema": {"type": "array", "maxItems": 64, "items": {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"], "additionalProperties": false}}}}}'
+
 
 # start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url)
 start() {
@@ -64,6 +70,8 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
     chat-kv8-half) start "$run" "$new" --kv-memory 8 --kv-dtype int8; load "$run" "${CHAT[@]}" ;;
     chat-fp8) start "$run" "$new" --synthetic-quant fp8; load "$run" "${CHAT[@]}" ;;
+    plain32) start "$run" "$new"; load "$run" "${JSON32[@]}" ;;
+    json32) start "$run" "$new"; load "$run" "${JSON32[@]}" --request-json "$SCHEMA" ;;
     *) echo "unknown run $run"; continue ;;
   esac
   stop "$run"

@@ -57,6 +57,7 @@ class Load:
     timeout_s: float = 600.0
     seed: int = 0
     warmup: int = 1  # untimed requests first, one at a time (a server's lazy start-up)
+    extra: dict | None = None  # more fields of every request's body (e.g. a response_format), over the defaults
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -78,6 +79,24 @@ def requests_for(load: Load, n: int, seed: int) -> list[tuple[Any, int]]:
         head = heads[rng.randrange(len(heads))]
         out.append(((head + " " + own) if head else own, g))
     return out
+
+
+def read_extra(value: str) -> dict:
+    """--request-json: a JSON object, or a file holding one -> the fields; InputError otherwise."""
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = user_path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--request-json {value}: not a JSON object, and no file to read ({type(e).__name__})",
+                             "pass a JSON object or a file that holds one") from None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        raise InputError(f"--request-json {value[:60]}: not a JSON object", "pass a JSON object or a file that holds one")
+    return obj
 
 
 def read_dataset(path: str) -> list[Any]:
@@ -117,7 +136,8 @@ async def _one(post, load: Load, model: str, prompt: Any, max_tokens: int | None
     chat = isinstance(prompt, list)
     ask = {"messages": prompt} if chat else {"prompt": prompt}
     body = json.dumps({"model": model, **ask, "max_tokens": max_tokens or load.gen_len, "temperature": 0,
-                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+                       **(load.extra or {})}).encode()
     out: dict[str, Any] = {"ok": False, "chunks": [], "prompt_tokens": None, "output_tokens": None, "error": None}
     t0 = time.perf_counter()
     out["start"] = t0

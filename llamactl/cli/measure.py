@@ -85,6 +85,7 @@ def bench(
     gpu_hourly_cost: Annotated[Optional[float], typer.Option("--gpu-hourly-cost", min=0.0, help="Load test: USD an hour of the server's GPUs; adds dollars per million output tokens.")] = None,
     served_model: Annotated[Optional[str], typer.Option("--model", help="Load test: the model name to send (default: the server's first in /v1/models).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
+    request_json: Annotated[Optional[str], typer.Option("--request-json", help="Load test: more fields of every request's body, a JSON object or a file holding one (for example {\"response_format\": {\"type\": \"json_object\"}}).")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="What the KV cache stores: auto (the model's dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head); a comma list such as auto,int8 times each in one run, and --quality adds the KL each 8-bit cache adds [default: auto].", show_default=False)] = None,
     tp: TpOpt = 1,
 ):
@@ -106,7 +107,8 @@ def bench(
                              gen_len=g_lo, prompt_max=p_hi, gen_max=g_hi, shared_prefix=shared_prefix,
                              prefix_groups=prefix_groups, dataset=dataset, slo_ttft_ms=slo_ttft_ms,
                              slo_itl_ms=slo_itl_ms, gpu_hourly_cost=gpu_hourly_cost, rate=rate,
-                             ramp_up_s=ramp_up, model=served_model, api_key=api_key or key_from_env())
+                             ramp_up_s=ramp_up, model=served_model, api_key=api_key or key_from_env(),
+                             extra=loadtest.read_extra(request_json) if request_json else None)
         if dataset:
             loadtest.read_dataset(dataset)  # a bad file fails before a server starts
         _load_test(load, serve_model, synthetic, synthetic_quant, device, dtype, serve_mode(mode), fmt, output)

@@ -346,6 +346,10 @@ class Engine:
         m = self._matchers.get(r.id)
         if m is not None:
             m.accept(token)
+            if m.done:  # its grammar has ended (a stop token accepted: with ignore_eos too)
+                self._send(r, Event("token", token=token, time=now))
+                self._release(r, "stop")
+                return
             self._masks[r.id] = (r, m.mask())
         k = r.params.logprobs
         logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))

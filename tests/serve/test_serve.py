@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,14 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
 
     diffs, _ = compare(load_report(out), load_report(out), 0.05)  # --compare gates load tests too
     assert len(diffs) == 2
+    if find_spec("xgrammar") is not None:  # --request-json: every request constrained (ignore_eos: still ends)
+        r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--concurrency", "2",
+                            "--requests", "2", "--prompt-len", "8", "--gen-len", "40", "--format", "json", "-o",
+                            str(out), "--request-json", '{"guided_choice": ["yes", "no"]}'],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        (row,) = json.loads(out.read_text())["results"]
+        assert row["errors"] == 0 and row["output_tokens_mean"] < 40
 
 
 def test_a_load_test_of_traffic_like_requests(server, tmp_path):
