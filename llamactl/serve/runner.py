@@ -250,7 +250,7 @@ class Runner:
             d = len(drows)
             at = torch.tensor(drows, dtype=torch.long, device=self.device) if d else None
             toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None,
-                                               score[0] if score else None)
+                                               **({"score": score[0]} if score else {}))
             scores = None
             if score:
                 toks, scores = toks

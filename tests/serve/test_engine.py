@@ -28,8 +28,8 @@ def prefills_together(monkeypatch) -> list[int]:
     from llamactl.runtime.step import Decoder
 
     calls, packed = [], Decoder.prefill_packed
-    monkeypatch.setattr(Decoder, "prefill_packed", lambda self, chunks, rows, starts, decode=None:
-                        calls.append(len(chunks)) or packed(self, chunks, rows, starts, decode))
+    monkeypatch.setattr(Decoder, "prefill_packed", lambda self, chunks, rows, starts, decode=None, **kw:
+                        calls.append(len(chunks)) or packed(self, chunks, rows, starts, decode, **kw))
     return calls
 
 
