@@ -520,6 +520,28 @@ def test_tool_calls_required_named_and_auto_whole_and_streamed(small_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
+def test_a_langchain_client_calls_tools_and_gets_structured_output(small_server):
+    """LangChain's ChatOpenAI (a second OpenAI client) against the server: a chat, a stream, a
+    forced tool call parsed into its tool_calls, and with_structured_output's json_schema parsed
+    into the pydantic model it asked for."""
+    pytest.importorskip("xgrammar")
+    lc = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Add(BaseModel):
+        """Add two numbers."""
+        a: int = Field(ge=0, le=99)
+        b: int = Field(ge=0, le=99)
+
+    llm = lc.ChatOpenAI(base_url=small_server.url + "/v1", api_key="k3y", model="tiny-chat", temperature=0,
+                        max_tokens=40)
+    assert isinstance(llm.invoke("Hi").content, str) and len(list(llm.stream("Hi"))) > 1
+    (call,) = llm.bind_tools([Add], tool_choice="Add").invoke("Add 2 and 3").tool_calls
+    assert call["name"] == "Add" and set(call["args"]) == {"a", "b"}
+    out = llm.with_structured_output(Add, method="json_schema").invoke("Add 2 and 3")
+    assert isinstance(out, Add) and 0 <= out.a <= 99
+
+
 def test_the_api_key_is_required(small_server):
     anon = httpx.Client(base_url=small_server.url, timeout=30)
     r = anon.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
