@@ -200,14 +200,20 @@ class RowSampling:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] of the first B rows, every one greedy -> their tokens [B] (recorded
         where log-probabilities are asked for; adjusted where `adjusted`)."""
-        if self.adjusted:
-            logits = self._adjusted(logits, None)
-        if self.masked:
-            logits = self._allowed(logits, None)
+        logits = self._shaped(logits, None)
         tok = logits.argmax(-1)
         if self.logprobs:
             self._record(logits, self.temperature[: logits.shape[0]], tok, None)
         return tok
+
+    def _shaped(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        # logits [B, V] of rows (None: the first B) -> as each row draws from them: its bias,
+        # penalties and min_tokens where `adjusted`, its grammar's mask where `masked`
+        if self.adjusted:
+            logits = self._adjusted(logits, rows)
+        if self.masked:
+            logits = self._allowed(logits, rows)
+        return logits
 
     def _record(self, logits: torch.Tensor, t: torch.Tensor, tok: torch.Tensor, rows: torch.Tensor | None) -> None:
         # logits [B, V], t [B], tok [B] -> the log-probability buffers at rows (None: the first B)
@@ -235,10 +241,7 @@ class RowSampling:
         else:  # the first rows (a batch bucket may be fewer than the settings)
             n = logits.shape[0]
             t, k, p, seed = self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n]
-        if self.adjusted:
-            logits = self._adjusted(logits, rows)
-        if self.masked:
-            logits = self._allowed(logits, rows)
+        logits = self._shaped(logits, rows)
         v = logits.shape[-1]
         x = logits.float() / t.clamp(min=1e-6)[:, None]  # [B, V]
         ordered, order = torch.sort(x, dim=-1, descending=True)  # [B, V]

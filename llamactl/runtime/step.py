@@ -280,12 +280,10 @@ class Decoder:
             if self.rows is not None:
                 self.rows.count(tok.view(-1), torch.tensor(drows, device=self.device))
         if not scored:
-            return self._packed(ids, packed)  # [d + n]
-        logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [L, V]: marked sequences' every token
+            return self._packed(ids, packed)[0]  # [d + n]
         sizes = [n if m else 1 for n, m in zip(lens, marks)]
         ends = torch.tensor(sizes, device=self.device).cumsum(0) - 1  # each sequence's last entry
-        self.prefill_finite = torch.isfinite(logits).all()
-        toks = self._draw(logits[ends], packed.positions[0, packed.last[ends]] + 1, packed.token_rows[packed.last[ends]])
+        toks, logits = self._packed(ids, packed, ends)  # logits [L, V]: the marked sequences' every token
         out, at = [], len(drows)  # the decode rows' entries (one each) come first
         for size, nxt in zip(sizes[len(drows) :], score):
             if nxt:
@@ -306,20 +304,18 @@ class Decoder:
         from llamactl.runtime.ragged import Ragged
 
         packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks], every=True)
-        return self._packed(torch.tensor([[t for c in chunks for t in c]], device=self.device), packed)  # [T]
+        return self._packed(torch.tensor([[t for c in chunks for t in c]], device=self.device), packed)[0]  # [T]
 
-    def _packed(self, ids: torch.Tensor, packed) -> torch.Tensor:
-        # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> the token drawn after each
-        # of its tokens packed.last [n], each with its row's settings, at the position after it
+    def _packed(self, ids: torch.Tensor, packed, ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> (the token drawn after each
+        # of its tokens packed.last [n] (only those at entries `ends`, where given), each with its
+        # row's settings at the position after it; the logits [n, V])
         logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
         self.prefill_finite = torch.isfinite(logits).all()
-        return self._draw(logits, packed.positions[0, packed.last] + 1, packed.token_rows[packed.last])
-
-    def _draw(self, logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        # logits [n, V] of table rows `rows` [n], drawn for positions `at` [n] -> tokens [n]
+        drawn, last = (logits, packed.last) if ends is None else (logits[ends], packed.last[ends])
         if self.rows is None:
-            return self.sample(logits)
-        return self.rows.sample(logits, at, rows)
+            return self.sample(drawn), logits
+        return self.rows.sample(drawn, packed.positions[0, last] + 1, packed.token_rows[last]), logits
 
     def _prefill_slots(self, ids: torch.Tensor, at: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [B, S], at: [B] cache rows, n: [B] prompt lengths -> next tokens [B], all logits finite []

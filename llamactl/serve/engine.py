@@ -205,13 +205,12 @@ class Engine:
                                     [sorted((set() if r.params.ignore_eos else self.eos_ids) | r.params.stop_ids)
                                      for r in adjusting])
         running = [r for r in self.scheduler.slots if r is not None]
-        self.runner.set_adjusted(any(r.params.sampling.adjusts_logits for r in running))
         self._follow_grammars(plan.joined)
         constrained = any(r.params.grammar is not None for r in running)
-        self.runner.set_masked(constrained)
+        self.runner.set_flags(logprobs=any(r.params.logprobs is not None for r in running),
+                              adjusted=any(r.params.sampling.adjusts_logits for r in running), masked=constrained)
         for r in plan.cancelled:
             self._finish(r, "cancelled")
-        self.runner.set_logprobs(any(r.params.logprobs is not None for r in running))
         if plan.speculate:  # proposals follow every token: the step in flight is read first
             self._collect(self._inflight)
             self._inflight = None
@@ -343,17 +342,16 @@ class Engine:
             self._release(r, "stop")
             return
         r.tokens.append(token)
+        k = r.params.logprobs
+        logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))
+        self._send(r, Event("token", token=token, time=now, logprob=logprob))
         m = self._matchers.get(r.id)
         if m is not None:
             m.accept(token)
             if m.done:  # its grammar has ended (a stop token accepted: with ignore_eos too)
-                self._send(r, Event("token", token=token, time=now))
                 self._release(r, "stop")
                 return
             self._masks[r.id] = (r, m.mask())
-        k = r.params.logprobs
-        logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))
-        self._send(r, Event("token", token=token, time=now, logprob=logprob))
         if r.generated >= r.params.max_tokens:
             self._release(r, "length")
 

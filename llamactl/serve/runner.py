@@ -85,20 +85,12 @@ class Runner:
         self.scores: list = []  # the last prefill's prompt scores, per chunk (prefill())
         self._followers_stopped = False
 
-    def set_logprobs(self, on: bool) -> None:
-        """Whether the steps from now record log-probabilities (some running request asks)."""
-        if on != self.rows.logprobs:
-            self._do(("logprobs", on))
-
-    def set_adjusted(self, on: bool) -> None:
-        """Whether the steps from now apply penalties and logit biases (some running request has them)."""
-        if on != self.rows.adjusted:
-            self._do(("adjusted", on))
-
-    def set_masked(self, on: bool) -> None:
-        """Whether the steps from now keep rows to their grammars' tokens (some running request follows one)."""
-        if on != self.rows.masked:
-            self._do(("masked", on))
+    def set_flags(self, **flags: bool) -> None:
+        """RowSampling's step flags from now (logprobs, adjusted, masked: whether some running
+        request asks for log-probabilities, has penalties or a bias, follows a grammar)."""
+        changed = {k: on for k, on in flags.items() if getattr(self.rows, k) != on}
+        if changed:
+            self._do(("flags", changed))
 
     def set_masks(self, rows: list[int], masks) -> None:
         """Rows' bitmasks of the tokens allowed next ([n, ceil(V / 32)] int32 on the host; None:
@@ -144,19 +136,28 @@ class Runner:
         slots = [r.slot for r in work.requests]
         graphs = self.decoder.prefill_graphs
         longest = max(len(c) for c in work.ids)
-        score = self._scored(work)
         self.scores = [None] * len(slots)
-        if score is not None:  # prompt log-probabilities (echo): a packed forward that keeps every position's
-            toks, scores = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends, [], [], score))
-            self.scores = self._host_scores(scores, work)
-        elif work.whole and graphs is not None and graphs.bucket(len(slots), longest) is not None:
+        scoring = self._scored(work) is not None  # prompt log-probabilities (echo): the packed forward keeps them
+        if work.whole and not scoring and graphs is not None and graphs.bucket(len(slots), longest) is not None:
             ids = [c + [0] * (longest - len(c)) for c in work.ids]
             toks = self._do(("prefill_slots", ids, slots, [len(c) for c in work.ids]))  # [k]
-        elif len(slots) > 1 or self.device.type == "cuda":
-            toks = self._do(("prefill_packed", work.ids, slots, work.starts, work.ends, [], []))  # [k]
+        elif scoring or len(slots) > 1 or self.device.type == "cuda":
+            toks = self._packed(work, [], [])  # [k]
         else:
             toks = self._do(("prefill", work.ids[0], slots[0], work.starts[0], work.ends[0]))  # [1]
         return toks.tolist() if any(work.ends) else None
+
+    def _packed(self, work: Prefill, drows: list[int], dpos: list[int]) -> torch.Tensor:
+        """work's chunks in one packed forward, after decode rows drows at dpos (a mixed step):
+        their tokens [d + k]; the chunks' prompt scores, where asked for, into self.scores."""
+        score = self._scored(work)
+        toks = self._do(("prefill_packed", work.ids, [r.slot for r in work.requests], work.starts, work.ends,
+                         drows, dpos, *([score] if score else [])))
+        self.scores = [None] * len(work.requests)
+        if score:
+            toks, scores = toks
+            self.scores = self._host_scores(scores, work)
+        return toks
 
     @staticmethod
     def _scored(work: Prefill) -> list[list[int] | None] | None:
@@ -183,13 +184,7 @@ class Runner:
         chunks' next tokens as prefill() returns them, the rows' as launch() does."""
         t0 = time.perf_counter()
         drows, dpos = list(step.at), [step.positions[i] for i in step.at]
-        score = self._scored(work)
-        toks = self._do(("prefill_packed", work.ids, [r.slot for r in work.requests], work.starts, work.ends,
-                         drows, dpos, *([score] if score else [])))  # [d + k]
-        self.scores = [None] * len(work.requests)
-        if score:
-            toks, scores = toks
-            self.scores = self._host_scores(scores, work)
+        toks = self._packed(work, drows, dpos)  # [d + k]
         d = len(drows)
         launched = self._staging.read_later(toks[:d], step.requests, list(range(d)), t0, mixed=True,
                                             lp=self._lp_copy(drows) if d else None)
@@ -268,12 +263,9 @@ class Runner:
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
             chunks, slots, starts = a
             return self.decoder.verify_packed(chunks, slots, starts)  # [T]
-        elif kind == "logprobs":
-            self.rows.logprobs = a[0]
-        elif kind == "adjusted":
-            self.rows.adjusted = a[0]
-        elif kind == "masked":
-            self.rows.masked = a[0]
+        elif kind == "flags":
+            for k, on in a[0].items():
+                setattr(self.rows, k, on)
         elif kind == "masks":
             self.rows.set_masks(*a)
         elif kind == "adjust_rows":
