@@ -89,7 +89,7 @@ class Service:
         """A chat's token ids through the template, with its tools where it asks for calls: in the
         template's own place for them, else as a system message (serve.tools) where the template
         renders the same text with and without them."""
-        tools = ask.tools[0] if ask.tools and ask.tools[1] != "none" else None
+        tools = ask.offered_tools
         if tools is None:
             return tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=True)
         plain = tok.apply_chat_template(ask.messages, add_generation_prompt=True, tokenize=False)
@@ -171,17 +171,17 @@ class Completion:
     def _prompt_entries(self, scores: tuple) -> list[tuple[str, float | None, list]]:
         """The echoed prompt's logprobs entries: its first token's without a value, then each
         next one's (log-probability, alternatives) as the prefill computed them."""
-        text = self.svc.decoder.decode
-        first = [(text(self.ids[:1]), None, [])]
-        return first + [(text([t]), lp, [(text([i]), v) for i, v in alts])
-                        for t, (lp, alts) in zip(self.ids[1:], scores)]
+        first = [(self.svc.decoder.decode(self.ids[:1]), None, [])]
+        return first + [self._entry_of(t, lp, alts) for t, (lp, alts) in zip(self.ids[1:], scores)]
 
     def _entry(self, ev: Event) -> tuple[str, float, list[tuple[str, float]]] | None:
-        """A token's log-probability entry for logprobs_block: its text, value, alternatives."""
-        if ev.logprob is None:
-            return None
+        """A generated token's log-probability entry (None where none was asked for)."""
+        return None if ev.logprob is None else self._entry_of(ev.token, *ev.logprob)
+
+    def _entry_of(self, token: int, value: float, alts) -> tuple[str, float, list[tuple[str, float]]]:
+        """An entry for logprobs_block: the token's text, its value, its alternatives' texts and values."""
         text = self.svc.decoder.decode
-        return text([ev.token]), ev.logprob[0], [(text([i]), v) for i, v in ev.logprob[1]]
+        return text([token]), value, [(text([i]), v) for i, v in alts]
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None, tuple | None]]:
         """(text, None, entry) for each token (text may be empty; entry: its log-probability's,
@@ -301,9 +301,9 @@ class Choices:
 def _tool_streams(ask: Ask, n: int) -> list[ToolStream]:
     """A ToolStream a choice where a chat's output may be tool calls (tools given, tool_choice
     not none; required or named: held back whole), else none."""
-    if not ask.tools or ask.tools[1] == "none":
+    if ask.offered_tools is None:
         return []
-    return [ToolStream(ask.tools[0], forced=ask.tools[1] != "auto") for _ in range(n)]
+    return [ToolStream(ask.offered_tools, forced=ask.tools[1] != "auto") for _ in range(n)]
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -394,7 +394,7 @@ async def _whole(request: Request, comp: Choices, rid: str) -> Response:
             if entry is not None:
                 entries[i] += entry if isinstance(entry, list) else [entry]
         ask = comp.comps[0].ask
-        tools = ask.tools[0] if ask.tools and ask.tools[1] != "none" else None
+        tools = ask.offered_tools
         out = []
         for p, r, e in zip(parts, reasons, entries):
             text = "".join(p)

@@ -56,6 +56,11 @@ class Ask:
     echo: bool = False  # completions: the prompt first (with its log-probabilities where logprobs is given)
     grammar: tuple[str, str, str] | None = None  # structured output (serve.grammar.spec's), compiled into
     compiled: object | None = None  # ... this on the tokenizing thread
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the model may call (given, and tool_choice not none), else None."""
+        return self.tools[0] if self.tools and self.tools[1] != "none" else None
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: token ids that end a choice
 
 
