@@ -300,7 +300,23 @@ def _(q, k, v, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
+# The ops that write their arguments take no defaults (the public functions below them do):
+# torch 2.11's custom ops index the mutated arguments in the call as passed, without its trailing
+# defaults (an IndexError on the GPU).
 @torch.library.custom_op("llamactl::decode_attention_rope", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                           min_chunk: int, pdl: bool, k_scale: Optional[torch.Tensor],
+                           v_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
+    return _attend(q, k_cache, v_cache, pos, rope, min_chunk, pdl=pdl, scales=(k_scale, v_scale))
+
+
+@_decode_attention_rope.register_fake
+def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk, pdl, k_scale, v_scale):
+    return torch.empty_like(q)
+
+
 def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                           min_chunk: int = MIN_CHUNK, pdl: bool = False, k_scale: Optional[torch.Tensor] = None,
@@ -310,13 +326,7 @@ def decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     pos), cos/sin: [D] float32 at pos: [1], or [B, D] at each row's pos: [B] -> [B, H_kv, R, D]. One
     kernel instead of RoPE, two cache writes and the attention. k_scale/v_scale: an 8-bit cache's
     scales [B, H_kv, S] (the new key and value are quantized into it)."""
-    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q, k_cache, v_cache, pos, rope, min_chunk, pdl=pdl, scales=(k_scale, v_scale))
-
-
-@decode_attention_rope.register_fake
-def _(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None, v_scale=None):
-    return torch.empty_like(q)
+    return _decode_attention_rope(q, k_new, v_new, k_cache, v_cache, cos, sin, pos, min_chunk, pdl, k_scale, v_scale)
 
 
 @torch.library.custom_op("llamactl::paged_decode_attention", mutates_args=())
@@ -335,6 +345,19 @@ def _(q, k_pool, v_pool, table, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=Non
 
 
 @torch.library.custom_op("llamactl::paged_decode_attention_rope", mutates_args=("k_pool", "v_pool", "k_scale", "v_scale"))
+def _paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                                 v_pool: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                 pos: torch.Tensor, min_chunk: int, pdl: bool, k_scale: Optional[torch.Tensor],
+                                 v_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
+    return _attend(q, k_pool, v_pool, pos, rope, min_chunk, pdl=pdl, table=table, scales=(k_scale, v_scale))
+
+
+@_paged_decode_attention_rope.register_fake
+def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk, pdl, k_scale, v_scale):
+    return torch.empty_like(q)
+
+
 def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
                                 v_pool: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                 pos: torch.Tensor, min_chunk: int = MIN_CHUNK, pdl: bool = False,
@@ -342,14 +365,8 @@ def paged_decode_attention_rope(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
                                 v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """decode_attention_rope over a paged pool: k_new rotated and v_new written at row b's
     position pos[b] (its block from table [B, M]), cos/sin [B, D] -> [B, H_kv, R, D]."""
-    rope = (k_new, v_new, cos.float().contiguous(), sin.float().contiguous())
-    return _attend(q, k_pool, v_pool, pos, rope, min_chunk, pdl=pdl, table=table, scales=(k_scale, v_scale))
-
-
-@paged_decode_attention_rope.register_fake
-def _(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk=MIN_CHUNK, pdl=False, k_scale=None,
-      v_scale=None):
-    return torch.empty_like(q)
+    return _paged_decode_attention_rope(q, k_new, v_new, k_pool, v_pool, table, cos, sin, pos, min_chunk, pdl,
+                                        k_scale, v_scale)
 
 
 FILL_PER_SM = 4  # split-kernel programs a streaming multiprocessor should have to choose from

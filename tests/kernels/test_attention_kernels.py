@@ -334,3 +334,16 @@ def test_a_mixed_forwards_decode_rows_attend_through_the_decode_kernel():
     assert rel(got.double().cpu(), want.double().cpu()) < 5e-3
     with pytest.raises(ValueError):
         Ragged.build(cache, rows, starts, [1, 2, 70, 5], decode=2)  # a decode row of two tokens
+
+
+def test_ops_that_write_their_arguments_take_no_defaults():
+    """torch 2.11's custom ops index a mutated argument in the call as passed, which the
+    dispatcher sends without its trailing defaults: an op writing an argument must have none."""
+    import llamactl.kernels.attention  # noqa: F401 (registers the ops)
+
+    mutating = [name for name in ("decode_attention_rope", "paged_decode_attention_rope")
+                if getattr(torch.ops.llamactl, name).default._schema.is_mutable]
+    assert len(mutating) == 2
+    for name in mutating:
+        schema = getattr(torch.ops.llamactl, name).default._schema
+        assert not [a.name for a in schema.arguments if a.has_default_value()], name
