@@ -103,8 +103,9 @@ class FP8Linear(nn.Module):
             from llamactl.kernels.fp8 import quantize_rows as quantize_rows_kernel
 
             xq, xs = quantize_rows_kernel(x.reshape(-1, self.in_features))
+            # row-wise scales give bfloat16 only (cuBLASLt): a float16 model converts the product
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.float().view(1, -1),
-                                 out_dtype=x.dtype).view(*shape[:-1], self.out_features)
+                                 out_dtype=torch.bfloat16).view(*shape[:-1], self.out_features).to(x.dtype)
         else:  # the activations rounded as scaled_mm's would be (rows > 1), so quality measured here is W8A8's
             if rows > 1:
                 xq, xs = quantize_rows(x.reshape(-1, self.in_features))
