@@ -1,0 +1,64 @@
+"""The serving engine's decode steps through llamactl's Triton kernels (the paged split-KV decode
+attention with its folded RoPE and cache write, the GEMVs), run on the CPU by Triton's
+interpreter: the path a GPU server takes, which the other engine tests (torch's ops) do not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from llamactl.runtime.settings import Sampling  # noqa: E402
+
+
+@pytest.fixture
+def kernels_on_the_cpu(monkeypatch):
+    """plan.prepare routes through llamactl's kernels on the CPU (Triton's interpreter)."""
+    from llamactl.layers import plan
+
+    run = plan.kernels_run
+    monkeypatch.setattr(plan, "kernels_run", lambda device, options, interpreter=False: run(device, options, True))
+
+
+def _tokens(model, requests, kernels: bool, kv_dtype: str) -> tuple[list[list[int]], str]:
+    """requests: [(prompt ids, new tokens)] submitted together -> (each one's greedy tokens, the
+    attention the decode steps ran)."""
+    from llamactl.options import RuntimeOptions
+    from llamactl.serve.engine import Engine, Params
+
+    eng = Engine(model, {2}, max_batch=2, max_queue=8, max_seq=64, prefill_chunk=8,
+                 options=RuntimeOptions(kernels=kernels, kv_dtype=kv_dtype)).start()
+    out: list[list[int]] = [[] for _ in requests]
+    reqs = [eng.submit(ids, Params(n, Sampling(temperature=0.0), ignore_eos=True),
+                       lambda ev, i=i: ev.kind == "token" and out[i].append(ev.token))
+            for i, (ids, n) in enumerate(requests)]
+    try:
+        deadline = time.time() + 300
+        while not all(r.finished for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.failure is None, eng.failure
+        assert all(r.finished for r in reqs), "the engine did not finish"
+    finally:
+        eng.stop()
+    return out, model.model.layers[0].self_attn.decode_kernel
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_engine_decodes_through_the_kernels_as_through_torch(tiny_gqa, kernels_on_the_cpu, kv_dtype):
+    """Three requests over two rows (one waits and joins later; rows at their own positions) give
+    the same greedy tokens through the kernels as through torch's ops, with the cache in the
+    model's dtype or in int8 (float32 random weights)."""
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime.load import load_model
+
+    model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
+    requests = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 9), ([13, 14, 15, 16, 17, 18, 19, 20, 21, 22], 5)]
+    got, attention = _tokens(model, requests, True, kv_dtype)
+    assert attention == "rope"
+    ref, attention = _tokens(model, requests, False, kv_dtype)
+    assert attention != "rope"
+    assert [len(t) for t in got] == [n for _, n in requests]
+    assert got == ref
