@@ -144,3 +144,24 @@ def test_the_row_quantizing_kernel_gives_pytorchs_codes_and_scales():
     q, s = kernel_rows(x.to(DEV))
     q_ref, s_ref = quantize_rows(x)
     assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_scaled_mm_path_gives_the_dequantized_paths_products(dtype):
+    """FP8Linear's GPU path (the row-quantizing kernel, then torch._scaled_mm with row-wise scales,
+    which give bfloat16 only) run on the CPU, where torch has the product and Triton's interpreter
+    the kernel: the products of the CPU path, which rounds the activations alike, in x's dtype."""
+    pytest.importorskip("triton")
+    torch.manual_seed(5)
+    lin = FP8Linear(256, 96, bias=True)
+    lin.weight, lin.weight_scale = quantize_fp8(torch.randn(96, 256))
+    lin.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
+    x = torch.randn(3, 7, 256, dtype=dtype)
+    ref = lin(x)
+    lin.scaled_mm = True
+    try:
+        got = lin(x)
+    except RuntimeError as e:  # a torch without FP8 products on the CPU
+        pytest.skip(f"torch._scaled_mm on the CPU: {e}")
+    assert got.dtype == dtype and got.shape == (3, 7, 96)
+    assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
