@@ -16,11 +16,22 @@ from llamactl.runtime.settings import Sampling  # noqa: E402
 
 @pytest.fixture
 def kernels_on_the_cpu(monkeypatch):
-    """plan.prepare routes through llamactl's kernels on the CPU (Triton's interpreter)."""
+    """plan.prepare routes through llamactl's kernels on the CPU (Triton's interpreter), and packed
+    prefills and mixed steps through the Triton prefill kernel (runtime.ragged.kernels) when it does."""
     from llamactl.layers import plan
+    from llamactl.runtime import model, ragged
 
     run = plan.kernels_run
     monkeypatch.setattr(plan, "kernels_run", lambda device, options, interpreter=False: run(device, options, True))
+    def attend(q, *a, **kw):
+        PACKED[0] += KERNELS[0]
+        return (ragged.kernels if KERNELS[0] else ragged.attend)(q, *a, **kw)
+
+    monkeypatch.setattr(model, "attend", attend)
+
+
+KERNELS = [False]  # whether the running engine's model runs the kernels
+PACKED = [0]  # packed forwards' layers through the Triton prefill kernel
 
 
 def _tokens(model, requests, kernels: bool, kv_dtype: str) -> tuple[list[list[int]], str]:
@@ -29,8 +40,12 @@ def _tokens(model, requests, kernels: bool, kv_dtype: str) -> tuple[list[list[in
     from llamactl.options import RuntimeOptions
     from llamactl.serve.engine import Engine, Params
 
-    eng = Engine(model, {2}, max_batch=2, max_queue=8, max_seq=64, prefill_chunk=8,
-                 options=RuntimeOptions(kernels=kernels, kv_dtype=kv_dtype)).start()
+    KERNELS[0] = kernels
+    # the GPU's ways: decode rows in the prefill forwards, each step launched before the last is read
+    eng = Engine(model, {2}, max_batch=2, max_queue=8, max_seq=64, prefill_chunk=8, mix=True, overlap=True,
+                 options=RuntimeOptions(kernels=kernels, kv_dtype=kv_dtype))
+    eng.scheduler.batch_prefill = True  # (a GPU's: prompt chunks packed in one forward)
+    eng.start()
     out: list[list[int]] = [[] for _ in requests]
     reqs = [eng.submit(ids, Params(n, Sampling(temperature=0.0), ignore_eos=True),
                        lambda ev, i=i: ev.kind == "token" and out[i].append(ev.token))
@@ -56,8 +71,9 @@ def test_the_engine_decodes_through_the_kernels_as_through_torch(tiny_gqa, kerne
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
     requests = [([5, 6, 7, 8, 9], 6), ([10, 11, 12], 9), ([13, 14, 15, 16, 17, 18, 19, 20, 21, 22], 5)]
+    PACKED[0] = 0
     got, attention = _tokens(model, requests, True, kv_dtype)
-    assert attention == "rope"
+    assert attention == "rope" and PACKED[0] > 0
     ref, attention = _tokens(model, requests, False, kv_dtype)
     assert attention != "rope"
     assert [len(t) for t in got] == [n for _, n in requests]
