@@ -8,7 +8,7 @@
 set -uo pipefail
 out=${1:?usage: gpu_quick.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
-timeout 80 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/kernels/test_kv8.py \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/kernels/test_kv8.py \
   -k "8bit or fp8 or paged or served or kv8 or graphs" > "$out/gpu-tests.log" 2>&1
 grep -E "passed|failed|FAILED|Error" "$out/gpu-tests.log" | tail -8
 bench() {  # NAME SECONDS BENCH_ARGS...
@@ -17,7 +17,7 @@ bench() {  # NAME SECONDS BENCH_ARGS...
     || tail -3 "$out/$name.err"
   [ -f "$out/$name.json" ] && md "$out/$name.json" | cut -c1-260
 }
-bench kv8-7b-16k 110 --synthetic llama2-7b-32k --synthetic-quant int4 --batch 1 --prompt-len 16384 --gen-len 128 \
+bench kv8-7b-16k 85 --synthetic llama2-7b-32k --synthetic-quant int4 --batch 1 --prompt-len 16384 --gen-len 128 \
   --warmup 1 --repeat 2 --kv-dtype auto,int8,fp8
-bench fp8-8b-b1 100 --synthetic llama3-8b --synthetic-quant none,fp8 --dtype bfloat16 --batch 1 --prompt-len 2048 \
+bench fp8-8b-b1 80 --synthetic llama3-8b --synthetic-quant none,fp8 --dtype bfloat16 --batch 1 --prompt-len 2048 \
   --gen-len 128 --warmup 1 --repeat 2
