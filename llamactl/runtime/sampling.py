@@ -197,6 +197,16 @@ class RowSampling:
         self.seen[at, tok] = True
         self.generated[at] += 1
 
+    def counting(self) -> tuple[torch.Tensor, ...] | None:
+        """Copies of what count() adds to (None where it adds nothing), for recount() to put back:
+        a CUDA graph's capture runs its step three times first, and must not count three tokens."""
+        on = self.adjusted and self.counts is not None
+        return tuple(t.clone() for t in (self.counts, self.seen, self.generated)) if on else None
+
+    def recount(self, saved: tuple[torch.Tensor, ...]) -> None:
+        for t, v in zip((self.counts, self.seen, self.generated), saved):
+            t.copy_(v)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [B, V] of the first B rows, every one greedy -> their tokens [B] (recorded
         where log-probabilities are asked for; adjusted where `adjusted`)."""

@@ -172,15 +172,46 @@ class Decoder:
 
     def _eager_step(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
         # tok: [B, 1], pos: [1] or [B, 1] -> next token [B]
+        return self._draw(self._forward(tok, pos, kv_len), pos)
+
+    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        # tok: [B, 1], pos: [1] or [B, 1] -> the logits after each row's token [B, V]
         if self.rows is not None:
             self.rows.count(tok.view(-1))  # (penalties: each row's newest generated token)
-        logits = self.model(tok, pos, self.cache, kv_len=kv_len)[:, -1]  # [B, V]
+        return self.model(tok, pos, self.cache, kv_len=kv_len)[:, -1]
+
+    def _draw(self, logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # logits [B, V] of rows at positions pos: [1] or [B, 1] -> each row's next token [B]
         if self.rows is None:
             return self.sample(logits)
         if self.rows.greedy:  # the host's word that no row samples: skip the draw (a graph of its own)
             return self.rows.argmax(logits)
         drawn_at = (pos.view(-1) + 1).expand(logits.shape[0])  # where each row's new token will sit
         return self.rows.sample(logits, drawn_at)
+
+    @torch.inference_mode()
+    def step_logits(self, tok: torch.Tensor, pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """A decode step's forward alone, rows at their own positions: tok [B], pos [B] (on the
+        device) -> the logits [B, V] that draw() samples (a graph's output: read before the next
+        step). For a step whose draw waits on the host: a grammar's masks, made from the last
+        step's tokens while this forward runs."""
+        tok, pos = tok.view(-1, 1), pos.view(-1, 1)
+        if not self.use_graph:
+            return self._forward(tok, pos, kv_len if self.mode == "eager" else None)
+        kind = ("logits", tok.numel())
+        if kind not in self._graphs:
+            self._capture(kind, tok, pos, self._forward)
+        static_tok, static_pos, graph, out = self._graphs[kind]
+        static_tok.copy_(tok)
+        static_pos.copy_(pos)
+        graph.replay()
+        return out
+
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The draw of a step_logits forward at positions pos [B]: each row's next token [B] with
+        the rows' settings and masks as they are now (eager)."""
+        return self._draw(logits, pos.view(-1, 1))
 
     @property
     def aot_cached(self) -> bool | None:
@@ -369,9 +400,13 @@ class Decoder:
             torch._dynamo.mark_dynamic(pos, 0, min=2, max=self.batch - 1)
         return tok, pos
 
-    def _capture(self, kind: tuple, tok: torch.Tensor, pos: torch.Tensor) -> None:
+    def _capture(self, kind: tuple, tok: torch.Tensor, pos: torch.Tensor, fn: Callable | None = None) -> None:
         # The warm-up runs (capture) run this step's own token and position: they write the K/V
-        # the step writes, so the cache is as if they had not run.
+        # the step writes, so the cache is as if they had not run; the sampler's counts, which
+        # they add to, are put back. fn: what is captured (the step)
         static_tok, static_pos = self._rows_dynamic(tok.clone(), pos.clone())
-        graph, out = capture(self._step, (static_tok, static_pos), self._pool)
+        counts = self.rows.counting() if self.rows is not None else None
+        graph, out = capture(fn or self._step, (static_tok, static_pos), self._pool)
+        if counts is not None:
+            self.rows.recount(counts)
         self._graphs[kind] = (static_tok, static_pos, graph, out)

@@ -217,6 +217,18 @@ class Engine:
             self._speculate()
             return True
         step, launched = plan.decode, None
+        if constrained and self.overlap and not plan.prefills:
+            # a grammar's rows: this step's forward runs while the last step's tokens are read and
+            # the masks made from them; then its draw (a step ahead, as unconstrained steps are)
+            step = step if self.scheduler.mixing else self.scheduler.decode()
+            launched_at = self.runner.launch_forward(step) if step is not None else 0.0
+            self._collect(self._inflight)
+            self._send_masks()
+            self._inflight = self.runner.launch_draw(step, launched_at) if step is not None else None
+            return True
+        if constrained:  # a prefill's draws (and a mixed step's rows) need the masks of every token so far
+            self._collect(self._inflight)
+            self._inflight = None
         for work in plan.prefills:
             self._send_masks()
             t0 = time.perf_counter()

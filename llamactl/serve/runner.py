@@ -83,6 +83,7 @@ class Runner:
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self._staging = Staging(max_batch, self.device)
         self.scores: list = []  # the last prefill's prompt scores, per chunk (prefill())
+        self._forwarded: tuple | None = None  # a "forward" action's logits [b, V] and positions [b], until its "draw"
         self._followers_stopped = False
 
     def set_flags(self, **flags: bool) -> None:
@@ -211,6 +212,19 @@ class Runner:
         out = self._do(("step", step.rows, step.positions, step.kv_len, step.greedy))  # [b]
         return self._staging.read_later(out, step.requests, step.at, t0, lp=self._lp_copy(step.rows))
 
+    def launch_forward(self, step: Decode) -> float:
+        """Start a decode step's forward alone (its draw waits for launch_draw: a grammar's masks,
+        made on the host while it runs); returns when it was launched."""
+        t0 = time.perf_counter()
+        self.arrange([], step.tables)
+        self._do(("forward", step.rows, step.positions, step.kv_len))
+        return t0
+
+    def launch_draw(self, step: Decode, launched: float) -> Launched:
+        """The draw of the forward launch_forward(step) started, with the rows' masks as set now."""
+        out = self._do(("draw", step.greedy))  # [b]
+        return self._staging.read_later(out, step.requests, step.at, launched, lp=self._lp_copy(step.rows))
+
     # -- model actions: run here, and on a tensor-parallel leader sent to the other ranks first -----
 
     def _do(self, action: tuple):
@@ -280,6 +294,17 @@ class Runner:
             self.rows.greedy = greedy
             out = self.decoder.step(self._tok[:b], self._staging.positions(pos), kv_len)  # [b]
             self._tok[:b].copy_(out)
+            return out
+        elif kind == "forward":  # a decode step's forward alone, drawn by the "draw" after it
+            b, pos, kv_len = a
+            at = self._staging.positions(pos)  # [b]
+            self._forwarded = (self.decoder.step_logits(self._tok[:b], at, kv_len), at)  # [b, V], [b]
+        elif kind == "draw":
+            greedy, = a
+            (logits, at), self._forwarded = self._forwarded, None
+            self.rows.greedy = greedy
+            out = self.decoder.draw(logits, at)  # [b]
+            self._tok[: out.numel()].copy_(out)
             return out
         else:
             raise ValueError(f"unknown engine action {kind!r}")

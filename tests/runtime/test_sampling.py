@@ -68,3 +68,54 @@ def test_a_sampled_row_draws_the_same_tokens_alone_and_in_a_batch(which, request
             pos = pos + 1
     assert [list(c) for c in zip(*got)] == want
     assert want[0] != want[1]  # the sampled row did sample
+
+
+def test_graphed_steps_count_each_token_once_and_split_steps_draw_as_whole_ones(trained_model, monkeypatch):
+    """Rows with penalties decoded through captured steps (a CUDA graph's stand-in: the capture's
+    three warm-up runs, then replays that run the step again) count each generated token once, as
+    eager steps do, whether the step is whole (step) or its forward and draw apart (step_logits,
+    draw: a grammar's masks made between): the same tokens and counts as eager steps."""
+    from llamactl.folder.artifact import open_artifact
+    from llamactl.runtime import step as step_mod
+    from llamactl.runtime.load import load_model
+    from llamactl.runtime.step import Decoder
+
+    class Replayed:  # replay() runs the captured function again, into the tensor its capture returned
+        def __init__(self, fn, args):
+            self.fn, self.args = fn, args
+            self.out = fn(*args)
+
+        def replay(self):
+            self.out.copy_(self.fn(*self.args))
+
+    def capture(fn, args, pool=None):
+        for _ in range(3):  # graphs.capture's warm-up runs
+            fn(*args)
+        g = Replayed(fn, args)
+        return g, g.out
+
+    monkeypatch.setattr(step_mod, "capture", capture)
+    model = load_model(open_artifact(trained_model), torch.device("cpu"), torch.float32)
+    settings = [Sampling(temperature=0, frequency_penalty=1.5), Sampling(temperature=0.8, seed=4, presence_penalty=1.0)]
+    prompts = [list(range(10, 16)), list(range(200, 205))]
+
+    def run(graphs: bool, split: bool) -> tuple[list, torch.Tensor]:
+        rows = RowSampling.make(settings, "cpu")
+        dec = Decoder(model, 2, 40, rows=rows)
+        rows.adjust_rows([0, 1], settings, prompts, [[], []], [[], []])
+        rows.adjusted = True
+        dec.use_graph = graphs
+        with torch.inference_mode():
+            toks = torch.cat([dec.prefill(torch.tensor([p]), slot=r) for r, p in enumerate(prompts)])
+            pos, got = torch.tensor([len(p) for p in prompts]), []
+            for _ in range(6):
+                got.append(toks.tolist())
+                toks = (dec.draw(dec.step_logits(toks, pos), pos) if split else dec.step(toks, pos)).clone()
+                pos = pos + 1
+        return got, rows.counts.clone()
+
+    want, counts = run(False, False)
+    assert int(counts.sum()) == 2 * 6  # each fed token counted once
+    for graphs, split in ((True, False), (True, True), (False, True)):
+        got, c = run(graphs, split)
+        assert got == want and torch.equal(c, counts), (graphs, split)

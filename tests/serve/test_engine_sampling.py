@@ -132,3 +132,42 @@ def test_prompt_logprobs_come_from_the_prefill_and_equal_the_runtimes(embedded):
                 assert [a for a, _ in alts] == want[i].topk(3).indices.tolist()
     finally:
         eng.stop()
+
+
+def test_grammar_rows_a_step_ahead_give_the_tokens_of_steps_read_one_by_one(embedded, monkeypatch):
+    """Requests held to a regular expression and a JSON schema (greedy and sampled) decoding beside
+    one that follows none: with the GPU's step ahead (each step's forward launched before the last
+    step's tokens are read and the masks made from them; its draw after) every request gets the
+    tokens it gets when each step is read before the next, and the constrained texts match."""
+    import json
+    import re
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from llamactl.serve.engine import Params
+    from llamactl.serve.grammar import Grammars
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    grammars = Grammars(tok, model.args.vocab_size, eos)
+    code = grammars.compile(("regex", "[A-Z]{2}-[0-9]{3}", "guided_regex"))
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                         "required": ["n", "ok"], "additionalProperties": False})
+    obj = grammars.compile(("json", schema, "response_format"))
+    reqs = [(tok(PROMPTS[0]).input_ids, Params(12, Sampling(temperature=0.0), grammar=code)),
+            (tok(PROMPTS[1]).input_ids, Params(24, Sampling(temperature=0.9, seed=2), grammar=obj)),
+            (tok(PROMPTS[2]).input_ids, Params(10, Sampling(temperature=0.0))),
+            (tok(PROMPTS[3]).input_ids, Params(24, Sampling(temperature=0.0), grammar=obj))]
+    from llamactl.serve.runner import Runner
+
+    forwards, launch_forward = [], Runner.launch_forward
+    monkeypatch.setattr(Runner, "launch_forward", lambda self, step: forwards.append(step) or launch_forward(self, step))
+    ahead = _run_engine(model, eos, reqs, max_batch=4, prefill_chunk=4, overlap=True)
+    assert len(forwards) > 10  # the steps ahead: forward, then the last step's tokens read, then the draw
+    apart = _run_engine(model, eos, reqs, max_batch=4, prefill_chunk=4, overlap=False)
+    assert ahead == apart
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", tok.decode(ahead[0][0], skip_special_tokens=True))
+    for i in (1, 3):
+        if ahead[i][1] == "stop":  # (a long document may end by length)
+            assert set(json.loads(tok.decode(ahead[i][0], skip_special_tokens=True))) == {"n", "ok"}
