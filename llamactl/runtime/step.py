@@ -198,7 +198,8 @@ class Decoder:
         tok, pos = tok.view(-1, 1), pos.view(-1, 1)
         if not self.use_graph:
             return self._forward(tok, pos, kv_len if self.mode == "eager" else None)
-        kind = ("logits", tok.numel())
+        # a graph per batch bucket, and apart where count() runs (adjusted): captured or not
+        kind = ("logits", tok.numel(), self.rows is not None and self.rows.adjusted)
         if kind not in self._graphs:
             self._capture(kind, tok, pos, self._forward)
         static_tok, static_pos, graph, out = self._graphs[kind]

@@ -80,13 +80,22 @@ def test_graphed_steps_count_each_token_once_and_split_steps_draw_as_whole_ones(
     from llamactl.runtime.load import load_model
     from llamactl.runtime.step import Decoder
 
-    class Replayed:  # replay() runs the captured function again, into the tensor its capture returned
+    flags, live = ("adjusted", "logprobs", "masked", "greedy"), []  # live: the RowSampling of the run
+
+    class Replayed:  # replay() runs the captured function again, into the tensor its capture returned,
+        # with the host's choices (the sampler's flags) frozen as they were at the capture
         def __init__(self, fn, args):
             self.fn, self.args = fn, args
+            self.frozen = {k: getattr(live[0], k) for k in flags}
             self.out = fn(*args)
 
         def replay(self):
+            now = {k: getattr(live[0], k) for k in flags}
+            for k, v in self.frozen.items():
+                setattr(live[0], k, v)
             self.out.copy_(self.fn(*self.args))
+            for k, v in now.items():
+                setattr(live[0], k, v)
 
     def capture(fn, args, pool=None):
         for _ in range(3):  # graphs.capture's warm-up runs
@@ -101,21 +110,22 @@ def test_graphed_steps_count_each_token_once_and_split_steps_draw_as_whole_ones(
 
     def run(graphs: bool, split: bool) -> tuple[list, torch.Tensor]:
         rows = RowSampling.make(settings, "cpu")
+        live[:] = [rows]
         dec = Decoder(model, 2, 40, rows=rows)
         rows.adjust_rows([0, 1], settings, prompts, [[], []], [[], []])
-        rows.adjusted = True
         dec.use_graph = graphs
         with torch.inference_mode():
             toks = torch.cat([dec.prefill(torch.tensor([p]), slot=r) for r, p in enumerate(prompts)])
             pos, got = torch.tensor([len(p) for p in prompts]), []
-            for _ in range(6):
+            for i in range(6):
+                rows.adjusted = i >= 2  # (the flag turns on mid-way, as when a request with penalties joins)
                 got.append(toks.tolist())
                 toks = (dec.draw(dec.step_logits(toks, pos), pos) if split else dec.step(toks, pos)).clone()
                 pos = pos + 1
         return got, rows.counts.clone()
 
     want, counts = run(False, False)
-    assert int(counts.sum()) == 2 * 6  # each fed token counted once
+    assert int(counts.sum()) == 2 * 4  # each token fed while adjusted counted once
     for graphs, split in ((True, False), (True, True), (False, True)):
         got, c = run(graphs, split)
         assert got == want and torch.equal(c, counts), (graphs, split)

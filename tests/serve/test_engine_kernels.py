@@ -42,8 +42,8 @@ def _tokens(model, requests, kernels: bool, kv_dtype: str, speculate=(0, 0)) -> 
 
     KERNELS[0] = kernels
     # the GPU's ways: decode rows in the prefill forwards, each step launched before the last is read
-    eng = Engine(model, {2}, max_batch=2, max_queue=8, max_seq=64, prefill_chunk=8, mix=True, overlap=True, speculate=speculate,
-                 options=RuntimeOptions(kernels=kernels, kv_dtype=kv_dtype))
+    eng = Engine(model, {2}, max_batch=2, max_queue=8, max_seq=64, prefill_chunk=8, mix=True, overlap=True,
+                 speculate=speculate, options=RuntimeOptions(kernels=kernels, kv_dtype=kv_dtype))
     eng.scheduler.batch_prefill = True  # (a GPU's: prompt chunks packed in one forward)
     eng.start()
     out: list[list[int]] = [[] for _ in requests]
