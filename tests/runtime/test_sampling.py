@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamactl.runtime.settings import Sampling
-
+from conftest import GraphStandIn
 from llamactl.runtime.sampling import RowSampling, uniforms
+from llamactl.runtime.settings import Sampling
 
 
 def test_uniforms_are_uniform_and_independent_of_the_batch():
@@ -80,37 +80,15 @@ def test_graphed_steps_count_each_token_once_and_split_steps_draw_as_whole_ones(
     from llamactl.runtime.load import load_model
     from llamactl.runtime.step import Decoder
 
-    flags, live = ("adjusted", "logprobs", "masked", "greedy"), []  # live: the RowSampling of the run
-
-    class Replayed:  # replay() runs the captured function again, into the tensor its capture returned,
-        # with the host's choices (the sampler's flags) frozen as they were at the capture
-        def __init__(self, fn, args):
-            self.fn, self.args = fn, args
-            self.frozen = {k: getattr(live[0], k) for k in flags}
-            self.out = fn(*args)
-
-        def replay(self):
-            now = {k: getattr(live[0], k) for k in flags}
-            for k, v in self.frozen.items():
-                setattr(live[0], k, v)
-            self.out.copy_(self.fn(*self.args))
-            for k, v in now.items():
-                setattr(live[0], k, v)
-
-    def capture(fn, args, pool=None):
-        for _ in range(3):  # graphs.capture's warm-up runs
-            fn(*args)
-        g = Replayed(fn, args)
-        return g, g.out
-
-    monkeypatch.setattr(step_mod, "capture", capture)
+    stand_in = GraphStandIn(None)
+    monkeypatch.setattr(step_mod, "capture", stand_in)
     model = load_model(open_artifact(trained_model), torch.device("cpu"), torch.float32)
     settings = [Sampling(temperature=0, frequency_penalty=1.5), Sampling(temperature=0.8, seed=4, presence_penalty=1.0)]
     prompts = [list(range(10, 16)), list(range(200, 205))]
 
     def run(graphs: bool, split: bool) -> tuple[list, torch.Tensor]:
         rows = RowSampling.make(settings, "cpu")
-        live[:] = [rows]
+        stand_in.rows = rows
         dec = Decoder(model, 2, 40, rows=rows)
         rows.adjust_rows([0, 1], settings, prompts, [[], []], [[], []])
         dec.use_graph = graphs

@@ -171,3 +171,42 @@ def test_grammar_rows_a_step_ahead_give_the_tokens_of_steps_read_one_by_one(embe
     for i in (1, 3):
         if ahead[i][1] == "stop":  # (a long document may end by length)
             assert set(json.loads(tok.decode(ahead[i][0], skip_special_tokens=True))) == {"n", "ok"}
+
+
+def test_captured_steps_give_the_engine_the_tokens_of_eager_ones(embedded, monkeypatch):
+    """The engine's decode steps captured (a CUDA graph's stand-in on the CPU that freezes the
+    sampler's flags at its capture, as a graph does) and run a step ahead, while requests with
+    log-probabilities, penalties, a grammar and none join and leave over three rows: every
+    request's tokens and log-probabilities are those of eager steps."""
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from conftest import GraphStandIn
+    from llamactl.runtime import step as step_mod
+    from llamactl.serve.engine import Engine, Params
+    from llamactl.serve.grammar import Grammars
+
+    art, model, tok = embedded
+    eos = gen.eos_ids(model, tok, art)
+    code = Grammars(tok, model.args.vocab_size, eos).compile(("regex", "[a-z]{3,6}( [a-z]{3,6}){2}", "guided_regex"))
+    reqs = [(tok(PROMPTS[0]).input_ids, Params(8, Sampling(temperature=0.0))),
+            (tok(PROMPTS[1]).input_ids, Params(8, Sampling(temperature=0.8, seed=1), logprobs=2)),
+            (tok(PROMPTS[2]).input_ids, Params(10, Sampling(temperature=0.0, frequency_penalty=1.2))),
+            (tok(PROMPTS[3]).input_ids, Params(12, Sampling(temperature=0.7, seed=3), grammar=code)),
+            (tok(PROMPTS[4]).input_ids, Params(6, Sampling(temperature=0.0, presence_penalty=0.8), logprobs=1))]
+
+    def run(graphs: bool):
+        eng = Engine(model, eos, max_batch=3, max_queue=8, max_seq=128, prefill_chunk=4, overlap=True)
+        if graphs:
+            stand_in = GraphStandIn(eng.runner.rows)
+            monkeypatch.setattr(step_mod, "capture", stand_in)
+            eng.decoder.use_graph = True
+        lps = [[] for _ in reqs]
+        return _run_engine(model, eos, reqs, engine=eng.start(), logprobs=lps), lps, eng
+
+    eager, eager_lps, _ = run(False)
+    captured, captured_lps, eng = run(True)
+    eng.stop()
+    assert len(eng.decoder._graphs) > 2  # steps of several kinds were captured and replayed
+    assert captured == eager
+    assert captured_lps == eager_lps
