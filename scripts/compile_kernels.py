@@ -136,9 +136,10 @@ def cases():
         yield (f"multirow int{4 + hi} split-K unpack={unpack}", multirow._int4_splitk_kernel,
                dict(rows, w_ptr="*i32", h_ptr="*i32", s_ptr="*fp16", y_ptr="*fp32"),
                dict(G=128, UNPACK=unpack, SPLIT=2, BLOCK_M=block_m, BLOCK_N=64, HI=hi))
-    yield ("fp8 row quantization", fp8._quant_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                                                              "K": "i32", "x_row": "i32"},
-           dict(QMAX=fp8.E4M3_MAX, TINY_=fp8.TINY, BLOCK_=fp8.BLOCK))
+    for norm, glu in ((False, False), (True, False), (False, True)):  # plain, the RMSNorm or SwiGLU folded in
+        yield (f"fp8 row quantization norm={norm} glu={glu}", fp8._quant_rows_kernel,
+               {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*bf16", "K": "i32", "x_row": "i32",
+                "eps": "fp32"}, dict(QMAX=fp8.E4M3_MAX, TINY_=fp8.TINY, BLOCK_=fp8.BLOCK, NORM=norm, GLU=glu))
     for pdl in (False, True):
         yield (f"attention merge pdl={pdl}", attention._merge_kernel,
                {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": "*bf16"}, dict(R=4, SPLITS=8, D=128, BLOCK_R=16, PDL=pdl))

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llamactl.layers.fused import FusedIO
+
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
@@ -46,10 +48,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(x, torch.float32)
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(nn.Module, FusedIO):
     """y = x (W * scale)^T + bias, W float8_e4m3fn [out, in], weight_scale [out, 1] (the
     checkpoint's names). `gemv` (llamactl's kernels run) and `scaled_mm` (FP8 tensor cores) are
-    set by `use_fp8_kernels` once the weights are on their device."""
+    set by `use_fp8_kernels` once the weights are on their device. The RMSNorm before it and the
+    SwiGLU of down_proj's input (FusedIO's norm and glu) are folded into the GEMV, and into the
+    kernel that quantizes the activations for scaled_mm: no pass of their own over the rows."""
+
+    glu_out_ok = False  # SwiGLU on down_proj's input, where the activations' quantization folds it
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scale_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -59,7 +65,7 @@ class FP8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.gemv = False
         self.scaled_mm = False
-        self.pdl = False
+        self._init_fused_io()
         self.dense: torch.Tensor | None = None  # keep_dense's weights
 
     @classmethod
@@ -90,28 +96,36 @@ class FP8Linear(nn.Module):
             self.dense = None
             self.dense = self.dequantized(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
-        shape = x.shape
-        rows = x.numel() // self.in_features
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [..., in] ([..., 2 in] with glu; before the RMSNorm with norm), residual: [..., out] or
+        # None -> [..., out] ([..., out / 2] with glu_out)
+        shape, width = x.shape, self._input_width()
+        rows = x.numel() // width
         if self.gemv and rows == 1:
             from llamactl.kernels.gemv import gemv
 
-            y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.weight_scale.view(-1),
-                     pdl=self.pdl).view(*shape[:-1], self.out_features).to(x.dtype)
-        elif self.scaled_mm:
+            fold = residual is not None and x.dtype == torch.bfloat16  # (the GEMV adds in bfloat16)
+            y = gemv(x.reshape(-1).to(torch.bfloat16), self.weight, self.weight_scale.view(-1), *self._norm_args(),
+                     residual.reshape(-1) if fold else None, self.glu, self.glu_out, "float", self.pdl,
+                     self.pins).view(*shape[:-1], self._output_width()).to(x.dtype)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+            return y if residual is None or fold else residual + y
+        if self.scaled_mm:
             from llamactl.kernels.fp8 import quantize_rows as quantize_rows_kernel
 
-            xq, xs = quantize_rows_kernel(x.reshape(-1, self.in_features))
+            xq, xs = quantize_rows_kernel(x.reshape(-1, width), *self._norm_args(), glu=self.glu)
             # row-wise scales give bfloat16 only (cuBLASLt): a float16 model converts the product
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.float().view(1, -1),
                                  out_dtype=torch.bfloat16).view(*shape[:-1], self.out_features).to(x.dtype)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
         else:  # the activations rounded as scaled_mm's would be (rows > 1), so quality measured here is W8A8's
+            x = self._unfused_input(x)
             if rows > 1:
                 xq, xs = quantize_rows(x.reshape(-1, self.in_features))
-                x = (xq.float() * xs).to(x.dtype).view(shape)
-            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+                x = (xq.float() * xs).to(x.dtype).view(*shape[:-1], self.in_features)
+            y = F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        y = self._unfused_output(y)
+        return y if residual is None else residual + y
 
     def product(self, rows: int) -> str:
         """What multiplies `rows` rows (bench rows name it)."""

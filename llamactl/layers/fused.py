@@ -18,6 +18,7 @@ class FusedIO:
 a kernels.pinned table)."""
 
     fuses_residual = True
+    glu_out_ok = True  # SwiGLU may be folded into this layer's output (gate_up_proj), else into down_proj's input
 
     def _init_fused_io(self) -> None:
         self.norm: nn.Module | None = None  # an instance attribute: a class one would hide the submodule
@@ -146,7 +147,7 @@ def fuse(model, swiglu_at: str) -> None:
             setattr(owner, attr, nn.Identity())
     for layer in model.model.layers:
         gate_up, down = layer.mlp.gate_up_proj, layer.mlp.down_proj
-        if swiglu_at == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse():
+        if swiglu_at == "gate_up" and isinstance(gate_up, FusedIO) and gate_up.can_fuse() and gate_up.glu_out_ok:
             gate_up.glu_out = True
         elif gate_up is not None and isinstance(down, FusedIO) and down.can_fuse():
             down.glu = True

@@ -146,22 +146,70 @@ def test_the_row_quantizing_kernel_gives_pytorchs_codes_and_scales():
     assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_scaled_mm_path_gives_the_dequantized_paths_products(dtype):
+@pytest.mark.parametrize("dtype,fold", [(torch.bfloat16, ""), (torch.float16, ""), (torch.bfloat16, "norm"),
+                                        (torch.bfloat16, "glu")])
+def test_the_scaled_mm_path_gives_the_dequantized_paths_products(dtype, fold):
     """FP8Linear's GPU path (the row-quantizing kernel, then torch._scaled_mm with row-wise scales,
     which give bfloat16 only) run on the CPU, where torch has the product and Triton's interpreter
-    the kernel: the products of the CPU path, which rounds the activations alike, in x's dtype."""
+    the kernel: the products of the CPU path, which rounds the activations alike, in x's dtype;
+    with the RMSNorm before it or SwiGLU on its input folded into the quantization (FusedIO's
+    norm, glu), and a residual added."""
     pytest.importorskip("triton")
+    from llamactl.runtime.model import RMSNorm
+
     torch.manual_seed(5)
-    lin = FP8Linear(256, 96, bias=True)
+    lin = FP8Linear(256, 96, bias=fold == "")
     lin.weight, lin.weight_scale = quantize_fp8(torch.randn(96, 256))
-    lin.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
-    x = torch.randn(3, 7, 256, dtype=dtype)
-    ref = lin(x)
-    lin.scaled_mm = True
-    try:
-        got = lin(x)
-    except RuntimeError as e:  # a torch without FP8 products on the CPU
-        pytest.skip(f"torch._scaled_mm on the CPU: {e}")
+    if fold == "":
+        lin.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
+    elif fold == "norm":
+        lin.norm = RMSNorm(256, 1e-5).to(dtype)
+        lin.norm.weight.data = torch.rand(256, dtype=dtype) + 0.5
+    else:
+        lin.glu = True
+    x = torch.randn(3, 7, 512 if fold == "glu" else 256, dtype=dtype) * 2
+    residual = torch.randn(3, 7, 96, dtype=dtype)
+    with torch.no_grad():
+        ref = lin(x, residual)
+        lin.scaled_mm = True
+        try:
+            got = lin(x, residual)
+        except RuntimeError as e:  # a torch without FP8 products on the CPU
+            pytest.skip(f"torch._scaled_mm on the CPU: {e}")
     assert got.dtype == dtype and got.shape == (3, 7, 96)
-    assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    assert (got.float() - ref.float()).abs().max() <= 0.03 * (ref - residual).float().abs().max()
+
+
+@pytest.mark.parametrize("fold", ["norm", "glu"])
+def test_the_row_kernel_folds_the_rmsnorm_or_swiglu_before_it(fold):
+    """kernels.fp8.quantize_rows with the step before the linear folded in (the RMSNorm of the
+    residual stream, or SwiGLU of a fused [gate; up] output) against PyTorch's step then the
+    row quantization: the same scales, and codes equal but where the step's float rounding (a sum's
+    order, the 16-bit roundings PyTorch makes between its steps) moves a value across a rounding
+    boundary (one code step, rarely)."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from llamactl.kernels.fp8 import quantize_rows as kernel_rows
+    from llamactl.runtime.model import RMSNorm
+    from test_kernels import DEV
+
+    torch.manual_seed(6)
+    m, k = 6, 1536
+    if fold == "norm":
+        x = torch.randn(m, k, dtype=torch.bfloat16) * 3
+        norm = RMSNorm(k, 1e-5)
+        norm.weight.data = (torch.rand(k) + 0.5).to(torch.bfloat16)
+        with torch.no_grad():
+            q, s = kernel_rows(x.to(DEV), norm.weight.to(DEV), norm.eps)
+            want = norm(x)
+    else:
+        x = torch.randn(m, 2 * k, dtype=torch.bfloat16) * 2
+        q, s = kernel_rows(x.to(DEV), glu=True)
+        want = F.silu(x[:, :k]) * x[:, k:]
+    q_ref, s_ref = quantize_rows(want)
+    assert q.shape == (m, k) and torch.allclose(s.cpu(), s_ref, rtol=1e-2)  # (bf16's rounding of the max)
+    codes, ref = (c.view(torch.uint8).int() for c in (q.cpu(), q_ref))  # e4m3 codes: neighbours differ by 1
+    codes, ref = (torch.where(c == 128, 0, c) for c in (codes, ref))  # (-0 is 0)
+    moved = (codes != ref).float().mean().item()
+    assert moved < 0.05 and (codes - ref).abs().max() <= 1, moved
