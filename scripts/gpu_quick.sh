@@ -9,7 +9,7 @@ set -uo pipefail
 out=${1:?usage: gpu_quick.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/kernels/test_kv8.py \
-  -k "8bit or fp8 or paged or served or kv8 or graphs" > "$out/gpu-tests.log" 2>&1
+  -k "8bit or fp8 or paged or served or kv8 or graphs or grammar" > "$out/gpu-tests.log" 2>&1
 grep -E "passed|failed|FAILED|Error" "$out/gpu-tests.log" | tail -8
 bench() {  # NAME SECONDS BENCH_ARGS...
   local name=$1 s=$2; shift 2

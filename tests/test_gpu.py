@@ -472,3 +472,75 @@ def test_an_8bit_kv_cache_decodes_on_the_gpu_through_graphs(trained_model, kv_dt
     graphs, eager, sixteen = run("graphs", kv_dtype), run("eager", kv_dtype), run("graphs", "auto")
     assert graphs == eager
     assert sum(a == b for a, b in zip(graphs, sixteen)) >= 24, (graphs, sixteen)
+
+
+@pytest.mark.parametrize("fold", ["norm", "glu"])
+def test_fp8_layers_fold_the_rmsnorm_and_swiglu_on_the_gpu(fold):
+    """An FP8 layer with the RMSNorm before it or SwiGLU on its input folded in (FusedIO's norm,
+    glu), one row through the GEMV and 64 through the quantizing kernel and scaled_mm, against the
+    same layer with the step applied by PyTorch first, plus a residual."""
+    from llamactl.layers.fp8 import FP8Linear, quantize_fp8, use_fp8_kernels
+    from llamactl.runtime.model import RMSNorm
+
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        lin, plain = FP8Linear(4096, 1024, False), FP8Linear(4096, 1024, False)
+    lin.weight, lin.weight_scale = quantize_fp8(torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16))
+    plain.weight, plain.weight_scale = lin.weight, lin.weight_scale
+    for m in (lin, plain):
+        use_fp8_kernels(m)
+        m.gemv = True
+    norm = RMSNorm(4096, 1e-5).to("cuda", torch.bfloat16)
+    norm.weight.data = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    if fold == "norm":
+        lin.norm = norm
+    else:
+        lin.glu = True
+    x = torch.randn(64, 8192 if fold == "glu" else 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    step = norm(x) if fold == "norm" else torch.nn.functional.silu(x[:, :4096]) * x[:, 4096:]
+    with torch.no_grad():
+        for rows in (1, 64):
+            got, want = lin(x[:rows], residual[:rows]).float(), plain(step[:rows], residual[:rows]).float()
+            assert ((got - want).norm() / (want - residual[:rows].float()).norm()) < 3e-2, rows
+
+
+def test_grammar_rows_a_step_ahead_give_the_tokens_of_eager_steps_on_the_gpu(trained_model):
+    """The engine in CUDA graphs, a step ahead, with requests held to a regular expression (their
+    forward captured alone, their draw after the masks) beside plain ones: every request's tokens
+    are those of the eager engine that reads each step first (float32: no near-ties)."""
+    import re
+    import time
+
+    pytest.importorskip("xgrammar")
+    from llamactl.serve.engine import Engine, KvOptions, Params
+    from llamactl.folder.checkpoint import load_tokenizer
+    from llamactl.serve.grammar import Grammars
+
+    art = open_artifact(trained_model)
+    model, tok = load_model(art, torch.device("cuda"), torch.float32), load_tokenizer(art)
+    from llamactl.runtime.generate import eos_ids
+
+    eos = eos_ids(model, tok, art)
+    code = Grammars(tok, model.args.vocab_size, eos).compile(("regex", "[a-z]{3,6}( [a-z]{3,6}){3}", "guided_regex"))
+    prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313))]
+    params = [Params(16, Sampling(temperature=0), grammar=code), Params(16, Sampling(temperature=0)),
+              Params(16, Sampling(temperature=0.8, seed=2), grammar=code)]
+
+    def run(mode: str, overlap: bool) -> list[list[int]]:
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, mode=mode, overlap=overlap,
+                     kv=KvOptions(memory_gib=1)).start()
+        out = [[] for _ in prompts]
+        reqs = [eng.submit(p, q, (lambda i: lambda ev: ev.kind == "token" and out[i].append(ev.token))(i))
+                for i, (p, q) in enumerate(zip(prompts, params))]
+        deadline = time.time() + 120
+        while not all(r.finished for r in reqs) and time.time() < deadline:
+            time.sleep(0.01)
+        eng.stop()
+        assert eng.failure is None, eng.failure
+        return out
+
+    ahead, apart = run("graphs", True), run("eager", False)
+    assert ahead == apart
+    for i in (0, 2):
+        assert re.fullmatch("[a-z]{3,6}( [a-z]{3,6}){3}", tok.decode(ahead[i], skip_special_tokens=True))
