@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # the interpreter runs every kernel launch in Python: 30-40 s in all
 
 from llamactl.runtime.settings import Sampling  # noqa: E402
 
