@@ -150,6 +150,7 @@ def test_compile_workers_stay_as_the_environment_says(monkeypatch):
         assert inductor_config.compile_threads == 2
 
 
+@pytest.mark.slow
 def test_bench_loads_the_cache_when_it_compiles(compiled):
     """bench --mode compile on a compiled folder loads its cache for this machine (a mismatched
     one warns, as generate does); other modes leave it alone."""

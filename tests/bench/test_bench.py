@@ -101,6 +101,7 @@ def test_markdown_and_csv_formats_on_the_shared_model(trained_model):
     assert header.split(",")[:3] == ["model", "stage", "batch"] and row.startswith("synthetic:tiny,")
 
 
+@pytest.mark.slow
 def test_stages_show_what_cannot_run_here(trained_model):
     import torch
 
@@ -118,6 +119,7 @@ def test_stages_show_what_cannot_run_here(trained_model):
     assert "transformers generate() static cache" in skipped
 
 
+@pytest.mark.slow
 def test_quality_against_the_manifest_root(trained_model, tmp_path):
     q = tmp_path / "rtn"
     assert runner.invoke(app, ["quantize", str(trained_model), "-o", str(q), "--method", "rtn",

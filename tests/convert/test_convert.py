@@ -283,6 +283,7 @@ def test_transformers_gguf_loader_reads_our_file(tmp_path):
 
 @needs_gguf
 @pytest.mark.parametrize("bits,sym,group,gguf_type", [(4, True, 32, "Q4_0"), (4, True, 128, "Q4_0"), (8, True, 32, "Q8_0")])
+@pytest.mark.slow
 def test_quantized_layers_travel_as_blocks_without_requantizing(tmp_path, bits, sym, group, gguf_type):
     """RTN groups that fit 32-weight blocks are written as Q4_0/Q8_0 code for code, and read back
     into the very same GPTQ tensors (groups of 32)."""

@@ -108,6 +108,7 @@ def test_fit_is_exact_when_a_group_shares_keys_up_to_rope_phase(tmp_path):
     torch.testing.assert_close(logits(str(out), ids), logits(str(src), ids), atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_fit_beats_mean_on_the_trained_model(trained_model, tmp_path):
     kl = {}
     for merge in ("mean", "fit"):
@@ -123,6 +124,7 @@ def test_fit_beats_mean_on_the_trained_model(trained_model, tmp_path):
     assert kl["fit"] < 0.35 * kl["mean"]
 
 
+@pytest.mark.slow
 def test_similarity_grouping_permutes_consistently(trained_model, tmp_path):
     out = tmp_path / "sim"
     r = convert(trained_model, "--kv-heads", "3", "--grouping", "similarity", "--merge", "fit", "-o", out,

@@ -15,6 +15,7 @@ from test_kernels import ATTN_DTYPE, DEV, rel  # noqa: E402
 
 
 @pytest.mark.parametrize("kv_heads,rep,max_seq", [(2, 4, 700), (3, 1, 100), (1, 8, 1500)])
+@pytest.mark.slow
 def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, max_seq):
     torch.manual_seed(max_seq)
     d = 64
@@ -31,6 +32,7 @@ def test_decode_attention_matches_softmax_over_the_filled_cache(kv_heads, rep, m
 
 @pytest.mark.parametrize("min_chunk,block_s,warps,stages", [(32, 32, 2, 2), (128, 64, 4, 3), (512, 32, 4, 1),
                                                             (1024, 64, 4, 2)])
+@pytest.mark.slow
 def test_decode_attention_launch_plans_agree(min_chunk, block_s, warps, stages):
     """The plans a kernel sweep tries give the same attention as the default one (1024: one
     split over the 700-position cache, the output stored by the split kernel, no merge)."""

@@ -66,6 +66,7 @@ def test_rope_is_apply_rope_bit_for_bit(dtype, d, rows):
 
 
 @pytest.mark.parametrize("joined", [False, True])
+@pytest.mark.slow
 def test_a_prefill_with_the_rope_kernel_gives_the_same_logits(joined, monkeypatch):
     """A bf16 model's prefill with RoPE as the kernel (Attention.rope_kernel, here from the first
     token) against PyTorch's ops: one prompt, and two prompts joining in their cache rows at once

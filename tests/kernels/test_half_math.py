@@ -15,6 +15,7 @@ from test_kernels import DEV, _int4_case, gemv_prefetch, int4_prefetch, rel  # n
 
 
 @pytest.mark.parametrize("k", [384, 1152])
+@pytest.mark.slow
 def test_gemv_int4_in_packed_fp16_is_close_to_float_even_with_a_massive_input(k, int4_prefetch):
     """h16: x scaled by a power of two per 32 columns to fp16, products summed in fp16 per quad:
     below bf16's output rounding (~1e-3) of the float64 product, with the folds, and with one
@@ -36,6 +37,7 @@ def test_gemv_int4_in_packed_fp16_is_close_to_float_even_with_a_massive_input(k,
         gemv_int4.gemv_int4(x, q, s, z, g, inputs="fp8")
 
 
+@pytest.mark.slow
 def test_gemv_int8_in_packed_fp16_is_close_to_float_even_with_a_massive_input(gemv_prefetch):
     """h16 with int8 weights: x scaled per 32 columns to fp16, sums of 16 products a thread in
     fp16; below bf16's output rounding, with the folds and an input of 3000."""

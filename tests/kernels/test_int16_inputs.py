@@ -38,6 +38,7 @@ def test_the_reference_rounds_only_what_int16_cannot_hold():
 
 
 @pytest.mark.parametrize("n,k,g", [(24, 256, 128), (20, 512, 64), (8, 640, 128)])
+@pytest.mark.slow
 def test_gemv_int4_i16_multiplies_its_inputs_exactly(n, k, g, int4_prefetch):
     """int16: the integer products (DP2A on the GPU) of the codes and x in 16-bit fixed point per
     32 columns equal the dequantized weights times that x, up to float32 rounding; against x as
@@ -70,6 +71,7 @@ def test_gemv_int4_integer_inputs_fold_rmsnorm_and_swiglu_before_rounding(inputs
 
 
 @pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])
+@pytest.mark.slow
 def test_gemv_int8_i16_multiplies_its_inputs_exactly(n, k, gemv_prefetch):
     """int16 with int8 weights: two DP2A a word (signed bytes), chained over a thread's 16 columns."""
     torch.manual_seed(n)
@@ -102,6 +104,7 @@ def test_an_input_that_rounds_to_2_15_is_held_at_32767():
 
 
 @pytest.mark.parametrize("config", gemv._bf16_configs()[::3], ids=str)
+@pytest.mark.slow
 def test_int8_i16_candidates_compute_the_product(config, monkeypatch):
     torch.manual_seed(6)
     n, k = 40, 1056  # whole 32-column blocks, not whole config blocks
@@ -115,6 +118,7 @@ def test_int8_i16_candidates_compute_the_product(config, monkeypatch):
 
 
 @pytest.mark.parametrize("config", gemv_int4._int4_configs()[::3], ids=str)
+@pytest.mark.slow
 def test_int4_i16_candidates_compute_the_product(config, monkeypatch):
     n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
     q, s, z, w = _int4_case(n, k, g, seed=7)

@@ -132,6 +132,7 @@ def _covering(configs: list) -> list:
 
 
 @pytest.mark.parametrize("config", _covering(gemv._bf16_configs()), ids=str)
+@pytest.mark.slow
 def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
     """The autotuner keeps the fastest config, not a correct one: each candidate must be right.
     Odd sizes (rows and K not multiples of the blocks) exercise the masks; int8 and bf16 weights."""
@@ -156,6 +157,7 @@ def test_every_gemv_autotune_config_computes_the_product(config, monkeypatch):
 
 
 @pytest.mark.parametrize("config", _covering(gemv_int4._int4_configs()), ids=str)
+@pytest.mark.slow
 def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     n, k, g = 72, 1152, 128  # 9 groups: K is no multiple of the 1024/2048-column blocks
     q, s, z, w = _int4_case(n, k, g, seed=7)
@@ -170,6 +172,7 @@ def test_every_int4_autotune_config_computes_the_product(config, monkeypatch):
     assert rel(gemv_int4.gemv_int4(x.float(), q, s, z, g, inputs="int8").cpu(), (w @ x.double()).cpu()) < 2e-2  # int8 inputs
 
 
+@pytest.mark.slow
 def test_autotuned_launch_tries_every_candidate_and_keeps_the_fastest(monkeypatch):
     """The GPU's launch path (triton.autotune with the call's GLU_OUT keyword and the int4 pruning),
     here with a stand-in benchmark that makes the last candidate the fastest: each candidate runs,
@@ -322,6 +325,7 @@ def test_triton_int4_linear_from_gptq_matches_the_checkpoint(act_order):
 
 
 @pytest.mark.parametrize("swiglu", ["down", "gate_up", None])
+@pytest.mark.slow
 def test_model_with_kernels_gives_the_same_logits(tiny_gqa, swiglu):
     """The whole model through layers.prepare (GEMV linears + decode attention) against cuBLAS/SDPA,
     with SwiGLU folded into down_proj's kernel or into gate_up_proj's (None: the default, gate_up's)."""
@@ -468,6 +472,7 @@ def test_self_check_passes_on_working_kernels_and_names_a_broken_one(monkeypatch
 
 
 @pytest.mark.parametrize("regions,swiglu", [(True, "gate_up"), (False, "down")])
+@pytest.mark.slow
 def test_compiled_step_with_kernels_matches_eager(tiny_gqa, regions, swiglu):
     """torch.compile calls the cache-writing attention op in place (no cache copies); with regional
     compilation, which cannot take a mutating op, the model falls back to the plain attention op.

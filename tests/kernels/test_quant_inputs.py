@@ -30,6 +30,7 @@ def test_gemv_int4_a8_multiplies_int8_inputs_exactly(n, k, g, int4_prefetch):
 
 
 @pytest.mark.parametrize("n,k", [(24, 128), (13, 224), (40, 1056)])
+@pytest.mark.slow
 def test_gemv_int8_a8_multiplies_int8_inputs_exactly(n, k, gemv_prefetch):
     """a8 with int8 weights: one DP4A a word of 4 weights and 4 int8 inputs (rounded per 32
     columns), exact against the dequantized inputs up to float32 sums; the norm and SwiGLU fold in."""
@@ -103,6 +104,7 @@ def test_a_bad_quant_input_type_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("config", gemv_int4._int4_configs()[::6], ids=str)
+@pytest.mark.slow
 def test_int4_int8_input_candidates_round_bf16_valued_x_as_the_reference(config, monkeypatch):
     """Runs 37-39 (H200) found the kernel 1.2e-3 off a reference that rounded the float32 product
     with torch's 127.0 / t; the reference rounds the exact product as the kernel's FMA does, and

@@ -213,6 +213,7 @@ def test_skinny_refuses_what_it_is_not_for():
 
 
 @pytest.mark.parametrize("weights,swiglu", [("fp16", "down"), ("int4", "gate_up"), ("int8", "down")])
+@pytest.mark.slow
 def test_a_decode_batch_runs_the_skinny_products_with_the_steps_folded(tmp_path, weights, swiglu):
     """A 3-row decode step of a prepared fp16 model takes kernels.skinny (16-bit, int8 and int4 g128 layers,
     the norm before, SwiGLU at either site and the residual folded in) and gives the logits of the

@@ -37,6 +37,7 @@ def test_spread_puts_each_even_columns_high_bits_above_its_nibble(hi):
 
 @pytest.mark.parametrize("bits", (5, 6))
 @pytest.mark.parametrize("inputs,group", [("float", 64), ("int16", 128), ("int8", 64), ("fp16", 128)])
+@pytest.mark.slow
 def test_int4_planes_layer_computes_the_dequantized_product(bits, inputs, group):
     """One row on the int4 GEMV with the high plane (fp16 inputs fall back to float); 3 and 20 rows
     on the split-K kernel (groups of 128: nibble planes, then unpacked columns) or the plane kernel

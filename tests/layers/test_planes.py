@@ -83,6 +83,7 @@ def test_layers_the_planes_cannot_take_stay_portable():
 
 
 @pytest.mark.parametrize("bits", (3, 5, 6))
+@pytest.mark.slow
 def test_quantize_writes_each_width_and_more_bits_cost_less(tiny_gqa, tmp_path, bits):
     """Uniform RTN at 3, 5 and 6 bits: the file loads (Triton layers through the interpreter in
     bf16, the portable layer in float32, the same logits)."""

@@ -10,6 +10,7 @@ from llamactl.runtime.settings import Sampling
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gqa", "tiny_mha"])
+@pytest.mark.slow
 def test_aot_steps_give_the_eager_tokens_and_share_the_cache(fixture, request):
     """Two rows of a GQA model (and of a tied-embedding MHA one) whose decoder layers run llamactl's CPU int4 layers (when they load
     here) and its head torch's: the prefill (PyTorch) writes the cache the compiled steps read, and
@@ -50,6 +51,7 @@ def test_aot_is_for_greedy_cpu_steps_of_one_batch(tiny_gqa):
         Decoder(model, 2, 24, "aot", rows=RowSampling.make([Sampling(temperature=0)] * 2, "cpu"))
 
 
+@pytest.mark.slow
 def test_generate_aot_writes_the_eager_text(tiny_gqa):
     """`generate --aot` (greedy, CPU) writes the text of plain `generate`; with sampling it is one
     line and exit 1."""
@@ -68,6 +70,7 @@ def test_generate_aot_writes_the_eager_text(tiny_gqa):
     assert sampled.exit_code == 1 and "greedy decoding on the CPU" in sampled.output and "Traceback" not in sampled.output
 
 
+@pytest.mark.slow
 def test_the_built_step_is_cached_and_signed(tiny_gqa, tmp_path, monkeypatch):
     """A second step of the same structure (another process would be the same) loads the library
     from the user's cache and gives the same tokens; a library whose signature does not match is

@@ -3,6 +3,7 @@ decoding's token for token, and sampled tokens distributed as plain sampling dra
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llamactl.runtime import generate as gen
@@ -30,6 +31,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert e.propose(4) == []  # no suffix seen before
 
 
+@pytest.mark.slow
 def test_greedy_speculation_gives_plain_decodings_tokens(embedded):
     """The embedded trained model, CPU float32: every prompt's greedy tokens with --draft ngram (K 1
     and 5) equal plain decoding's, and copying prompts keep proposals."""
@@ -65,6 +67,7 @@ def test_sampled_acceptance_keeps_the_models_distribution():
 
 
 
+@pytest.mark.slow
 def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_refused(embedded, tmp_path, tiny_gqa):
     """--draft FOLDER: the embedded model's own 4-bit RTN copy drafts for it; greedy output equals
     plain decoding's and most proposals are kept; a model with another tokenizer is one line."""

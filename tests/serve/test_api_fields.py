@@ -100,6 +100,7 @@ def _is_person(text: str) -> bool:
             and all(p in ("cat", "dog") for p in v["pets"]))
 
 
+@pytest.mark.slow
 def test_structured_output_follows_the_schema_streamed_and_whole(server):
     """response_format json_schema (greedy and sampled, whole and streamed), json_object, vLLM's
     guided_choice and guided_regex: the embedded model's output parses and validates each time;

@@ -131,6 +131,7 @@ def test_eight_concurrent_requests_streamed_and_whole_equal_generate(server, emb
     assert again == texts[6:]
 
 
+@pytest.mark.slow
 def test_a_request_joins_while_another_decodes(server, embedded):
     c = server.client
     first_text: list[str] = []
@@ -245,6 +246,7 @@ def test_metrics_are_prometheus_text(server):
     assert cpu(server.client.get("/metrics").text) > before > 0
 
 
+@pytest.mark.slow
 def test_the_load_test_client_against_the_server(server, tmp_path):
     out = tmp_path / "load.json"
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--url", server.url, "--concurrency", "1,3",
@@ -279,6 +281,7 @@ def test_the_load_test_client_against_the_server(server, tmp_path):
         assert row["errors"] == 0 and row["output_tokens_mean"] < 40
 
 
+@pytest.mark.slow
 def test_a_load_test_of_traffic_like_requests(server, tmp_path):
     """Length ranges, a shared prefix the server's prefix cache reuses, goodput under targets and
     the cost a million tokens; then a dataset of prompts and chats."""
@@ -416,6 +419,7 @@ def _sigterm_mid_stream(args: list[str], max_tokens: int) -> tuple["Server", int
     return s, s.proc.wait(60), got[0][0]
 
 
+@pytest.mark.slow
 def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
     s, code, events = _sigterm_mid_stream([str(long_model), "--max-batch", "2", "--max-seq", "1024"], 600)
     assert code == 0
@@ -425,6 +429,7 @@ def test_sigterm_ends_the_streams_in_flight_and_exits_0(long_model):
         httpx.get(s.url + "/health", timeout=5)
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_drain_time_ends_each_stream_with_an_error_and_exits_nonzero(long_model):
     s, code, events = _sigterm_mid_stream([str(long_model), "--max-batch", "2", "--max-seq", "4096",
                                            "--drain-timeout", "1"], 4000)
@@ -441,6 +446,7 @@ def test_a_busy_port_is_one_line(server):
     assert r.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_serve_starts_and_stops_its_own_server(tmp_path):
     out = tmp_path / "serve.json"
     r = subprocess.run([sys.executable, "-m", "llamactl", "bench", "--serve", "embedded", "--device", "cpu",
