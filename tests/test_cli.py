@@ -211,7 +211,8 @@ def test_kv_dtype_names_the_cache_and_refuses_what_cannot_run():
     r = invoke("generate", "-p", "The kernel", "-n", "4", "--temperature", "0", "--kv-dtype", "int8", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["extra"]["kv_dtype"] == "int8"
-    assert_one_line_error(invoke("generate", "-p", "x", "--kv-dtype", "bf16"), "--kv-dtype bf16 with a float32 model",
+    assert_one_line_error(invoke("generate", "-p", "x", "--dtype", "float32", "--kv-dtype", "bf16"),
+                          "--kv-dtype bf16 with a float32 model",
                           "--kv-dtype auto")
     bad = invoke("generate", "-p", "x", "--kv-dtype", "int4")
     assert bad.exit_code == 2 and "use auto, bf16, fp16, fp8 or int8" in bad.output
