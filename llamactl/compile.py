@@ -21,18 +21,20 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from llamactl.folder.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
 from llamactl.errors import InputError
-from llamactl.options import RuntimeOptions
+from llamactl.folder.artifact import check_output, open_artifact, sha256_file, staged_output, write_manifest
 from llamactl.folder.signing import signing_key
+from llamactl.kernels import cache as kernels
+from llamactl.kernels.device import triton_version
+from llamactl.options import RuntimeOptions
+from llamactl.runtime.load import load_model, resolve_device, resolve_dtype
+from llamactl.runtime.step import Decoder, sync
 
 CACHE_DIR = "compile-cache"
 MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, mode: str) -> dict[str, str | None]:
-    from llamactl.kernels.device import triton_version
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else None,
             "triton": triton_version(), "device_name": name, "dtype": str(dtype).replace("torch.", ""),
@@ -90,8 +92,6 @@ def load_compile_cache(art, device: torch.device, dtype: torch.dtype, warn: Call
             try:
                 torch.compiler.load_cache_artifacts(path.read_bytes())
                 if e.get("triton_cache"):  # llamactl's own kernels: binaries and autotune choices
-                    from llamactl.kernels import cache as kernels
-
                     folder = art.path / CACHE_DIR / e["triton_cache"]
                     bad = _damaged_entries(folder, e.get("triton_cache_sha256") or {})
                     if bad:
@@ -119,8 +119,6 @@ def private_caches() -> Path:
     atexit.register(shutil.rmtree, d, True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
-    from llamactl.kernels.device import triton_version
-
     if triton_version() is not None:  # the knob follows the environment unless set in code
         from triton import knobs
 
@@ -218,8 +216,6 @@ def load_cpu_builds(src: Path, sums: dict[str, str], warn: Callable[[str], None]
 def warm(model, buckets: list[int], mode: str, progress, options: RuntimeOptions | None = None):
     """Compile and run the decode step once per bucket; returns seconds per bucket and the plan
     that ran (layers.plan.Plan: which kernels, PDL, inputs)."""
-    from llamactl.runtime.step import Decoder, sync
-
     timings = []
     with progress("compile buckets", len(buckets)) as advance:
         for b in buckets:
@@ -240,8 +236,6 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
                   log: Callable[[str], None] = lambda m: None, options: RuntimeOptions | None = None) -> dict[str, Any]:
     """Write `out`: the model (hard-linked where possible) plus compile cache artifacts, compiled
     for `options` (the GEMVs' inputs among them; RuntimeOptions()'s defaults when None)."""
-    from llamactl.runtime.load import load_model, resolve_device, resolve_dtype
-
     if mode not in MODES:
         raise InputError(f"--mode {mode!r} is not known", f"use one of {', '.join(MODES)}")
     art = open_artifact(model_path)
@@ -275,8 +269,6 @@ def compile_model(model_path: str | Path, out: str | Path, buckets: list[int], m
         (tmp / CACHE_DIR).mkdir()
         fname = f"{_key_id(key)}.bin"
         (tmp / CACHE_DIR / fname).write_bytes(blob)
-        from llamactl.kernels import cache as kernels
-
         triton_dir, builds_dir = f"triton-{_key_id(key)}", f"cpu-builds-{_key_id(key)}"
         saved_kernels, builds = 0, {}
         if dev.type == "cuda":  # the CPU step runs no Triton kernels of llamactl's

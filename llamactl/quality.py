@@ -11,8 +11,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llamactl.errors import InputError
+from llamactl.errors import InputError, CheckpointError
+from llamactl.folder.describe import params_from_config
 from llamactl.runtime.kv_cache import StaticCache
+from llamactl.runtime.load import load_model, load_tokenizer
 
 DEFAULT_EVAL = Path(__file__).resolve().parent / "assets" / "docs-eval.txt"
 
@@ -129,8 +131,6 @@ def compare(parent, child, windows: torch.Tensor, eval_file: str = "",
 def _finite(logits: torch.Tensor, who: str) -> torch.Tensor:
     """logits, or a CheckpointError when they hold NaN or Inf: such a model has no score."""
     if not bool(torch.isfinite(logits).all()):
-        from llamactl.errors import CheckpointError
-
         raise CheckpointError(f"the {who} model's logits hold NaN or Inf on the eval text: its weights are broken",
                               "check the folder's weights (for example with `llamactl generate`), or re-create it")
     return logits
@@ -153,8 +153,6 @@ def default_eval_tokens(device: torch.device, params: int) -> int:
 
 def announce(eval_tokens: int | None, device: torch.device, art, log) -> int:
     """The tokens to score (eval_tokens, or the device's default for this model), said in the log."""
-    from llamactl.folder.describe import params_from_config
-
     n = eval_tokens if eval_tokens is not None else default_eval_tokens(device, params_from_config(art.args))
     why = "" if eval_tokens is not None else f" (the default on the {device.type} for this model; --eval-tokens sets it)"
     log(f"measuring quality against the parent on {n:,} tokens{why}")
@@ -165,8 +163,6 @@ def measure(parent_art, child_art, device: torch.device, eval_file: str | None, 
             progress=no_progress, parent_model=None, child_model=None, child_logits=prefill_logits) -> Quality:
     """Score child against parent on the eval text with llamactl's runtime (float32 on the CPU,
     bf16 on a GPU). Models already loaded may be passed in; the tokenizer is the parent's."""
-    from llamactl.runtime.load import load_model, load_tokenizer
-
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     windows = eval_windows(load_tokenizer(parent_art), eval_file,
                            min(512, parent_art.args.max_position_embeddings), eval_tokens)

@@ -185,7 +185,7 @@ def test_a_full_disk_in_a_librarys_writer_is_one_line(tmp_path, tiny_gqa, monkey
 def test_a_ctrl_c_a_library_turns_into_its_own_error_is_still_an_interrupt(monkeypatch):
     """transformers' lazy imports turn a KeyboardInterrupt into a ModuleNotFoundError (and the
     tokenizer loader that into "could not be loaded"): a Ctrl-C that came is said as one, exit 130."""
-    from llamactl.folder import describe
+    from llamactl.cli import models as describe  # inspect's command calls the describe it imported
 
     real = describe.describe
 
@@ -259,12 +259,12 @@ def test_bench_quality_refuses_a_changed_or_self_naming_parent(tmp_path, tiny_gq
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, tiny_gqa, monkeypatch):
     import errno
 
-    from llamactl.folder import artifact
+    from llamactl.quantize import rtn
 
     def full(state, folder, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.safetensors"))
 
-    monkeypatch.setattr(artifact, "save_weights", full)
+    monkeypatch.setattr(rtn, "save_weights", full)  # the writer --method rtn calls
     refused(["quantize", tiny_gqa, "-o", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--eval-tokens", "0"],
             "No space left on device", "free some space")
     assert list(tmp_path.iterdir()) == []

@@ -25,9 +25,11 @@ from typing import Any, Callable
 
 from pathlib import Path
 
+from llamactl import __version__
+from llamactl.bench import httpstream
+from llamactl.bench.stats import median, percentile
 from llamactl.errors import InputError
 from llamactl.folder.artifact import user_path
-from llamactl.bench.stats import median, percentile
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be had it not were "
          "time people year way day man thing woman life child world school state family student group country "
@@ -268,8 +270,6 @@ def _targets(results: list[dict], wall: float, out_tokens: int, load: Load | Non
 async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:
     import httpx
 
-    from llamactl.bench import httpstream
-
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     most = max(load.concurrency) + 4
     limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
@@ -405,7 +405,6 @@ def run(load: Load, on_row: Callable[[dict], None] = lambda r: None) -> dict[str
     """The rows and the environment of the client, as bench's JSON result."""
     import platform
 
-    from llamactl import __version__
     from llamactl.bench.trials import SCHEMA_VERSION, source_commit
 
     if not load.url.startswith(("http://", "https://")):

@@ -7,11 +7,18 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.bench.trials import SkipStage, Target
+from llamactl.bench.trials import SkipStage, Target, is_quantized
+from llamactl.compile import load_compile_cache
 from llamactl.errors import InputError
+from llamactl.folder.artifact import lineage, open_artifact
+from llamactl.folder.describe import params_from_config
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.layers.plan import linear_kernels, prepare
 from llamactl.options import RuntimeOptions
-from llamactl.runtime.synthetic import synthetic_dtype, synthetic_model
+from llamactl.quality import cache_logits, compare, decode_logits, eval_windows, measure, prefill_logits
+from llamactl.runtime.kv_format import resolve
+from llamactl.runtime.load import load_model, load_shard, load_tokenizer, resolve_dtype, resolve_model_path
+from llamactl.runtime.synthetic import synthetic_dtype, synthetic_model, hf_config
 
 
 def load_targets(models: list[str], synthetic: str | None, device: torch.device, dtype_name: str,
@@ -21,12 +28,6 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     `llamactl compile` cache for this machine, warning through it where one does not match.
     options: the runtime's (quantized layers on llamactl's kernels where they run). world: a
     tensor-parallel group (tp.join): each model's shard of this rank."""
-    from llamactl.layers.plan import linear_kernels
-
-    from llamactl.folder.artifact import open_artifact
-    from llamactl.compile import load_compile_cache
-    from llamactl.runtime.load import load_model, resolve_dtype, resolve_model_path
-
     targets = []
     options = options or RuntimeOptions()
     if synthetic:
@@ -37,8 +38,6 @@ def load_targets(models: list[str], synthetic: str | None, device: torch.device,
     for m in models or ([] if synthetic else [None]):
         art = open_artifact(resolve_model_path(m))
         if world is not None:
-            from llamactl.runtime.load import load_shard
-
             model = load_shard(art, device, resolve_dtype(dtype_name, device, art, options.kernels), world.group,
                                world.rank, world.size, options)
         else:
@@ -65,8 +64,6 @@ def hf_factory(target: Target, device: torch.device, dtype: torch.dtype) -> Call
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
         if target.synthetic:
-            from llamactl.runtime.synthetic import hf_config
-
             cfg = LlamaConfig(**{k: v for k, v in hf_config(target.model.args).items() if k != "model_type"})
             cfg._attn_implementation = "sdpa"
             prev = torch.get_default_dtype()
@@ -102,12 +99,6 @@ def quality_for(targets: list[Target], reference: str | None, eval_file: str | N
     one). inputs ("int8", "fp16", "int16"): also (label, kind) for a quantized model on a GPU, scored
     through the decode step's GEMVs with those inputs one position at a time (prefill runs cuBLAS
     on dequantized weights, with its inputs as they are)."""
-    from llamactl.folder.artifact import lineage, open_artifact, resolve_model_path
-    from llamactl.bench.trials import is_quantized
-    from llamactl.layers.plan import prepare
-    from llamactl.quality import decode_logits, measure, prefill_logits
-    from llamactl.folder.describe import params_from_config
-
     options = options or RuntimeOptions()
     out = {}
     for t in targets:
@@ -176,10 +167,6 @@ def kv_quality_for(targets: list[Target], kv: list[str], eval_file: str | None, 
                    device: torch.device, progress) -> dict[tuple[str, str], dict]:
     """(label, kv format) -> the KL (and top-1 agreement, perplexity) an 8-bit KV cache adds to
     the model against its own 16-bit logits on the eval text (quality.cache_logits)."""
-    from llamactl.quality import cache_logits, compare, eval_windows
-    from llamactl.runtime.kv_format import resolve
-    from llamactl.runtime.load import load_tokenizer
-
     out = {}
     for t in targets:
         if t.artifact is None:

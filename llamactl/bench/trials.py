@@ -19,11 +19,14 @@ from typing import Any, Callable
 import torch
 
 from llamactl import __version__
-from llamactl.runtime.step import Decoder, attention_backend, sync
-from llamactl.kernels.arith import QUANT_INPUT_LABELS
-from llamactl.layers.plan import products
-from llamactl.options import RuntimeOptions
 from llamactl.bench.stats import median, percentile, spread
+from llamactl.errors import InputError
+from llamactl.kernels.arith import QUANT_INPUT_LABELS
+from llamactl.layers.plan import products, quant_input_layers
+from llamactl.options import RuntimeOptions
+from llamactl.runtime.generate import peak_memory_bytes
+from llamactl.runtime.kv_format import KVFormat
+from llamactl.runtime.step import Decoder, attention_backend, sync
 
 SCHEMA_VERSION = 2  # 2: rows carry "plan" (what the step ran, layers.plan.Plan) and "options"
 
@@ -95,15 +98,11 @@ def weight_bytes(model) -> tuple[int, int]:
 
 def kv_bytes_per_token(model, fmt=None) -> int:
     """K and V bytes of one position over all layers, in fmt (runtime.kv_format; default: the model's dtype)."""
-    from llamactl.runtime.kv_format import KVFormat
-
     a = model.args
     return 2 * a.num_hidden_layers * a.num_key_value_heads * (fmt or KVFormat.of(model.dtype)).bytes_per_head(a.head_dim)
 
 
 def _peak(device: torch.device) -> int:
-    from llamactl.runtime.generate import peak_memory_bytes
-
     return peak_memory_bytes(device)
 
 
@@ -358,8 +357,6 @@ def variants(modes: list[str], kernels: tuple[bool, ...], pdl: tuple[bool | None
 
 def is_quantized(model) -> bool:
     """Whether the model has int4 or int8 layers whose GEMV inputs --quant-inputs chooses."""
-    from llamactl.layers.plan import quant_input_layers
-
     return bool(quant_input_layers(model))
 
 
@@ -390,8 +387,6 @@ def run(targets: list[Target], trial: Trial, modes: list[str], hf_stages: list[t
     for t in targets:
         ctx = t.model.args.max_position_embeddings
         if max(trial.prompt_lens) + trial.gen_len > ctx:
-            from llamactl.errors import InputError
-
             raise InputError(f"--prompt-len {max(trial.prompt_lens)} + --gen-len {trial.gen_len} is longer than "
                              f"{t.label}'s context ({ctx})", "shorten them")
     bw = copy_bandwidth(device)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llamactl.bench.trials import source_commit
 from llamactl.kernels import pinned
 from llamactl.kernels.arith import from_switches
 
@@ -39,8 +40,6 @@ def picks() -> list[dict]:
 
 def write_pins(path: Path, device: torch.device, command: str) -> int:
     """Write this process's autotune picks for `device`'s GPU to `path`; returns how many."""
-    from llamactl.bench.trials import source_commit
-
     rows = picks()
     pinned.write(path, torch.cuda.get_device_name(device), rows, source_commit(), command)
     return len(rows)

@@ -13,6 +13,8 @@ from typer.core import TyperGroup
 from llamactl import __version__, ui
 from llamactl.cli import measure, models, run
 from llamactl.errors import LlamactlError
+from llamactl.options import debug
+from llamactl.runtime.cores import limit_threads_env
 
 
 GLOBAL_FLAGS = ("-q", "--quiet")
@@ -46,8 +48,6 @@ class ErrorBoundary(TyperGroup):
             if _signalled:  # a library turned the Ctrl-C into an error of its own (transformers' imports)
                 _stopped(Terminated() if _signalled == "SIGTERM" else KeyboardInterrupt())
             if isinstance(e, LlamactlError):
-                from llamactl.options import debug
-
                 if debug():
                     traceback.print_exc()
                 ui.error(e.message, e.hint)
@@ -137,8 +137,6 @@ for command, name in [(run.generate, None), (run.serve, None), (models.inspect, 
 
 def main() -> None:
     import signal
-
-    from llamactl.runtime.cores import limit_threads_env
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     limit_threads_env()  # the cores this process may use, not the machine's; torch is not imported here

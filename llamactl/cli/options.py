@@ -9,6 +9,7 @@ import typer
 
 from llamactl.errors import InputError
 from llamactl.kernels.arith import QUANT_INPUTS
+from llamactl.options import KV_DTYPES, RuntimeOptions
 
 
 def check_device(value: str) -> str:
@@ -53,8 +54,6 @@ def check_quant_inputs(value: str | None) -> str | None:
 
 
 def check_kv_dtype(value: str | None) -> str | None:
-    from llamactl.options import KV_DTYPES
-
     if value is not None and value not in KV_DTYPES:
         raise typer.BadParameter(f"{value!r}: use {', '.join(KV_DTYPES[:-1])} or {KV_DTYPES[-1]}")
     return value
@@ -80,8 +79,6 @@ def int_list(option: str, value: str) -> list[int]:
 def runtime_options(kernels: str | None = None, pdl: str | None = None, quant_inputs: str | None = None,
                      pins_file: str | None = None, kv_dtype: str | None = None):
     """The run's RuntimeOptions: the flags given, over the LLAMACTL_* variables, over the defaults."""
-    from llamactl.options import RuntimeOptions
-
     on = {"on": True, "off": False, None: None}
     options = RuntimeOptions.from_env().replace(kernels=on[kernels], pdl=on[pdl], quant_inputs=quant_inputs,
                                                 pins_file=pins_file, kv_dtype=kv_dtype)

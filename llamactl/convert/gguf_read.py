@@ -17,9 +17,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from llamactl.errors import CheckpointError
-from llamactl.convert.gguf_write import gguf_names
+from llamactl.convert import gguf_blocks
+from llamactl.convert.gguf_write import gguf_names, _rope_freqs
 from llamactl.convert.meta import permute_rotary
+from llamactl.errors import CheckpointError
+from llamactl.folder.config import LlamaArgs
+from llamactl.layers.gptq import pack_gptq
 
 GGUF_MAGIC = b"GGUF"
 KEPT = {"Q4_0": 4, "Q8_0": 8}  # block types llamactl keeps quantized (bits)
@@ -127,9 +130,6 @@ def _f32(x) -> float:
 
 def _llama3_rope(t, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
     """Llama 3.1's scaling from llama.cpp's rope_freqs factors, checked by recomputing them."""
-    from llamactl.folder.config import LlamaArgs
-    from llamactl.convert.gguf_write import _rope_freqs
-
     factors = torch.from_numpy(np.asarray(t.data, dtype=np.float32).reshape(-1).copy())
     rope = {"rope_theta": theta, "rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -165,9 +165,6 @@ def convert_gguf(path: Path, folder: Path, writer, dtype: torch.dtype | None, ke
     """Write the file's tensors to `writer` (artifact.ShardWriter) and its tokenizer into
     `folder`; returns (config.json, facts for the manifest). dtype None: the file's own float type
     of its embedding (F32, F16 or BF16), bf16 where that is quantized."""
-    from llamactl.convert import gguf_blocks
-    from llamactl.layers.gptq import pack_gptq
-
     reader = open_gguf(path)
     config = read_config(reader, path)
     layers, heads, kv = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]

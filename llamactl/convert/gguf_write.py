@@ -15,8 +15,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from llamactl.errors import CheckpointError, InputError
+from llamactl.convert import gguf_blocks
 from llamactl.convert.meta import unpermute_rotary
+from llamactl.errors import CheckpointError, InputError
+from llamactl.folder.describe import params_from_config
+from llamactl.layers.gptq import GPTQLinear, layer_codes
+from llamactl.options import RuntimeOptions
+from llamactl.runtime.load import load_model
+from llamactl.runtime.model import rope_inv_freq
 
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -61,9 +67,6 @@ def _linear_tensor(mod, heads: int | None, kind: str, float_kind: str, notes: di
     """One linear layer -> (array, raw type), exactly where the GPTQ groups fit a GGUF block type."""
     from gguf import quants
 
-    from llamactl.convert import gguf_blocks
-    from llamactl.layers.gptq import GPTQLinear, layer_codes
-
     if isinstance(mod, GPTQLinear):
         codes, zeros = layer_codes(mod.qweight, mod.qzeros, mod.in_features, mod.out_features, mod.bits, mod.v1,
                                    mod.planar)  # [out, in], [groups, out]
@@ -105,8 +108,6 @@ def _linear_tensor(mod, heads: int | None, kind: str, float_kind: str, notes: di
 
 def _rope_freqs(args) -> torch.Tensor | None:
     """Llama 3.1's per-frequency RoPE factors [head_dim / 2] (llama.cpp's rope_freqs tensor)."""
-    from llamactl.runtime.model import rope_inv_freq
-
     if args.rope_type != "llama3":
         return None
     plain = type(args)(**{**args.__dict__, "rope_scaling": {"rope_type": "default"}})
@@ -175,10 +176,6 @@ def write_gguf(art, path: Path, kind: str, log: Callable[[str], None], extra: di
     string metadata (the source's lineage); returns the types written, what was copied exactly
     and what was requantized."""
     import gguf
-
-    from llamactl.folder.describe import params_from_config
-    from llamactl.runtime.load import load_model
-    from llamactl.options import RuntimeOptions
 
     if kind not in TYPES:
         raise InputError(f"--type {kind!r} is not known", f"use one of {', '.join(TYPES)}")

@@ -12,9 +12,14 @@ import torch
 
 from llamactl.folder.artifact import (ShardWriter, check_output, check_output_file, open_artifact, sha256_file, staged_file,
                                staged_output, write_manifest)
+from llamactl.convert.gguf_read import is_gguf, convert_gguf
+from llamactl.convert.gguf_write import TYPES, write_gguf
+from llamactl.convert.meta import is_meta_checkpoint, shard_files, convert_meta
+from llamactl.convert.tokenizer import convert_meta_tokenizer, copy_hf_tokenizer
 from llamactl.errors import CheckpointError, InputError, MissingDependencyError
-from llamactl.convert.gguf_read import is_gguf
-from llamactl.convert.meta import is_meta_checkpoint, shard_files
+from llamactl.folder.checkpoint import load_tensor_pickle
+from llamactl.quality import measure, no_progress
+from llamactl.runtime.load import check_tensors, resolve_model_path
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -71,8 +76,6 @@ def _source_hashes(src: Path, kind: str) -> dict[str, str]:
 def convert(src: str | Path, out: str | Path, opts: ConvertOptions, *, force: bool = False,
             log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `src` into `out`; returns the manifest (an HF output) or the GGUF's facts."""
-    from llamactl.runtime.load import resolve_model_path
-
     src, out = Path(resolve_model_path(str(src)) if str(src) == "embedded" else src), Path(out)
     if not src.exists():
         raise InputError(f"{src} does not exist", "give a Meta checkpoint folder, a .gguf file or a Hugging Face folder")
@@ -95,13 +98,9 @@ def convert(src: str | Path, out: str | Path, opts: ConvertOptions, *, force: bo
         if kind == "meta":
             config, facts = _meta(src, tmp, writer, dtype, opts, log)
         else:
-            from llamactl.convert.gguf_read import convert_gguf
-
             config, facts = convert_gguf(src, tmp, writer, dtype, opts.keep_quantized, log)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        from llamactl.runtime.load import check_tensors
-
         check_tensors(open_artifact(tmp))  # every tensor the config implies, with its shape
         params = {"source": {"kind": kind, "path": str(src.resolve()), "sha256": hashes}, "to": to,
                   "options": {k: v for k, v in asdict(opts).items() if k not in ("to", "type", "eval_tokens")}, **facts}
@@ -117,10 +116,6 @@ def _check_meta_inputs(src: Path, opts: ConvertOptions) -> None:
 
 
 def _meta(src: Path, tmp: Path, writer, dtype, opts: ConvertOptions, log) -> tuple[dict, dict]:
-    from llamactl.folder.checkpoint import load_tensor_pickle
-    from llamactl.convert.meta import convert_meta
-    from llamactl.convert.tokenizer import convert_meta_tokenizer, copy_hf_tokenizer
-
     config, facts = convert_meta(src, writer, dtype, load_tensor_pickle, opts.context, log)
     if opts.tokenizer:
         facts["tokenizer"] = {"kind": "copied", "from": str(Path(opts.tokenizer).resolve()),
@@ -134,8 +129,6 @@ def _meta(src: Path, tmp: Path, writer, dtype, opts: ConvertOptions, log) -> tup
 
 
 def _to_gguf(src: Path, out: Path, opts: ConvertOptions, force: bool, log) -> dict[str, Any]:
-    from llamactl.convert.gguf_write import TYPES, write_gguf
-
     if opts.type not in TYPES:
         raise InputError(f"--type {opts.type!r} is not known", f"use one of {', '.join(TYPES)}")
     art = open_artifact(src)
@@ -152,9 +145,6 @@ def _to_gguf(src: Path, out: Path, opts: ConvertOptions, force: bool, log) -> di
 def _added_kl(art, gguf_file: Path, eval_tokens: int, log) -> dict[str, Any]:
     """KL of the GGUF's model (read back, dequantized) from the source's, on the eval text."""
     import tempfile
-
-    from llamactl.convert.gguf_read import convert_gguf
-    from llamactl.quality import measure, no_progress
 
     log(f"measuring the KL the requantized layers add ({eval_tokens} eval tokens)")
     with tempfile.TemporaryDirectory(prefix=".llamactl-gguf-check-", dir=gguf_file.parent) as d:

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from llamactl.folder.artifact import Artifact, lineage
+from llamactl.folder.schemes import EMBED, embedding_scheme_of, module_scheme, scheme_label
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -79,8 +80,6 @@ def describe(art: Artifact) -> dict[str, Any]:
 def tensor_bits(index: dict[str, dict[str, Any]], quant: dict) -> dict[str, int]:
     """How many tensors of a GPTQ-format folder take each scheme ("4-bit g128": 42, "16-bit": 3),
     read from its tensors and quantization_config (per-module `dynamic` entries included)."""
-    from llamactl.folder.schemes import EMBED, embedding_scheme_of, module_scheme, scheme_label
-
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
     out: dict[str, int] = {}
     for name in index:

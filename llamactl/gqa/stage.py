@@ -11,10 +11,14 @@ from typing import Any, Callable
 
 import torch
 
-from llamactl.folder.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.errors import InputError
+from llamactl.folder.artifact import check_output, copy_side_files, open_artifact, save_weights, staged_output, write_manifest
 from llamactl.gqa.heads import GROUPINGS, MERGES, convert_state, layer_stats
 from llamactl.quality import announce, check_eval_file, measure, no_progress
+from llamactl.runtime.load import (checkpoint_dtype, iter_checkpoint, load_model, load_tokenizer, resolve_device,
+    resolve_model_path)
+from llamactl.options import RuntimeOptions
+from llamactl.quantize.calib import build_samples, check_spec, resolve_spec
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,6 @@ def convert_heads(model: str | Path, out: str | Path, opts: HeadsOptions, *, for
                   eval_file: str | None = None, eval_tokens: int | None = None, device: str = "auto",
                   progress=no_progress, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Convert `model` to opts.kv_heads KV heads into `out`; returns the manifest written."""
-    from llamactl.runtime.load import checkpoint_dtype, iter_checkpoint, load_model, resolve_device, resolve_model_path
-    from llamactl.options import RuntimeOptions
-
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
     out = Path(out)
@@ -111,9 +112,6 @@ def kv_report(before, after) -> dict[str, int]:
 
 
 def _samples(art, opts: HeadsOptions, log, progress) -> torch.Tensor:
-    from llamactl.quantize.calib import build_samples, check_spec, resolve_spec
-    from llamactl.runtime.load import load_tokenizer
-
     spec = resolve_spec(opts.calib, opts.n_samples, min(opts.seq_len, art.args.max_position_embeddings), opts.seed)
     check_spec(spec)
     with progress(f"calibration data ({spec.name})", None):

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from llamactl.kernels.device import interpreted
 from llamactl.kernels.high_bits import column_high
+from llamactl.kernels.planes import gemv_planes
 
 # what the weight is (the kernel's KIND, written as literals there: Triton reads no plain globals):
 W16, W8, W4 = 0, 1, 2  # 16-bit, int8 with per-row scales, int4 (kernels.gemv layout)
@@ -245,8 +246,6 @@ def multirow_int4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     if splitk_takes(group_size):
         return splitk_int4(_check(x, k), qweight, scales, zeros, group_size, high=high, high_bits=high_bits)
     if high_bits:
-        from llamactl.kernels.planes import gemv_planes
-
         return gemv_planes(_check(x, k), qweight, high, scales, zeros, 4, high_bits, group_size)
     return _launch(_check(x, k), qweight, scales, zeros, n, k, group_size, W4)
 

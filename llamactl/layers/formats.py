@@ -11,6 +11,14 @@ import torch
 
 from llamactl.errors import CheckpointError
 from llamactl.folder.schemes import embedding_scheme_of, module_scheme
+from llamactl.layers.bnb import rename_bnb_key, swap_bnb_linears
+from llamactl.layers.cpu import use_cpu_kernels
+from llamactl.layers.embedding import QuantEmbedding
+from llamactl.layers.fp8 import FP8Linear, use_fp8_kernels
+from llamactl.layers.gptq import BITS, GPTQLinear, swap_linears
+from llamactl.layers.int4 import use_int4_kernels
+from llamactl.layers.int8 import use_int8_kernels
+from llamactl.layers.planes import PLANE_BITS, use_plane_kernels
 
 
 @dataclass(frozen=True)
@@ -23,16 +31,12 @@ class Format:
 
 
 def _gptq_swap(art, model) -> None:
-    from llamactl.layers.gptq import GPTQLinear, swap_linears
-
     q = art.quantization
     bits, group = int(q["bits"]), int(q.get("group_size", 128))
     fmt = q.get("checkpoint_format", q.get("format", "gptq"))
     if fmt not in ("gptq", "gptq_v2", "gptq_p"):
         raise CheckpointError(f"{art.path}: GPTQ checkpoint_format {fmt!r} is not supported",
                               "use gptq (v1), gptq_v2 or gptq_p")
-    from llamactl.layers.gptq import BITS
-
     if bits not in BITS:
         raise CheckpointError(f"{art.path}: {bits}-bit GPTQ is not supported by the runtime",
                               f"use {', '.join(map(str, BITS))} bits")
@@ -60,8 +64,6 @@ def embedding_scheme(art) -> dict | None:
 
 
 def _swap_embedding(art, model, v1: bool) -> None:
-    from llamactl.layers.embedding import QuantEmbedding
-
     scheme = embedding_scheme(art)
     if not scheme or int(scheme.get("bits", 0)) not in (4, 8):
         raise CheckpointError(f"{art.path}: model.embed_tokens is packed but quantization_config.meta.embed_tokens "
@@ -77,12 +79,6 @@ def _gptq_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
     compute: 4-bit layers on llamactl's int4 GEMV (triton) or PyTorch's tinygemm instead of
     dequantizing per call; 8-bit layers with one group per row on the int8 kernels. A low-bit
     embedding table looks rows up in the runtime's dtype."""
-    from llamactl.layers.cpu import use_cpu_kernels
-    from llamactl.layers.gptq import GPTQLinear
-    from llamactl.layers.int4 import use_int4_kernels
-    from llamactl.layers.int8 import use_int8_kernels
-    from llamactl.layers.planes import PLANE_BITS, use_plane_kernels
-
     emb = model.model.embed_tokens
     if not isinstance(emb, torch.nn.Embedding):
         emb.dtype = dtype
@@ -103,21 +99,15 @@ def _gptq_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
 
 
 def _bnb_swap(art, model) -> None:
-    from llamactl.layers.bnb import swap_bnb_linears
-
     swap_bnb_linears(art, model)
 
 
 def _bnb_rename(name: str) -> str | None:
-    from llamactl.layers.bnb import rename_bnb_key
-
     return rename_bnb_key(name)
 
 
 def _bnb_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
     """bf16 compute: LLM.int8 layers on the int8 kernels; NF4 dequantizes per call."""
-    from llamactl.layers.int8 import use_int8_kernels
-
     triton = kernels == "triton"
     return (["int8 triton" if triton else "int8 torch"] if dtype == torch.bfloat16 and use_int8_kernels(model, triton)
             else [])
@@ -127,9 +117,6 @@ def _fp8_swap(art, model) -> None:
     """compressed-tensors' float-quantized folders of FP8 weights with a scale per output channel
     (llm-compressor's FP8_DYNAMIC, quantize --method fp8; static activation scales are read as
     dynamic per-token ones)."""
-    from llamactl.layers.fp8 import FP8Linear
-    from llamactl.layers.gptq import swap_linears
-
     q = art.quantization
     for name, group in (q.get("config_groups") or {}).items():
         w = group.get("weights") or {}
@@ -150,8 +137,6 @@ def _fp8_rename(name: str) -> str | None:
 
 
 def _fp8_finish(art, model, dtype: torch.dtype, kernels: str) -> list[str]:
-    from llamactl.layers.fp8 import use_fp8_kernels
-
     label = use_fp8_kernels(model)
     return [label] if label else []
 

@@ -13,16 +13,17 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llamactl.kernels import check, pinned
+from llamactl.kernels import check, pinned, cpu as kcpu
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.kernels.device import pdl_supported, runs_on, triton_version
-from llamactl.layers.cpu import CpuLinear
+from llamactl.layers.cpu import CpuLinear, bf16_fast, quant_fast, kernels_load
+from llamactl.layers.fp8 import FP8Linear
 from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
 from llamactl.layers.gptq import GPTQLinear
 from llamactl.layers.int4 import Int4Linear, TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
-from llamactl.runtime.model import RMSNorm
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.model import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,6 @@ def linear_kernels(device: torch.device, options: RuntimeOptions, interpreter: b
     if kernels_run(device, options, interpreter)[0]:
         return "triton"
     if device.type == "cpu" and options.kernels:
-        from llamactl.layers.cpu import bf16_fast, quant_fast
-
         if quant_fast() or bf16_fast():
             return "cpu"
     return "torch"
@@ -104,8 +103,6 @@ def quant_input_layers(model) -> list[nn.Module]:
 def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
     """FP8 layers (layers.fp8): one row on llamactl's GEMV where its kernels run (`on`); the
     warning where there are no FP8 tensor cores (on the CPU the weights are dequantized once)."""
-    from llamactl.layers.fp8 import FP8Linear
-
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for m in layers:
         m.gemv, m.pdl = on, pdl
@@ -134,8 +131,6 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     cpu = not on and linear_kernels(device, options) == "cpu"
     bf16 = False  # the 16-bit layers on llamactl's CPU product (with AVX-512 BF16 only)
     if device.type == "cpu" and options.kernels and not on:
-        from llamactl.layers.cpu import bf16_fast, kernels_load
-
         if kernels_load() is not None:
             warnings.append(f"{kernels_load()}; the CPU runs torch's kernels (--kernels off silences this)")
         bf16 = cpu and bf16_fast()
@@ -184,8 +179,6 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
 def cpu_attention_fits(head_dim: int, group: int) -> bool:
     """Whether llamactl's CPU decode attention takes heads of head_dim with `group` query heads a
     KV head (else SDPA)."""
-    from llamactl.kernels import cpu as kcpu
-
     return head_dim <= kcpu.ATTN_MAX_HEAD_DIM and group <= kcpu.ATTN_MAX_GROUP
 
 

@@ -6,6 +6,12 @@ folders with the same math (quantize.rtn)."""
 from __future__ import annotations
 
 import torch
+from llamactl.layers.cpu import CpuQuantLinear
+from llamactl.layers.fp8 import FP8Linear, quantize_fp8, use_fp8_kernels
+from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears
+from llamactl.layers.int4 import int4_linear, supported, triton_supported
+from llamactl.layers.int8 import Int8Kernel
+from llamactl.layers.planes import PlanesLinear, plane_layer
 
 CLIP_GRID = torch.linspace(1.0, 0.70, 16).tolist()  # shrink factors tried by the clipping search
 
@@ -81,8 +87,6 @@ def quantize_linears_int4(model, triton: bool, group_size: int = 128, sym: bool 
     """RTN-quantize every decoder linear of an in-memory model to 4 bits (synthetic benchmarks):
     llamactl's int4 layers where `triton`, else tinygemm's where its shapes allow. every: each
     linear of `model`, which is then one decoder layer (synthetic.build_synthetic's `quantize`)."""
-    from llamactl.layers.int4 import int4_linear, supported, triton_supported
-
     n = 0
     for name, mod in _decoder_linears(model, every):
         fits = triton_supported(mod.in_features, group_size) if triton else supported(
@@ -105,10 +109,6 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu
     quantize_linears_int4's."""
     from torch import nn
 
-    from llamactl.layers.cpu import CpuQuantLinear
-    from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears
-    from llamactl.layers.planes import PlanesLinear, plane_layer
-
     def packed(mod: nn.Linear) -> nn.Module:
         lin = GPTQLinear(mod.in_features, mod.out_features, bits, group_size, bias=False).to(mod.weight.device)
         for k, v in pack_gptq(*rtn_quantize(mod.weight.float(), bits, group_size, True), bits, planar=bits == 3).items():
@@ -128,8 +128,6 @@ def quantize_linears_planes(model, bits: int, group_size: int, triton: bool, cpu
 def quantize_linears_int8(model, triton: bool, every: bool = False) -> int:
     """Symmetric per-channel int8 for every decoder linear of an in-memory model (synthetic
     benchmarks); every: as quantize_linears_int4's."""
-    from llamactl.layers.int8 import Int8Kernel
-
     n = 0
     for name, mod in _decoder_linears(model, every):
         w = mod.weight.float()  # [out, in]
@@ -144,8 +142,6 @@ def quantize_linears_int8(model, triton: bool, every: bool = False) -> int:
 def quantize_linears_fp8(model, every: bool = False) -> int:
     """FP8 e4m3 per output channel (quantize.fp8's scheme) for every decoder linear of an in-memory
     model (synthetic benchmarks); every: as quantize_linears_int4's."""
-    from llamactl.layers.fp8 import FP8Linear, quantize_fp8, use_fp8_kernels
-
     n = 0
     for name, mod in _decoder_linears(model, every):
         with torch.device("meta"):

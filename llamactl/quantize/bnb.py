@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from llamactl.errors import CheckpointError
+from llamactl.folder.checkpoint import checkpoint_dtype
 
 ROUND_TRIP_ATOL = 1e-3
 
@@ -25,8 +26,6 @@ ROUND_TRIP_ATOL = 1e-3
 def write_bnb(art, opts, folder: Path, progress, log) -> dict[str, Any]:
     import bitsandbytes
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from llamactl.folder.checkpoint import checkpoint_dtype
 
     compute = checkpoint_dtype(art)
     if opts.method == "nf4":

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from llamactl.errors import InputError
+from llamactl.folder.checkpoint import iter_checkpoint
+from llamactl.folder.describe import params_from_config
+from llamactl.layers.gptq import gptq_buffers
 from llamactl.quantize.options import EMBED, scheme_label
+from llamactl.quantize.rtn import rtn_quantize
 from llamactl.quantize.sensitivity import Stats
 
 
@@ -46,8 +50,6 @@ def packed_bytes(name: str, out_f: int, in_f: int, scheme: dict | None, elem: in
     """Bytes the written file spends on one tensor under `scheme` (elem: the parent's bytes an element)."""
     if scheme is None:
         return out_f * in_f * elem + _header(f"{name}.weight", 2)
-    from llamactl.layers.gptq import gptq_buffers
-
     with torch.device("meta"):
         holder = torch.nn.Module()
         gptq_buffers(holder, in_f, out_f, scheme["bits"], scheme["group_size"])
@@ -63,8 +65,6 @@ def _header(name: str, dims: int) -> int:
 def options_for(name: str, weight: torch.Tensor, fisher: torch.Tensor, act2: torch.Tensor | None, sym: bool,
                 clip_search: bool, elem: int, widths=(3, 4, 5, 6, 8)) -> list[Option]:
     """weight, fisher: [out, in] -> every choice for this tensor with its bytes and predicted KL."""
-    from llamactl.quantize.rtn import rtn_quantize
-
     w = weight.float()
     out_f, in_f = w.shape
     opts, seen = [], set()
@@ -161,9 +161,6 @@ def plan(art, stats: Stats, target_bpw: float, sym: bool, clip_search: bool, pro
          widths=(3, 4, 5, 6, 8), device: torch.device | None = None) -> Allocation:
     """The allocation for `art` under target_bpw bits per parent parameter (each choice's
     rounding tried on `device`)."""
-    from llamactl.folder.checkpoint import iter_checkpoint
-    from llamactl.folder.describe import params_from_config
-
     tensors = dict(iter_checkpoint(art))
     tied = art.args.tie_word_embeddings
     names = set(stats.fisher)

@@ -8,17 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from llamactl.errors import InputError
+from llamactl.folder.artifact import check_output_file, open_artifact
 from llamactl.quality import no_progress
+from llamactl.quantize import sensitivity
+from llamactl.quantize.calib import check_spec, resolve_spec
+from llamactl.runtime.load import resolve_device, resolve_model_path
 
 
 def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | None = None, seq_len: int | None = None,
               *, device: str = "auto", force: bool = False, progress=no_progress) -> dict[str, Any]:
     """Measure `model`'s statistics on the calibration set and write them to `output`."""
-    from llamactl.folder.artifact import check_output_file, open_artifact
-    from llamactl.quantize.calib import check_spec, resolve_spec
-    from llamactl.runtime.load import resolve_device, resolve_model_path
-    from llamactl.quantize import sensitivity
-
     art = open_artifact(resolve_model_path(model))
     if art.quantization:
         raise InputError(f"{art.path} is already quantized", "calibrate the 16-bit parent that quantize reads")

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
+from llamactl import __version__
+from llamactl.folder.artifact import save_weights
+from llamactl.folder.checkpoint import iter_checkpoint
 from llamactl.layers.fp8 import quantize_fp8
+from llamactl.quantize.options import target_linears
 
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose config fields this writes (checked against its loader)
 
@@ -41,11 +45,6 @@ def quantization_config(modules: list[str], ignore: list[str]) -> dict[str, Any]
 def write_fp8(art, opts, folder: Path, progress) -> dict[str, Any]:
     """Quantize every linear of the decoder layers (and lm_head with --quantize-lm-head) to FP8 and
     write the compressed-tensors folder; the rest of the checkpoint as it is."""
-    from llamactl import __version__
-    from llamactl.folder.artifact import save_weights
-    from llamactl.folder.checkpoint import iter_checkpoint
-    from llamactl.quantize.options import target_linears
-
     targets = set(target_linears(art, opts.lm_head))
     tensors = dict(iter_checkpoint(art))
     if art.args.tie_word_embeddings and "lm_head" in targets and "lm_head.weight" not in tensors:

@@ -22,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from llamactl.folder.artifact import _alive
+from llamactl.folder.checkpoint import load_tokenizer
+from llamactl.folder.describe import params_from_config
+from llamactl.quantize.calib import build_samples, resolve_spec
+from llamactl.quantize.options import EMBED, dynamic_overrides, module_schemes
 
 
 ENGINE_LOG = "quantize.log"  # GPTQModel's output, kept beside the weights
@@ -30,8 +35,6 @@ OFFLOAD_PREFIX = "llamactl-gptq-offload-"  # GPTQModel's offload folder, in the 
 
 def clean_stale_offload(log) -> None:
     """Remove the offload folders of GPTQ runs that were killed (their pid is gone), saying so."""
-    from llamactl.folder.artifact import _alive
-
     for p in Path(tempfile.gettempdir()).glob(f"{OFFLOAD_PREFIX}*"):
         pid = p.name[len(OFFLOAD_PREFIX):].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
@@ -46,8 +49,6 @@ CPU_FIXED_S, CPU_S_PER_TOKEN, CPU_REF_PARAMS, CPU_REF_CORES = 15.0, 0.9e-3, 17e6
 
 def expected_cpu_seconds(art, tokens: int) -> float:
     """A rough time for GPTQ on this CPU: the measured run scaled by tokens, parameters and cores."""
-    from llamactl.folder.describe import params_from_config
-
     scale = params_from_config(art.args) / CPU_REF_PARAMS * CPU_REF_CORES / max(1, len(os.sched_getaffinity(0)))
     return CPU_FIXED_S + CPU_S_PER_TOKEN * tokens * scale
 
@@ -55,10 +56,6 @@ def expected_cpu_seconds(art, tokens: int) -> float:
 def write_gptq(art, opts, folder, dev: torch.device, progress, log) -> dict[str, Any]:
     """Run GPTQModel on `art` with calibration samples and save a GPTQ-format folder."""
     clean_stale_offload(log)
-    from llamactl.quantize.calib import build_samples, resolve_spec
-    from llamactl.folder.checkpoint import load_tokenizer
-    from llamactl.quantize.options import EMBED, dynamic_overrides, module_schemes
-
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     tok = load_tokenizer(art)
     with progress(f"calibration data ({spec.name})", spec.n_samples * spec.seq_len) as advance:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from llamactl import __version__
+from llamactl.folder.artifact import save_weights
+from llamactl.folder.checkpoint import iter_checkpoint
+from llamactl.layers.gptq import PLANES, pack_gptq
 from llamactl.layers.rtn import CLIP_GRID, group_params, quantize_groups, rtn_quantize  # noqa: F401
+from llamactl.quantize.options import EMBED, dynamic_overrides, module_schemes
 
 
 def quantize_embedding(weight: torch.Tensor, bits: int, group_size: int, sym: bool,
@@ -13,8 +18,6 @@ def quantize_embedding(weight: torch.Tensor, bits: int, group_size: int, sym: bo
     """weight: [V, D] -> the GPTQ tensors (qweight, qzeros, scales, g_idx) of the table
     (layers.embedding), RTN per group of `group_size` along each row (a shorter last group where
     it does not divide D)."""
-    from llamactl.layers.gptq import pack_gptq
-
     codes, zeros, scales, g_idx = rtn_quantize(weight, bits, group_size, sym, clip_search)
     return pack_gptq(codes, zeros, scales, g_idx, bits, v1=v1)
 
@@ -24,12 +27,6 @@ def write_rtn(art, opts, folder, progress, act2: dict[str, torch.Tensor] | None 
     with RTN and write a GPTQ-format folder. act2: the calibration inputs' mean squares per linear,
     which weight the clipping search (importance-weighted rounding)."""
     import json
-
-    from llamactl import __version__
-    from llamactl.folder.artifact import save_weights
-    from llamactl.folder.checkpoint import iter_checkpoint
-    from llamactl.layers.gptq import PLANES, pack_gptq
-    from llamactl.quantize.options import EMBED, module_schemes
 
     schemes = {n: s for n, s in module_schemes(art, opts).items() if s is not None and n != EMBED}
     planar = any(s["bits"] in PLANES for s in schemes.values())  # GPTQModel writes such files as gptq_p
@@ -67,8 +64,6 @@ def gptq_config(opts, quantizer: str, method: str, schemes: dict, planar: bool =
     """The quantization_config block transformers/optimum read for a GPTQ-format checkpoint;
     schemes (options.module_schemes): the modules whose bits differ go in GPTQModel's `dynamic`;
     planar: 3, 5 or 6 bits somewhere, which GPTQModel stores as its gptq_p format."""
-    from llamactl.quantize.options import dynamic_overrides
-
     q = {
         "quant_method": "gptq", "bits": opts.bits, "group_size": opts.group_size, "desc_act": opts.desc_act,
         "sym": opts.sym, "lm_head": bool(schemes.get("lm_head")),

@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from llamactl.errors import CheckpointError, InputError
+from llamactl.folder.checkpoint import load_tokenizer
+from llamactl.quantize.calib import build_samples
 from llamactl.quantize.options import EMBED
+from llamactl.runtime.load import load_model
 FORMAT = "llamactl-calib-stats/1"
 
 
@@ -103,10 +106,6 @@ def shape_of(art) -> dict[str, int]:
 def collect(art, spec, device: torch.device, progress, seed: int = 0) -> Stats:
     """Fisher diagonals and input second moments of every quantizable tensor of `art`, from the
     calibration samples of `spec` (one forward and backward a sample)."""
-    from llamactl.quantize.calib import build_samples
-    from llamactl.folder.checkpoint import load_tokenizer
-    from llamactl.runtime.load import load_model
-
     samples = build_samples(spec, load_tokenizer(art))  # [n, L]
     model = load_model(art, device, torch.float32 if device.type == "cpu" else torch.bfloat16)
     targets = quantizable(model)

@@ -13,13 +13,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from llamactl.errors import InputError, MissingDependencyError
 from llamactl.folder.artifact import Artifact, check_output, copy_side_files, open_artifact, staged_output, write_manifest
-from llamactl.errors import InputError
 from llamactl.folder.describe import params_from_config
 from llamactl.quality import announce, check_eval_file, measure, no_progress
 
 from llamactl.quantize.options import (BITS, EMBED, GPTQ_VARIANTS, LINEARS, QuantOptions, module_schemes,  # noqa: F401
                                        scheme_label, target_linears, used_params)
+from llamactl.folder.artifact import save_weights
+from llamactl.folder.checkpoint import iter_checkpoint
+from llamactl.layers.embedding import EMBED_BITS
+from llamactl.layers.gptq import PLANES
+from llamactl.quantize import sensitivity
+from llamactl.quantize.budget import plan
+from llamactl.quantize.calib import check_spec, resolve_spec
+from llamactl.quantize.formats import write
+from llamactl.quantize.rtn import quantize_embedding
+from llamactl.runtime.load import resolve_device, resolve_model_path
 
 
 def validate(art: Artifact, opts: QuantOptions) -> None:
@@ -34,8 +44,6 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
         method = meta.get("method") if meta.get("method") in BITS else art.quantization.get("quant_method", "?")
         raise InputError(f"{art.path} is already quantized ({method})",
                          "quantize the 16-bit parent instead (see `llamactl inspect` for its lineage)")
-    from llamactl.layers.gptq import PLANES
-
     if opts.bits in PLANES:  # packed in whole blocks of 32 rows (GPTQModel's layouts)
         odd = sorted({d for n, shape in target_linears(art, opts.lm_head).items() for d in shape if d % 32})
         if odd:
@@ -66,8 +74,6 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
     if opts.method == "fp8" and opts.lm_head and art.args.tie_word_embeddings:
         raise InputError("--quantize-lm-head with --method fp8 on a tied model: its head is its embedding table, "
                          "which FP8 keeps 16-bit", "drop --quantize-lm-head")
-    from llamactl.layers.embedding import EMBED_BITS
-
     if opts.embed_bits not in EMBED_BITS:
         raise InputError(f"--embed-bits {opts.embed_bits} is not supported", f"use {', '.join(map(str, EMBED_BITS))}")
     if opts.head_bits is not None and opts.head_bits not in (4, 8):
@@ -80,8 +86,6 @@ def validate(art: Artifact, opts: QuantOptions) -> None:
                          f"drop --quantize-lm-head (--embed-bits {opts.embed_bits} quantizes the one table both use)")
     _require_engine(opts.method)
     if calibrates:
-        from llamactl.quantize.calib import check_spec, resolve_spec
-
         spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
         check_spec(spec)
         if spec.seq_len > art.args.max_position_embeddings:
@@ -112,8 +116,6 @@ def _validate_budget(art: Artifact, opts: QuantOptions) -> None:
 def _require_engine(method: str) -> None:
     from importlib.util import find_spec
 
-    from llamactl.errors import MissingDependencyError
-
     if method == "gptq" and find_spec("gptqmodel") is None:
         raise MissingDependencyError("gptqmodel", "gptq", "--method gptq")
     if method in ("nf4", "int8") and find_spec("bitsandbytes") is None:
@@ -127,8 +129,6 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
 
     Raises InputError/CheckpointError/MissingDependencyError before anything is written.
     """
-    from llamactl.runtime.load import resolve_device, resolve_model_path
-
     art = open_artifact(resolve_model_path(str(model)))
     validate(art, opts)
     if eval_tokens != 0:
@@ -140,8 +140,6 @@ def quantize(model: str | Path, out: str | Path, opts: QuantOptions, *, force: b
     stats = _calib_stats(art, opts, dev, progress, log)
     allocation = None
     if opts.target_bpw is not None:
-        from llamactl.quantize.budget import plan
-
         allocation = plan(art, stats, opts.target_bpw, opts.sym, opts.clip_search, progress, opts.widths, dev)
         opts = replace(opts, schemes=allocation.schemes)
         log(f"--target-bpw {opts.target_bpw:g}: " + ", ".join(f"{n} {k}" for k, n in allocation.summary().items())
@@ -179,14 +177,10 @@ GPTQMODEL_GROUPS = (-1, 16, 32, 64, 128, 256, 512, 1024)
 def _calib_stats(art, opts: QuantOptions, dev, progress, log):
     """The calibration statistics --target-bpw and importance-weighted RTN use: read from
     --calib-stats, measured here for --target-bpw, else None."""
-    from llamactl.quantize import sensitivity
-
     if opts.calib_stats:
         return sensitivity.load_stats(opts.calib_stats, art)
     if opts.target_bpw is None:
         return None
-    from llamactl.quantize.calib import resolve_spec
-
     spec = resolve_spec(opts.calib, opts.n_samples, opts.seq_len, opts.seed)
     log(f"measuring each tensor's sensitivity on {spec.n_samples} x {spec.seq_len} tokens of {spec.name} "
         "(`llamactl calibrate` saves them for the next run)")
@@ -233,10 +227,6 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
     scheme = module_schemes(art, opts).get(EMBED)
     if scheme is None:
         return {}
-    from llamactl.folder.artifact import save_weights
-    from llamactl.folder.checkpoint import iter_checkpoint
-    from llamactl.quantize.rtn import quantize_embedding
-
     staged = open_artifact(folder)
     files = list(staged.weight_files)
     state = dict(iter_checkpoint(staged))
@@ -262,6 +252,4 @@ def _embedding(art, opts, folder: Path, log) -> dict[str, Any]:
 
 
 def _run_method(art, opts, tmp, dev, progress, log, stats) -> dict[str, Any]:
-    from llamactl.quantize.formats import write
-
     return write(opts.method, art, opts, tmp, dev, progress, log, stats)

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from llamactl.folder.artifact import sha256_file
+from llamactl.folder.signing import signing_key
+from llamactl.kernels.cpu import cache_root, cpu_flags
 
 
 class _Greedy(nn.Module):
@@ -72,16 +75,12 @@ class AotStep:
 
 
 def cache_dir() -> Path:
-    from llamactl.kernels.cpu import cache_root
-
     return cache_root("aot")
 
 
 def _key(program, state: dict[str, torch.Tensor]) -> str:
     """What the library depends on: the program's code and signature, its tensors' layouts (not
     their values: they are loaded by reference), torch, the CPU."""
-    from llamactl.kernels.cpu import cpu_flags
-
     h = hashlib.sha256()
     for part in (program.graph_module.code, str(program.graph_signature), torch.__version__, cpu_flags()):
         h.update(part.encode())
@@ -92,9 +91,6 @@ def _key(program, state: dict[str, torch.Tensor]) -> str:
 
 
 def _signature(path: Path) -> str:
-    from llamactl.folder.artifact import sha256_file
-    from llamactl.folder.signing import signing_key
-
     return hmac.new(signing_key(), sha256_file(path).encode(), hashlib.sha256).hexdigest()
 
 

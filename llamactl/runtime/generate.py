@@ -9,11 +9,12 @@ from typing import Iterator
 
 import torch
 
-from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.settings import Sampling
+from llamactl.runtime.speculate import ModelDraft, NgramDraft, Tally, accept
+from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.runtime.textstream import TextStream
 
 
@@ -190,8 +191,6 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     reader = _TokenReader(device)
     tally = None
     if draft is not None:
-        from llamactl.runtime.speculate import ModelDraft, NgramDraft
-
         drafter = NgramDraft() if draft == "ngram" else ModelDraft(draft, dec.max_seq, mode if mode != "aot" else "eager")
         stop_reason, steps, tally = yield from _speculative(dec, drafter, prompt_ids, int(token.view(-1)[0]),
                                                             max_new_tokens, stop_ids, stream, out, sampling, speculate)
@@ -243,8 +242,6 @@ def _speculative(dec, drafter, prompt_ids: list[int], first: int, max_new_tokens
     """generate's loop with speculative decoding (runtime.speculate): each verify step checks the
     drafter's proposals after the last token, and hands out the tokens it keeps. Yields Steps
     (appending to `out`); returns (stop reason, tokens made after the first, Tally)."""
-    from llamactl.runtime.speculate import Tally, accept
-
     tally = Tally()
     drafter.extend(list(prompt_ids))
     last, pos, new = first, len(prompt_ids), [first]  # `last` sits at pos, its K/V not computed yet

@@ -12,10 +12,15 @@ from typing import Any
 
 import torch
 
+from llamactl.errors import CheckpointError, InputError
 from llamactl.folder.artifact import DEFAULT_MODEL, EMBEDDED_NAMES, Artifact, open_artifact, resolve_model_path  # noqa: F401
 from llamactl.folder.checkpoint import DTYPES, checkpoint_dtype, iter_checkpoint, load_tokenizer  # noqa: F401
-from llamactl.errors import CheckpointError, InputError
+from llamactl.layers.cpu import bf16_fast
+from llamactl.layers.formats import for_checkpoint
+from llamactl.layers.plan import linear_kernels
 from llamactl.options import RuntimeOptions
+from llamactl.runtime.model import LlamaModel
+from llamactl.runtime.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
 
 # Tensors some checkpoints carry that the runtime recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,8 +51,6 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact, kernels: bool 
         if (art.quantization or {}).get("quant_method") == "gptq":
             return torch.bfloat16
         if kernels:
-            from llamactl.layers.cpu import bf16_fast
-
             if bf16_fast():
                 return torch.bfloat16
         a = art.args
@@ -59,14 +62,10 @@ def resolve_dtype(name: str, device: torch.device, art: Artifact, kernels: bool 
 def _skeleton(art: Artifact, args=None):
     """The runtime model on the meta device with the format's modules swapped in, its renamer and
     format; args: another shape than the folder's (a tensor-parallel rank's, tp.local_args)."""
-    from llamactl.runtime.model import LlamaModel
-
     with torch.device("meta"):
         model = LlamaModel(args or art.args)
     fmt = None
     if art.quantization:
-        from llamactl.layers.formats import for_checkpoint
-
         fmt = for_checkpoint(art)
         fmt.swap(art, model)
     return model, (fmt.rename if fmt else (lambda name: name)), fmt
@@ -117,8 +116,6 @@ def _assemble(art: Artifact, model, rename, fmt, tensors, device: torch.device, 
               options: RuntimeOptions | None) -> "LlamaModel":
     """Assign (name, tensor) pairs of the checkpoint to the skeleton `model` (named and checked as
     the runtime names them, cast, complete), tie, and put the format's fast layers in."""
-    from llamactl.layers.plan import linear_kernels
-
     refs = dict(model.state_dict())
     expected = {k: tuple(v.shape) for k, v in refs.items()}
     state: dict[str, torch.Tensor] = {}
@@ -147,8 +144,6 @@ def load_shard(art: Artifact, device: torch.device, dtype: torch.dtype, group, r
     outputs are summed over `group`. read(name, n) is called with the elements read of each
     tensor (tests count what a rank reads)."""
     from safetensors import safe_open
-
-    from llamactl.runtime.tp import ROW, group_of, local_args, plan_shard, shard_offset, slices
 
     if art.weight_format != "safetensors":
         raise InputError(f"{art.path}: --tp reads safetensors shards", "convert the weights to safetensors")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from llamactl.runtime.step import Decoder
 
 
 class NgramDraft:
@@ -60,8 +61,6 @@ class ModelDraft:
     the first proposal that was not kept), then steps k times."""
 
     def __init__(self, model, max_seq: int, mode: str = "eager"):
-        from llamactl.runtime.step import Decoder
-
         self.dec = Decoder(model, 1, max_seq, mode)
         self.tokens: list[int] = []
         self.written: list[int] = []  # the tokens whose K/V the draft's cache holds, by position

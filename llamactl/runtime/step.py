@@ -20,10 +20,13 @@ from typing import Callable
 import torch
 
 from llamactl.errors import InputError
+from llamactl.layers.plan import prepare, unfold_cache_writes
 from llamactl.options import RuntimeOptions
-from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime import kv_format
+from llamactl.runtime.aot import AotStep
+from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime.kv_cache import StaticCache
+from llamactl.runtime.ragged import Ragged
 from llamactl.runtime.sampling import TOP_LOGPROBS
 
 MODES = ("eager", "graphs", "compile", "aot")
@@ -103,8 +106,6 @@ class Decoder:
         steps do (llamactl.runtime.graphs). cache: the KV cache to run over (a server's
         runtime.kv_cache.PagedCache: its table rows are the batch rows), else a StaticCache of
         `batch` rows of max_seq made here."""
-        from llamactl.layers.plan import prepare, unfold_cache_writes
-
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         if mode == "aot" and (model.device.type != "cpu" or sample is not None or rows is not None):
@@ -144,8 +145,6 @@ class Decoder:
                                        options=_inductor_options(compile_mode, self.plan.kernels, rows is not None,
                                                                  self._cpp_wrapper(rows)))
         if mode == "aot":
-            from llamactl.runtime.aot import AotStep
-
             self._step = AotStep(model, self.cache)
         self.graph: torch.cuda.CUDAGraph | None = None
         # Sampling under compile + a graph of our own is unverified (Inductor's RNG seeds): compile only.
@@ -299,8 +298,6 @@ class Decoder:
         prompt's), or None: those chunks' prompt log-probabilities come from the same forward, and
         the return is (tokens, [per chunk: (log-probabilities [m], ids [m, K], values [m, K]) of
         the model's own distribution, or None])."""
-        from llamactl.runtime.ragged import Ragged
-
         tok, drows, dpos = decode or (None, [], [])
         lens = [1] * len(drows) + [len(c) for c in chunks]
         scored = score is not None and any(s is not None for s in score)
@@ -333,8 +330,6 @@ class Decoder:
         token, then its proposals) at positions starts[i].. -> the token drawn after every one of
         them [T], with its row's settings: the draw plain decoding makes at that position (the
         sampler hashes the seed and the position), so a proposal that equals it is kept."""
-        from llamactl.runtime.ragged import Ragged
-
         packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks], every=True)
         return self._packed(torch.tensor([[t for c in chunks for t in c]], device=self.device), packed)[0]  # [T]
 

@@ -6,9 +6,13 @@ from typing import Callable
 
 import torch
 
-from llamactl.folder.config import LlamaArgs
 from llamactl.errors import InputError
+from llamactl.folder.config import LlamaArgs
 from llamactl.layers import rtn
+from llamactl.layers.cpu import bf16_fast, quant_fast
+from llamactl.layers.int8 import available
+from llamactl.runtime.model import LlamaModel, RMSNorm
+from llamactl.runtime.tp import local_args, plan_synthetic
 
 SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -61,12 +65,8 @@ def build_synthetic(name: str, device: torch.device, dtype: torch.dtype, seed: i
     size plus one 16-bit layer (llama3-70b in int4 on one H200); weight_bits: what a decoder
     weight takes after it, with its scales, for the memory check. The weights are the same draws
     either way (one generator, the parameters in the model's order)."""
-    from llamactl.runtime.model import LlamaModel, RMSNorm
-
     args = synthetic_args(name)
     if shard is not None:
-        from llamactl.runtime.tp import local_args
-
         args, seed = local_args(args, shard), seed + shard.rank
     _check_memory(name, args, device, dtype, weight_bits if quantize else 16)
     with torch.device("meta"):
@@ -136,8 +136,6 @@ def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: boo
         return lambda layer: rtn.quantize_linears_fp8(layer, every=True), 8.1, "fp8"
     bits = int(quant[3:])
     if kernels == "cpu":  # every width on llamactl's CPU layers (RTN, as below)
-        from llamactl.layers.cpu import quant_fast
-
         if quant_fast():
             group = -1 if bits == 8 else 128
             return (lambda layer: rtn.quantize_linears_planes(layer, bits, group, False, cpu=True, every=True),
@@ -145,8 +143,6 @@ def _synthetic_quantizer(quant: str, device: torch.device, kernels: str, tp: boo
     if quant == "int4":
         return lambda layer: rtn.quantize_linears_int4(layer, triton, 128, every=True), 4.2, "int4-g128"
     if quant == "int8":
-        from llamactl.layers.int8 import available
-
         if not available(device.type, triton):
             raise InputError(f"--synthetic-quant int8 has no int8 kernel on {device.type}", "run it on CUDA, or on a CPU torch with _weight_int8pack_mm")
         return lambda layer: rtn.quantize_linears_int8(layer, triton, every=True), 8.1, "int8"
@@ -168,8 +164,6 @@ def synthetic_model(shape: str, quant: str, device: torch.device, dtype: torch.d
         raise InputError(f"--synthetic-quant {quant} runs the low-bit kernels with bf16 activations", "pass --dtype bfloat16")
     shard = None
     if world is not None:
-        from llamactl.runtime.tp import plan_synthetic
-
         shard = plan_synthetic(synthetic_args(shape), quant, world.rank, world.size)
     label = f"synthetic:{shape}"
     quantize, bits, label_quant = _synthetic_quantizer(quant, device, kernels, world is not None)
@@ -186,7 +180,5 @@ def synthetic_dtype(dtype_name: str, device: torch.device, kernels: str) -> torc
     kernels, else float32."""
     if dtype_name != "auto":
         return getattr(torch, dtype_name)
-    from llamactl.layers.cpu import bf16_fast
-
     return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and kernels == "cpu" and bf16_fast()) \
         else torch.float32

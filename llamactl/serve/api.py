@@ -29,9 +29,9 @@ from llamactl import ui
 from llamactl.runtime.settings import Sampling
 from llamactl.serve.engine import Engine, Event, Params, QueueFull, Rejected
 from llamactl.serve.grammar import Grammars
-from llamactl.serve.tools import ToolStream
-from llamactl.serve.tools import parse as parse_calls
 from llamactl.serve.metrics import Metrics
+from llamactl.serve.tools import ToolStream, system_message
+from llamactl.serve.tools import parse as parse_calls
 from llamactl.serve.protocol import (MAX_BODY, SEED_MOD, ApiError, Ask, chunk, logprobs_block, new_id, parse, usage,
                                      whole)
 from llamactl.runtime.textstream import TextStream
@@ -96,8 +96,6 @@ class Service:
         placed = tok.apply_chat_template(ask.messages, tools=tools, add_generation_prompt=True, tokenize=False)
         if placed != plain:
             return tok.apply_chat_template(ask.messages, tools=tools, add_generation_prompt=True, tokenize=True)
-        from llamactl.serve.tools import system_message
-
         return tok.apply_chat_template([system_message(tools), *ask.messages], add_generation_prompt=True,
                                        tokenize=True)
 

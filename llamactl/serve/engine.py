@@ -35,6 +35,8 @@ from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
 from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
                                       Rejected, Request, Scheduler)
+from llamactl.runtime.tp import smallest
+from llamactl.serve.grammar import Matcher
 from llamactl.serve.staging import Launched
 
 # Prompt tokens prefilled a step while others decode, by default: a 2,048-token chunk costs the
@@ -99,8 +101,6 @@ class Engine:
         blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
                            max(chunk, BATCH_PREFILL_TOKENS), fmt)
         if world is not None:  # every rank holds the pool of the rank with the least memory
-            from llamactl.runtime.tp import smallest
-
             blocks = smallest(blocks, world)
         self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
                              block_size=kv.block_size, fmt=fmt)
@@ -266,8 +266,6 @@ class Engine:
         first masks; a joining request without a grammar clears its row's mask."""
         for r in joined:
             if r.params.grammar is not None:
-                from llamactl.serve.grammar import Matcher
-
                 m = self._matchers[r.id] = Matcher(r.params.grammar, self.runner.rows.ids.numel())
                 for tok in r.tokens[r.prompt_len :]:
                     m.accept(tok)

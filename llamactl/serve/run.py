@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from llamactl.errors import InputError
+from llamactl.folder.artifact import open_artifact, resolve_model_path
 from llamactl.options import RuntimeOptions
+from llamactl.runtime import chat
 from llamactl.serve.protocol import MAX_BODY
+from llamactl.serve.server import bind, http_stack, serve as serve_app
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,6 @@ def check_libraries() -> None:
 def _synthetic(shape: str, quant: str | None, device: str, dtype: str, options: RuntimeOptions, world=None):
     """(name, model, tokenizer, eos ids, device) for random weights of a named shape: the embedded
     model's tokenizer writes the prompts (its ids fit every shape's vocabulary), no EOS."""
-    from llamactl.folder.artifact import open_artifact, resolve_model_path
     from llamactl.folder.checkpoint import load_tokenizer
     from llamactl.layers.plan import linear_kernels
     from llamactl.runtime.load import resolve_device
@@ -107,8 +109,6 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     from llamactl.runtime.load import load
     from llamactl.serve.api import Service, build_app
     from llamactl.serve.engine import Engine
-    from llamactl.serve.server import bind, http_stack, serve as serve_app
-
     import sys
 
     check_libraries()
@@ -149,7 +149,6 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             engine.follow()
             return "rank 0 stopped", 0
         name = serve.model_name or label
-        from llamactl.runtime import chat
         from llamactl.runtime.load import DEFAULT_MODEL
 
         embedded = not synthetic and art.path.resolve() == DEFAULT_MODEL.resolve()

@@ -11,12 +11,14 @@ import time
 
 import torch
 
+from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.kv_format import KVFormat
-from llamactl.runtime.sampling import RowSampling
+from llamactl.runtime.sampling import RowSampling, snapshot_rows
 from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
+from llamactl.runtime.tp import receive, send
 from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill, Verify
 from llamactl.serve.staging import Launched, Staging
 
@@ -72,8 +74,6 @@ class Runner:
         self.max_batch = max_batch
         self.rows = RowSampling.make([Sampling(temperature=0)] * max_batch, self.device)
         if blocks < 2:
-            from llamactl.errors import InputError
-
             raise InputError("no device memory is left for the KV cache after the weights and activations",
                              "pass --kv-memory GiB, a higher --gpu-memory-fraction, or a smaller --max-batch")
         self.cache = PagedCache.for_model(model, max_batch, blocks, block_size, max_seq, fmt=fmt)
@@ -175,8 +175,6 @@ class Runner:
     def _host_scores(scores: list, work: Prefill) -> list:
         """The prefill's prompt scores on the host: per chunk, (start, [(log-probability,
         [(id, value)] of the request's k)]) or None."""
-        from llamactl.runtime.sampling import snapshot_rows
-
         return [None if sc is None else (start, snapshot_rows(sc, r.params.prompt_logprobs))
                 for sc, r, start in zip(scores, work.requests, work.starts)]
 
@@ -229,8 +227,6 @@ class Runner:
 
     def _do(self, action: tuple):
         if self.world is not None and self.world.rank == 0:
-            from llamactl.runtime.tp import send
-
             send(action, self.world)
         return self._apply(action)
 
@@ -312,16 +308,12 @@ class Runner:
     @torch.inference_mode()
     def follow(self) -> None:
         """Ranks above 0 of a tensor-parallel server: run rank 0's model actions until it stops."""
-        from llamactl.runtime.tp import receive
-
         while (action := receive(self.world))[0] != "stop":
             self._apply(action)
 
     def stop_followers(self) -> None:
         """A tensor-parallel leader's last message (once): the other ranks' follow() returns."""
         if self.world is not None and self.world.rank == 0 and not self._followers_stopped:
-            from llamactl.runtime.tp import send
-
             self._followers_stopped = True
             send(("stop",), self.world)
 

@@ -12,6 +12,7 @@ import threading
 from typing import Callable, Iterator
 
 from llamactl.errors import InputError
+from llamactl.options import API_KEY_VARIABLE
 
 READY = re.compile(r"serving .* on (http://\S+) ")
 
@@ -28,8 +29,6 @@ def spawned(model: str, max_batch: int, max_seq: int, device: str, dtype: str, s
         if synthetic else [model]
     env = dict(os.environ)
     if api_key:
-        from llamactl.options import API_KEY_VARIABLE
-
         env[API_KEY_VARIABLE] = api_key  # kept off the command line
     log(f"starting {' '.join(cmd[1:])}")
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)

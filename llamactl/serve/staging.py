@@ -5,6 +5,7 @@ sync, so the loop can launch a step before it reads the last one's tokens (serve
 from __future__ import annotations
 
 import torch
+from llamactl.runtime.sampling import snapshot_rows
 
 
 class Launched:
@@ -20,8 +21,6 @@ class Launched:
     def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """Each of the step's rows' (token log-probability, [(id, log-probability)] of its K
         likeliest), read after tokens(); None where the step recorded none."""
-        from llamactl.runtime.sampling import snapshot_rows
-
         return None if self.lp is None else snapshot_rows(self.lp, self.lp[1].shape[1])
 
     def tokens(self) -> list[int]:
