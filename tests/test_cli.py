@@ -195,16 +195,21 @@ def test_chat_templates_by_name_or_file_and_a_bad_one(tmp_path):
         chat_template = None
 
     t = Tok()
-    assert apply(t, None) is None and apply(t, None, "plain") == "plain" and t.chat_template == BUILTIN["plain"]
+    assert apply(t, None) is None and apply(t, "plain") == "plain" and t.chat_template == BUILTIN["plain"]
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0]['content'] }}")
-    assert apply(t, str(f)) == str(f) and t.chat_template == f.read_text() and apply(t, None, "plain") == "the model's"
+    assert apply(t, str(f)) == str(f) and t.chat_template == f.read_text() and apply(t, None) == "the model's"
     r = runner.invoke(app, ["generate", "--chat", "--chat-template", str(tmp_path / "none"), "-p", "hi"])
     assert r.exit_code != 0 and "neither a built-in" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["generate", "--chat", "-p", "The capital of France is", "-n", "3", "--device", "cpu",
                             "--temperature", "0"])
-    assert r.exit_code == 0 and "no chat template" not in r.output  # the embedded model's built-in
+    assert r.exit_code == 0 and "no chat template" not in r.output  # the embedded model's own
     assert resolve("chatml") == BUILTIN["chatml"]
+    child = tmp_path / "q"  # a folder made from the embedded model chats as it does
+    assert invoke("quantize", "embedded", "-o", str(child), "--method", "rtn", "--eval-tokens", "0").exit_code == 0
+    assert json.loads((child / "tokenizer_config.json").read_text())["chat_template"] == BUILTIN["plain"]
+    r = invoke("generate", str(child), "--chat", "-p", "Hi", "-n", "2", "--device", "cpu")
+    assert r.exit_code == 0 and "no chat template" not in r.output
 
 
 def test_kv_dtype_names_the_cache_and_refuses_what_cannot_run():

@@ -320,3 +320,20 @@ def test_lineage_notes_show_relative_parents_resolve_from_the_folder_and_depth_i
     chain = lineage(open_artifact(top))
     assert len(chain) == 32 and chain[-1]["parent_status"].startswith("not followed")
     refused(["bench", top, "--quality", "--prompt-len", "8", "--gen-len", "2"], "not followed")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["serve", "--device", "cpu", "--port", "0"],
+     "error: serving needs starlette, uvicorn, prometheus-client, which is not installed; pip install 'llamactl[serve]'"),
+    (["bench", "--url", "http://127.0.0.1:9", "--requests", "1"],
+     "error: the load test (bench --url, --serve) needs the 'httpx' package, which is not installed; install it with: pip install 'llamactl[serve]'"),
+])
+def test_serving_commands_without_their_libraries_are_one_line(args, line):
+    """The base install has no Starlette, uvicorn, prometheus-client or httpx: serve and bench --url say
+    what to install before they import anything that needs it (the README's serve on a fresh clone).
+    A new process, with those packages hidden from imports."""
+    hide = ("import sys\nfor m in ('starlette', 'uvicorn', 'prometheus_client', 'httpx'): sys.modules[m] = None\n"
+            f"sys.argv = ['llamactl', *{args!r}]\nfrom llamactl.__main__ import main\nmain()")
+    r = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == line, r.stderr

@@ -21,6 +21,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any, Callable
 
 from pathlib import Path
@@ -28,7 +29,7 @@ from pathlib import Path
 from llamactl import __version__
 from llamactl.bench import httpstream
 from llamactl.bench.stats import median, percentile
-from llamactl.errors import InputError
+from llamactl.errors import InputError, MissingDependencyError
 from llamactl.folder.artifact import user_path
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be had it not were "
@@ -265,6 +266,12 @@ def _targets(results: list[dict], wall: float, out_tokens: int, load: Load | Non
     if load is not None and load.gpu_hourly_cost is not None and out_tokens:
         out["usd_per_million_output_tokens"] = load.gpu_hourly_cost / 3600 * wall / out_tokens * 1e6
     return out
+
+
+def check_client() -> None:
+    """MissingDependencyError where the load test's HTTP client is not installed."""
+    if find_spec("httpx") is None:
+        raise MissingDependencyError("httpx", "serve", "the load test (bench --url, --serve)")
 
 
 async def _run(load: Load, on_row: Callable[[dict], None]) -> list[dict]:

@@ -17,6 +17,7 @@ from llamactl.errors import InputError
 from llamactl.folder.artifact import atomic_write_text, check_writable_file
 from llamactl.kernels.arith import QUANT_INPUTS
 from llamactl.options import KV_DTYPES, api_key as key_from_env
+from llamactl.serve.run import check_libraries
 from llamactl.serve.spawn import spawned
 
 
@@ -240,6 +241,9 @@ def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None
 def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
                dtype: str, mode: str | None, fmt: str, output: str | None) -> None:
     """bench --url / --serve: run the load test (starting and stopping a server for --serve)."""
+    loadtest.check_client()
+    if serve_model:
+        check_libraries()
     if output:
         check_writable_file(Path(output), "--output")
     with ui.progress("load test", len(load.concurrency)) as advance:

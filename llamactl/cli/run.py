@@ -75,8 +75,6 @@ def generate(
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
         raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
-    from llamactl.runtime.load import DEFAULT_MODEL
-
     if chat_template is not None:
         chats.resolve(chat_template)  # a bad name or file fails before the model loads
     art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
@@ -87,7 +85,7 @@ def generate(
         if compile_:
             ui.log(f"using the compile cache in {art.path}, made on this machine (--no-compile: eager)")
     if chat:
-        chats.apply(tok, chat_template, "plain" if art.path.resolve() == DEFAULT_MODEL.resolve() else None)
+        chats.apply(tok, chat_template)
     drafter = draft if draft in (None, "ngram") else _draft_model(draft, art, tok, m, allow_pickle, options)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:

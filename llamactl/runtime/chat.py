@@ -1,10 +1,9 @@
 """Chat templates: the tokenizer's own, a named built-in, or a Jinja file given by the user
-(`--chat-template`), for models that carry none (the embedded model, many base models). The
-templates are rendered by transformers' sandboxed Jinja environment, as a folder's own are."""
+(`--chat-template`), for models that carry none (many base models; the embedded model's
+tokenizer_config.json carries "plain", so its children do too). The templates are rendered by
+transformers' sandboxed Jinja environment, as a folder's own are."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from llamactl.errors import InputError
 from llamactl.folder.artifact import user_path
@@ -38,16 +37,10 @@ def resolve(spec: str) -> str:
         raise InputError(f"--chat-template {spec} cannot be read ({type(e).__name__})", "give a UTF-8 Jinja file") from None
 
 
-def apply(tokenizer, spec: str | None, default: str | None = None) -> str | None:
-    """Give the tokenizer a chat template: `spec` (resolve) where given, else `default` (a
-    built-in's name) where it has none of its own. Returns what it uses: "the model's", a
-    built-in's name, the file's path, or None (no template)."""
+def apply(tokenizer, spec: str | None) -> str | None:
+    """Give the tokenizer the chat template `spec` (resolve) where given. Returns what it uses:
+    "the model's", a built-in's name, the file's path, or None (no template)."""
     if spec is not None:
         tokenizer.chat_template = resolve(spec)
         return spec
-    if getattr(tokenizer, "chat_template", None):
-        return "the model's"
-    if default is not None:
-        tokenizer.chat_template = BUILTIN[default]
-        return default
-    return None
+    return "the model's" if getattr(tokenizer, "chat_template", None) else None

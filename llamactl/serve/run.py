@@ -105,13 +105,14 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     the drain time ended (serve.server.serve). synthetic: random weights of
     that shape instead of `model` (load tests). world: tensor parallelism (tp.World): rank 0
     serves HTTP and schedules; the other ranks load their shards and follow its steps."""
+    import sys
+
+    check_libraries()  # before anything that imports them: a missing package is one line
     from llamactl.runtime.generate import eos_ids
     from llamactl.runtime.load import load
     from llamactl.serve.api import Service, build_app
     from llamactl.serve.engine import Engine
-    import sys
 
-    check_libraries()
     leader = world is None or world.rank == 0
     sock = bind(serve.host, serve.port) if leader else None  # before loading: a busy port fails at once
     sys.setswitchinterval(GIL_SWITCH_S)  # this process serves and nothing else
@@ -149,10 +150,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
             engine.follow()
             return "rank 0 stopped", 0
         name = serve.model_name or label
-        from llamactl.runtime.load import DEFAULT_MODEL
-
-        embedded = not synthetic and art.path.resolve() == DEFAULT_MODEL.resolve()
-        template = chat.apply(tok, serve.chat_template, "plain" if embedded else None)
+        template = chat.apply(tok, serve.chat_template)
         app = build_app(Service(engine, tok, name, m.args.vocab_size, serve.api_key, serve.max_request_bytes))
         cache = engine.runner.cache
 
