@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from llamactl.errors import InputError
-from llamactl.folder.artifact import check_output_file, open_artifact
+from llamactl.folder.artifact import check_output_file, open_artifact, staged_file
 from llamactl.quality import no_progress
 from llamactl.quantize import sensitivity
 from llamactl.quantize.calib import check_spec, resolve_spec
@@ -35,6 +35,7 @@ def calibrate(model: str, output: str, calib: str = "docs", n_samples: int | Non
                          f"({art.args.max_position_embeddings})", "lower --seq-len")
     t0 = time.perf_counter()
     stats = sensitivity.collect(art, spec, resolve_device(device), progress)
-    stats.save(out)
+    with staged_file(out, force, "calibration statistics", sensitivity.is_stats_file) as tmp:
+        stats.save(tmp)  # renamed over `out` (mode as the umask says) only once whole
     return {"output": str(out), "tensors": len(stats.fisher), "tokens": stats.tokens,
             "seconds": round(time.perf_counter() - t0, 2), "calibration": stats.meta["calibration"]}

@@ -38,18 +38,13 @@ class Stats:
     meta: dict[str, Any] = field(default_factory=dict)  # the calibration spec, the parent's shape
 
     def save(self, path: Path) -> None:
-        """Atomically: a .partial beside `path`, renamed over it."""
+        """To `path` as it is (calibrate stages it beside its output: artifact.staged_file)."""
         from safetensors.torch import save_file
 
         tensors = {f"fisher/{k}": v.to(torch.bfloat16).contiguous() for k, v in self.fisher.items()}
         tensors |= {f"act2/{k}": v.float().contiguous() for k, v in self.act2.items()}
-        tmp = path.with_name(path.name + ".partial")
-        try:
-            save_file(tensors, str(tmp), metadata={"format": FORMAT, "tokens": str(self.tokens),
-                                                    "meta": json.dumps(self.meta)})
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        save_file(tensors, str(path), metadata={"format": FORMAT, "tokens": str(self.tokens),
+                                                "meta": json.dumps(self.meta)})
 
 
 def is_stats_file(path: Path) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from pathlib import Path
 
@@ -91,6 +92,10 @@ def test_calibrate_measures_every_quantizable_tensor(tiny_gqa, stats_file):
 
     art = open_artifact(tiny_gqa)
     stats = load_stats(stats_file, art)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stats_file.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, as quantize's outputs
+    assert [p.name for p in stats_file.parent.iterdir()] == [stats_file.name]  # nothing staged is left
     a = art.args
     assert len(stats.fisher) == 7 * a.num_hidden_layers + 2 and stats.tokens == 128
     assert stats.fisher["model.embed_tokens"].shape == (a.vocab_size, a.hidden_size)
