@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -151,11 +152,23 @@ def default_eval_tokens(device: torch.device, params: int) -> int:
     return max(2048, min(GPU_EVAL_TOKENS, n // 512 * 512))
 
 
+def expected_cpu_seconds(params: int, tokens: int) -> float:
+    """A rough time for a CPU quality report: parent and child at CPU_EVAL_FLOPS on 2 cores,
+    scaled by the cores this process may use."""
+    return 4 * params * tokens / CPU_EVAL_FLOPS * 2 / max(1, len(os.sched_getaffinity(0)))
+
+
 def announce(eval_tokens: int | None, device: torch.device, art, log) -> int:
-    """The tokens to score (eval_tokens, or the device's default for this model), said in the log."""
-    n = eval_tokens if eval_tokens is not None else default_eval_tokens(device, params_from_config(art.args))
+    """The tokens to score (eval_tokens, or the device's default for this model), said in the log
+    with the time to expect on the CPU."""
+    params = params_from_config(art.args)
+    n = eval_tokens if eval_tokens is not None else default_eval_tokens(device, params)
     why = "" if eval_tokens is not None else f" (the default on the {device.type} for this model; --eval-tokens sets it)"
-    log(f"measuring quality against the parent on {n:,} tokens{why}")
+    expect = ""
+    if device.type == "cpu" and n:
+        t = expected_cpu_seconds(params, n)
+        expect = f": expect about {t:.0f} s" if t < 90 else f": expect about {t / 60:.0f} minutes"
+    log(f"measuring quality against the parent on {n:,} tokens{why}{expect}")
     return n
 
 
