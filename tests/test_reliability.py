@@ -185,7 +185,7 @@ def test_a_full_disk_in_a_librarys_writer_is_one_line(tmp_path, tiny_gqa, monkey
 def test_a_ctrl_c_a_library_turns_into_its_own_error_is_still_an_interrupt(monkeypatch):
     """transformers' lazy imports turn a KeyboardInterrupt into a ModuleNotFoundError (and the
     tokenizer loader that into "could not be loaded"): a Ctrl-C that came is said as one, exit 130."""
-    from llamactl.cli import models as describe  # inspect's command calls the describe it imported
+    from llamactl.folder import describe
 
     real = describe.describe
 

@@ -11,14 +11,10 @@ import typer
 from llamactl import ui
 from llamactl.cli.options import (DeviceOpt, DtypeOpt, EvalOpt, PinsFileOpt, TpOpt, TrustCacheOpt,
                                   comma_choices, int_list, runtime_options)
-from llamactl.bench import loadtest, report
 from llamactl.cli.run import rank_device, serve_mode, tensor_parallel
 from llamactl.errors import InputError
-from llamactl.folder.artifact import atomic_write_text, check_writable_file
 from llamactl.kernels.arith import QUANT_INPUTS
-from llamactl.options import KV_DTYPES, api_key as key_from_env
-from llamactl.serve.run import check_libraries
-from llamactl.serve.spawn import spawned
+from llamactl.options import KV_DTYPES
 
 
 def busy_cpu() -> str | None:
@@ -94,6 +90,8 @@ def bench(
     tp: TpOpt = 1,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
+    from llamactl.bench import report
+
     if fmt not in ("table", "json", "csv", "markdown"):
         raise typer.BadParameter(f"--format {fmt!r}: use table, json, csv or markdown")
     if url or serve_model:
@@ -101,6 +99,9 @@ def bench(
             raise typer.BadParameter("--url and --serve: give one (--serve starts its own server)")
         if len(prompt_len) != 1 or len(gen_len) != 1:
             raise typer.BadParameter("a load test takes one --prompt-len and one --gen-len (or ranges LO:HI)")
+        from llamactl.bench import loadtest
+        from llamactl.options import api_key as key_from_env
+
         (p_lo, p_hi), (g_lo, g_hi) = prompt_len[0], gen_len[0]
         load = loadtest.Load(url=url or "", concurrency=concurrency, requests=requests, prompt_len=p_lo,
                              gen_len=g_lo, prompt_max=p_hi, gen_max=g_hi, shared_prefix=shared_prefix,
@@ -157,6 +158,8 @@ def bench(
                                  f"{', '.join(QUANT_INPUTS)} or a comma list of them")
     kv_list = comma_choices("--kv-dtype", kv_dtype, {k: k for k in KV_DTYPES}, f"{', '.join(KV_DTYPES)} or a comma list of them")
     if output:
+        from llamactl.folder.artifact import check_writable_file
+
         check_writable_file(Path(output), "--output")
     if profile and Path(profile).exists() and not Path(profile).is_dir():
         raise InputError(f"--profile {profile} is a file, not a folder", "name a folder for the traces (made if missing)")
@@ -222,12 +225,17 @@ def bench(
 
 def _write_result(result: dict, fmt: str, output: str) -> None:
     """A bench result in --format to -o's file (atomically)."""
+    from llamactl.bench import report
+    from llamactl.folder.artifact import atomic_write_text
+
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     atomic_write_text(Path(output), (text or report.to_markdown)(result))
 
 
 def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None:
     """A bench result on stdout in --format (a table titled `title`), and in -o's file too."""
+    from llamactl.bench import report
+
     text = {"json": report.to_json, "csv": report.to_csv, "markdown": report.to_markdown}.get(fmt)
     if output:
         _write_result(result, fmt, output)
@@ -241,10 +249,15 @@ def _emit_result(result: dict, fmt: str, output: str | None, title: str) -> None
 def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_quant: str | None, device: str,
                dtype: str, mode: str | None, fmt: str, output: str | None) -> None:
     """bench --url / --serve: run the load test (starting and stopping a server for --serve)."""
+    from llamactl.bench import loadtest, report
+    from llamactl.serve.run import check_libraries
+
     loadtest.check_client()
     if serve_model:
         check_libraries()
     if output:
+        from llamactl.folder.artifact import check_writable_file
+
         check_writable_file(Path(output), "--output")
     with ui.progress("load test", len(load.concurrency)) as advance:
         def measured(row: dict) -> None:
@@ -252,6 +265,8 @@ def _load_test(load, serve_model: str | None, synthetic: str | None, synthetic_q
             advance(1)
 
         if serve_model:
+            from llamactl.serve.spawn import spawned
+
             room = 2 * (load.shared_prefix + (load.prompt_max or load.prompt_len)) + (load.gen_max or load.gen_len)
             room = 4096 if load.dataset else room  # a word may be more than one token
             with spawned(serve_model, max(load.concurrency), room, device, dtype, synthetic, synthetic_quant,

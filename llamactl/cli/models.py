@@ -11,15 +11,15 @@ import typer
 from llamactl import ui
 from llamactl.cli.options import (DeviceOpt, DtypeOpt, EvalOpt, EvalTokensOpt, ForceOpt, JsonOpt, KernelsOpt, ModelArg,
                                   ModelReq, OutOpt, PickleOpt, PinsFileOpt, QuantInputsOpt, int_list, runtime_options)
-from llamactl.folder.artifact import DEFAULT_MODEL, open_artifact, resolve_model_path
-from llamactl.folder.describe import describe
-from llamactl.quantize.options import DEFAULT_BITS
 
 LARGE_KL = 0.1  # nats a token: more than 4-bit RTN costs the embedded model (0.07); convert-heads warns past it
 
 
 def inspect(model: ModelArg = None, json_out: JsonOpt = False, allow_pickle: PickleOpt = False):
     """Architecture, sizes, KV-cache cost, quantization and lineage of a model folder."""
+    from llamactl.folder.artifact import open_artifact, resolve_model_path
+    from llamactl.folder.describe import describe
+
     art = open_artifact(resolve_model_path(model), allow_pickle=allow_pickle)
     from llamactl.runtime.load import check_tensors  # torch: only for a folder that opened
 
@@ -93,6 +93,8 @@ def quantize(
 ):
     """Quantize a 16-bit model to 4 or 8 bits (or to a bits-per-weight budget) and report what it cost in quality."""
     from llamactl.quantize.stage import QuantOptions, quantize as run
+
+    from llamactl.quantize.options import DEFAULT_BITS
 
     bits = bits if bits is not None else DEFAULT_BITS.get(method, 4)
     opts = QuantOptions(method=method, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, damp=damp,
@@ -243,6 +245,8 @@ def compile_cmd(
     from llamactl.runtime.load import resolve_model_path
 
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file)
+    from llamactl.folder.artifact import DEFAULT_MODEL
+
     src = resolve_model_path(model)
     # beside the model, but never inside the installed package: the embedded model's goes to ./
     out = output or (f"{DEFAULT_MODEL.name}-compiled" if src == DEFAULT_MODEL else f"{str(src).rstrip('/')}-compiled")

@@ -12,12 +12,6 @@ from llamactl import ui
 from llamactl.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, KvDtypeOpt, ModelArg, PickleOpt, PinsFileOpt,
                                   QuantInputsOpt, TpOpt, TrustCacheOpt, runtime_options)
 from llamactl.errors import InputError
-from llamactl.folder.artifact import open_artifact, resolve_model_path
-from llamactl.options import api_key as key_from_env
-from llamactl.quantize.options import QuantOptions
-from llamactl.runtime import chat as chats
-from llamactl.runtime.chat import resolve
-from llamactl.serve.run import ServeOptions, run
 
 
 def generate(
@@ -75,6 +69,8 @@ def generate(
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:  # undecodable bytes, kept as surrogates by Python's stdin/argv decoding
         raise InputError(f"the prompt is not UTF-8 text (at character {e.start})", "pass UTF-8 text") from None
+    from llamactl.runtime import chat as chats
+
     if chat_template is not None:
         chats.resolve(chat_template)  # a bad name or file fails before the model loads
     art, m, tok, _ = load(model, device, dtype, allow_pickle, options, world=world)
@@ -147,6 +143,7 @@ def _draft_model(draft: str, art, tok, target, allow_pickle: bool, options):
 
     device, dtype = str(target.device), str(target.dtype).replace("torch.", "")
     if draft in ("self-int4", "self-int8"):
+        from llamactl.quantize.options import QuantOptions
         from llamactl.quantize.stage import quantize
 
         bits = int(draft[-1])
@@ -180,6 +177,8 @@ def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool,
                 for rank in range(tp):
                     tpm.plan_synthetic(synthetic_args(synthetic), q.strip(), rank, tp)
         else:
+            from llamactl.folder.artifact import open_artifact, resolve_model_path
+
             tpm.check_shard_fits(open_artifact(resolve_model_path(model), allow_pickle=allow_pickle), tp)
         if dev.type == "cuda" and torch_cuda_count() < tp:
             raise InputError(f"--tp {tp} needs {tp} GPUs; {torch_cuda_count()} visible", f"use --tp {torch_cuda_count()} or fewer")
@@ -242,6 +241,9 @@ def serve(
     tp: TpOpt = 1,
 ):
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching, until SIGTERM."""
+    from llamactl.options import api_key as key_from_env
+    from llamactl.serve.run import ServeOptions, run
+
     opts = ServeOptions(host=host, port=port, max_batch=max_batch, max_queue=max_queue, max_seq=max_seq,
                         prefill_chunk=prefill_chunk, gather_ms=gather_ms, drain_s=drain_timeout, api_key=api_key or key_from_env(),
                         model_name=model_name, mode=serve_mode(mode), prefill_graphs=prefill_graphs,
@@ -252,6 +254,8 @@ def serve(
         raise InputError(f"serve --draft {draft}: a server speculates with prompt lookup alone",
                          "pass --draft ngram (model drafts: llamactl generate --draft)")
     if chat_template is not None:
+        from llamactl.runtime.chat import resolve
+
         resolve(chat_template)  # a bad name or file fails before the model loads
     options = runtime_options(kernels=kernels, quant_inputs=quant_inputs, pins_file=pins_file, kv_dtype=kv_dtype)
     if model and synthetic:
