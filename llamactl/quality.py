@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 
 from llamactl.errors import InputError, CheckpointError
 from llamactl.folder.describe import params_from_config
+from llamactl.runtime.cores import usable
 from llamactl.runtime.kv_cache import StaticCache
 from llamactl.runtime.load import load_model, load_tokenizer
 
@@ -155,7 +155,7 @@ def default_eval_tokens(device: torch.device, params: int) -> int:
 def expected_cpu_seconds(params: int, tokens: int) -> float:
     """A rough time for a CPU quality report: parent and child at CPU_EVAL_FLOPS on 2 cores,
     scaled by the cores this process may use."""
-    return 4 * params * tokens / CPU_EVAL_FLOPS * 2 / max(1, len(os.sched_getaffinity(0)))
+    return 4 * params * tokens / CPU_EVAL_FLOPS * 2 / usable()
 
 
 def announce(eval_tokens: int | None, device: torch.device, art, log) -> int:

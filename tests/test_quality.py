@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from llamactl.quality import GPU_EVAL_TOKENS, announce, default_eval_tokens, expected_cpu_seconds
+from llamactl.runtime.cores import usable
 
 
 def test_the_cpu_default_follows_the_model_and_the_gpu_keeps_its_count():
@@ -26,7 +25,7 @@ def test_the_report_says_how_many_tokens_and_why(trained_model):
     n = announce(None, torch.device("cpu"), art, lines.append)
     assert f"{n:,} tokens (the default on the cpu for this model; --eval-tokens sets it): expect about " in lines[1]
     assert announce(None, torch.device("cuda"), art, lines.append) == GPU_EVAL_TOKENS and "expect" not in lines[2]
-    assert 60 < expected_cpu_seconds(17_000_000, 32_768) * len(os.sched_getaffinity(0)) / 2 < 180  # 85 s measured
+    assert 60 < expected_cpu_seconds(17_000_000, 32_768) * usable() / 2 < 180  # 85 s measured
 
 
 def test_the_kv_quality_harness_is_exact_for_a_16bit_cache_and_small_for_an_8bit_one(embedded):

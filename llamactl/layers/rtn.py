@@ -6,6 +6,7 @@ folders with the same math (quantize.rtn)."""
 from __future__ import annotations
 
 import torch
+
 from llamactl.layers.cpu import CpuQuantLinear
 from llamactl.layers.fp8 import FP8Linear, quantize_fp8, use_fp8_kernels
 from llamactl.layers.gptq import GPTQLinear, pack_gptq, swap_linears

@@ -16,17 +16,18 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
 from llamactl.folder.artifact import _alive
 from llamactl.folder.checkpoint import load_tokenizer
 from llamactl.folder.describe import params_from_config
 from llamactl.quantize.calib import build_samples, resolve_spec
 from llamactl.quantize.options import EMBED, dynamic_overrides, module_schemes
+from llamactl.runtime.cores import usable
 
 
 ENGINE_LOG = "quantize.log"  # GPTQModel's output, kept beside the weights
@@ -49,7 +50,7 @@ CPU_FIXED_S, CPU_S_PER_TOKEN, CPU_REF_PARAMS, CPU_REF_CORES = 15.0, 0.9e-3, 17e6
 
 def expected_cpu_seconds(art, tokens: int) -> float:
     """A rough time for GPTQ on this CPU: the measured run scaled by tokens, parameters and cores."""
-    scale = params_from_config(art.args) / CPU_REF_PARAMS * CPU_REF_CORES / max(1, len(os.sched_getaffinity(0)))
+    scale = params_from_config(art.args) / CPU_REF_PARAMS * CPU_REF_CORES / usable()
     return CPU_FIXED_S + CPU_S_PER_TOKEN * tokens * scale
 
 

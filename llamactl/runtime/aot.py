@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
 from llamactl.folder.artifact import sha256_file
 from llamactl.folder.signing import signing_key
 from llamactl.kernels.cpu import cache_root, cpu_flags

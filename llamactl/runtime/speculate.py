@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from llamactl.runtime.step import Decoder
 
 

@@ -5,6 +5,7 @@ sync, so the loop can launch a step before it reads the last one's tokens (serve
 from __future__ import annotations
 
 import torch
+
 from llamactl.runtime.sampling import snapshot_rows
 
 
