@@ -14,21 +14,19 @@ import torch
 
 from llamactl.folder.artifact import open_artifact, resolve_model_path
 from llamactl.folder.checkpoint import iter_checkpoint
-from llamactl.layers.rtn import rtn_quantize
+from llamactl.layers.fp8 import quantize_fp8
+from llamactl.quantize.budget import options_for
 from llamactl.quantize.sensitivity import load_stats
 
-E4M3_MAX = 448.0
+INT8_ROW = {"bits": 8, "group_size": -1, "sym": True}
 
 
-def int8_row(w: torch.Tensor) -> torch.Tensor:
-    codes, zeros, scales, g_idx = rtn_quantize(w, 8, -1, True, False, None)
-    g = g_idx.long()
-    return (codes - zeros.t()[:, g]) * scales.t()[:, g]
-
-
-def fp8_row(w: torch.Tensor) -> torch.Tensor:
-    scale = (w.abs().amax(1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-    return (w / scale).to(torch.float8_e4m3fn).float() * scale
+def predicted_kl(name: str, w: torch.Tensor, fisher: torch.Tensor) -> dict[str, float]:
+    """The allocator's KL for int8 RTN per row (budget.options_for, as --target-bpw computes it)
+    and the same sum for e4m3 per row (quantize --method fp8's rounding, float32 scales)."""
+    int8 = next(o.kl for o in options_for(name, w, fisher, None, True, False, 2, widths=(8,)) if o.scheme == INT8_ROW)
+    codes, scale = quantize_fp8(w, torch.float32)
+    return {"int8": int8, "fp8": 0.5 * float((fisher * (codes.float() * scale - w) ** 2).sum())}
 
 
 def main(model: str, stats_path: str, out: str) -> None:
@@ -38,7 +36,7 @@ def main(model: str, stats_path: str, out: str) -> None:
     rows = []
     for name, fisher in sorted(stats.fisher.items()):
         w = tensors[f"{name}.weight"].float()
-        kl = {k: 0.5 * float((fisher.float() * (f(w) - w) ** 2).sum()) for k, f in (("int8", int8_row), ("fp8", fp8_row))}
+        kl = predicted_kl(name, w, fisher.float())
         rows.append({"tensor": name, "shape": list(w.shape), **kl, "fp8_over_int8": kl["fp8"] / kl["int8"]})
     ratios = sorted(r["fp8_over_int8"] for r in rows)
     summary = {"tensors": len(rows), "fp8_better": sum(r < 1 for r in ratios), "ratio_min": ratios[0],
