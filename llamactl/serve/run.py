@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -105,8 +106,6 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
     the drain time ended (serve.server.serve). synthetic: random weights of
     that shape instead of `model` (load tests). world: tensor parallelism (tp.World): rank 0
     serves HTTP and schedules; the other ranks load their shards and follow its steps."""
-    import sys
-
     check_libraries()  # before anything that imports them: a missing package is one line
     from llamactl.runtime.generate import eos_ids
     from llamactl.runtime.load import load
