@@ -9,7 +9,8 @@
 #   chat-new        chat (prompts 64:1024 words, answers 64:512, 512 requests, concurrency 256)
 #   prefix-new      a 1,536-word shared prefix, 64:256 own words, 32:256 out, concurrency 64
 #   prefix-noprefix the same with --no-prefix-cache
-#   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100)
+#   chat-old        chat on OLD (--max-batch 128 --max-seq 2624: 256 such slots do not fit an H100;
+#                   --max-queue 256: every client waits for a slot, none is answered 429)
 #   chat-base       chat on OLD with chat-new's arguments (OLD a paged tree too)
 #   chat-ramp       chat with the 256 clients starting over 10 s (--ramp-up 10): steady-state TTFT
 #   chat-nomix      chat with --no-mixed-steps (decode steps apart from the prefill forwards)
@@ -62,12 +63,12 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     chat-new) start "$run" "$new"; load "$run" "${CHAT[@]}" ;;
     prefix-new) start "$run" "$new"; load "$run" "${PREFIX[@]}" ;;
     prefix-noprefix) start "$run" "$new" --no-prefix-cache; load "$run" "${PREFIX[@]}" ;;
-    chat-old) start "$run" /tmp/old --max-batch 128 --max-seq 2624; load "$run" "${CHAT[@]}" ;;
+    chat-old) start "$run" /tmp/old --max-batch 128 --max-seq 2624 --max-queue 256; load "$run" "${CHAT[@]}" ;;
     chat-base) start "$run" /tmp/old; load "$run" "${CHAT[@]}" ;;
     chat-ramp) start "$run" "$new"; load "$run" "${CHAT[@]}" --ramp-up 10 ;;
     chat-nomix) start "$run" "$new" --no-mixed-steps; load "$run" "${CHAT[@]}" ;;
     chat-kv16-new) start "$run" "$new" --kv-memory 16; load "$run" "${CHAT[@]}" ;;
-    chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096; load "$run" "${CHAT[@]}" ;;
+    chat-kv16-old) start "$run" /tmp/old --max-batch 32 --max-seq 4096 --max-queue 256; load "$run" "${CHAT[@]}" ;;
     chat-kv8-half) start "$run" "$new" --kv-memory 8 --kv-dtype int8; load "$run" "${CHAT[@]}" ;;
     chat-fp8) start "$run" "$new" --synthetic-quant fp8; load "$run" "${CHAT[@]}" ;;
     plain32) start "$run" "$new"; load "$run" "${JSON32[@]}" ;;

@@ -252,6 +252,30 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
     assert sum(agree(together[i], want[i]) for i in range(4)) / 4 >= 0.6
 
 
+def test_a_pool_sized_by_fraction_leaves_the_warmed_up_server_its_margin(trained_model):
+    """No --kv-memory on a GPU: the engine warms up over a probe pool, measures its peak, and
+    builds the pool that fits in the fraction beside it; after the second warm-up and a mixed
+    burst the card still has the margin free, and the tokens are the fixed pool's."""
+    from llamactl.serve.engine import Engine, KvOptions
+    from llamactl.serve.runner import MARGIN_BYTES, PROBE_BLOCKS
+
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
+    prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313)), list(range(7, 40))]
+    free, total = torch.cuda.mem_get_info()
+    fraction = (total - free) / total + 0.05  # what is in use now and 5% of the card more
+    eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, kv=KvOptions(gpu_fraction=fraction))
+    eng.warm_up()
+    pool = eng.runner.cache.nbytes
+    assert eng.runner.cache.blocks > PROBE_BLOCKS and eng.scheduler.pool.blocks == eng.runner.cache.blocks
+    measured = _greedy_tokens(eng, prompts, range(4), 12)
+    torch.cuda.synchronize()
+    used = total - torch.cuda.mem_get_info()[0]
+    assert used <= fraction * total - MARGIN_BYTES / 2, (used, pool)
+    fixed = Engine(model, set(), max_batch=4, max_queue=8, max_seq=128, kv=KvOptions(memory_gib=1))
+    fixed.warm_up()
+    assert _greedy_tokens(fixed, prompts, range(4), 12) == measured
+
+
 def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
     """Start a warmed-up engine, submit prompts[i] for i in which together (n greedy tokens each),
     stop it once they end -> their tokens."""

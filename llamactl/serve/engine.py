@@ -21,6 +21,7 @@ each request's `on_event`, called on the engine's thread.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from llamactl.options import RuntimeOptions
 from llamactl.runtime import kv_format
 from llamactl.runtime.speculate import NgramDraft, agreed
 from llamactl.serve.blocks import BlockPool
-from llamactl.serve.runner import BLOCK_SIZE, Runner, kv_blocks
+from llamactl.serve.runner import BLOCK_SIZE, GPU_MEMORY_FRACTION, PROBE_BLOCKS, Runner, kv_blocks, measured_blocks
 from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
                                       Rejected, Request, Scheduler)
 from llamactl.runtime.tp import smallest
@@ -98,16 +99,27 @@ class Engine:
         max_seq = min(max_seq or ctx, ctx)
         chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
         fmt = kv_format.resolve((options or RuntimeOptions()).kv_dtype, model.dtype, model.device)
-        blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
-                           max(chunk, BATCH_PREFILL_TOKENS), fmt)
+        # one GPU sized by a fraction: a probe pool until warm_up has measured what the rest takes
+        self._measure = kv.gpu_fraction if gpu and kv.memory_gib is None and world is None else None
+        if self._measure is None:
+            blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
+                               max(chunk, BATCH_PREFILL_TOKENS), fmt)
+        else:
+            blocks = PROBE_BLOCKS
+            self._measure = kv.gpu_fraction or GPU_MEMORY_FRACTION
         if world is not None:  # every rank holds the pool of the rank with the least memory
             blocks = smallest(blocks, world)
-        self.runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
-                             block_size=kv.block_size, fmt=fmt)
+
+        def build(blocks: int) -> tuple[Runner, BlockPool]:
+            runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
+                            block_size=kv.block_size, fmt=fmt)
+            # blocks are named by their tokens and the model (its shape and weights' first values)
+            return runner, BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
+
+        self._build = build
+        self.runner, pool = build(blocks)
         self.max_seq = self.runner.max_seq
         self.times = EngineTimes()
-        # blocks are named by their tokens and the model (its shape and weights' first values)
-        pool = BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
         self.scheduler = Scheduler(max_batch, max_queue, self.max_seq, chunk, gpu,
                                    (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times,
                                    pool=pool, mix=mix, speculate=speculate)
@@ -157,7 +169,22 @@ class Engine:
         return self.runner.warm_up_plan(self.scheduler)
 
     def warm_up(self) -> None:
-        """Every shape the scheduler will ask for, run (or captured) once before the first request."""
+        """Every shape the scheduler will ask for, run (or captured) once before the first request.
+        A pool sized by a fraction of the GPU: warmed up over the probe pool first, the peak
+        measured, then the pool that fits beside it built and warmed up again (the compiler caches
+        make the second quick)."""
+        if self._measure is None:
+            self.runner.warm_up(self.scheduler)
+            return
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.warm_up(self.scheduler)
+        blocks = measured_blocks(self.runner, self._measure)
+        self.runner = None  # its pool and graphs freed before the real pool is taken
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.runner, pool = self._build(blocks)
+        self.scheduler.use_pool(pool)
         self.runner.warm_up(self.scheduler)
 
     def follow(self) -> None:

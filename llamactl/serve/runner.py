@@ -29,6 +29,12 @@ CPU_KV_BYTES = 2 << 30  # the most a CPU server's pool takes by default
 # 26 decode and 31 prefill graphs at 256 rows held 8.5 GiB and ran an H100 out of memory when
 # only 0.5 GiB was kept), library workspaces, allocator slack
 RESERVE_BYTES = 4 << 30
+# A GPU server sized by fraction warms up over a pool of PROBE_BLOCKS, measures its peak, then
+# takes what is left (measured_blocks): the estimate above left a llama3-8b server on an H100 a
+# 44.9 GiB pool and 124 MiB free, and its first 256-row mixed forward ran out of memory
+# (docs/bench/runs/2026-12-07-paged-h100). MARGIN_BYTES stays free beyond the measured peak.
+PROBE_BLOCKS = 64
+MARGIN_BYTES = 1 << 30
 
 
 def activation_bytes(model, max_batch: int, prefill_tokens: int) -> int:
@@ -57,6 +63,25 @@ def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gi
     budget = (fraction or GPU_MEMORY_FRACTION) * total - (total - free)
     budget -= activation_bytes(model, max_batch, prefill_tokens) + RESERVE_BYTES
     return int(budget // per) + 1
+
+
+def blocks_left(total: int, free: int, reserved: int, peak: int, probe_bytes: int, fraction: float,
+                block_bytes: int) -> int:
+    """Blocks that `fraction` of a card of `total` bytes holds beside what a warm-up measured: the
+    device's free bytes now, the allocator's reserved bytes now and at their peak (the probe
+    pool's probe_bytes among them). What others hold (other processes, the CUDA context, libraries'
+    own allocations) is total - free - reserved."""
+    used = (total - free) - reserved + peak - probe_bytes
+    return int((fraction * total - used - MARGIN_BYTES) // block_bytes) + 1
+
+
+def measured_blocks(runner: "Runner", fraction: float | None) -> int:
+    """blocks_left after runner's warm-up (its peak since the allocator's peak was reset)."""
+    dev, cache = runner.device, runner.cache
+    torch.cuda.synchronize(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    return blocks_left(total, free, torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev),
+                       cache.nbytes, fraction or GPU_MEMORY_FRACTION, cache.nbytes // cache.blocks)
 
 
 class Runner:
@@ -338,7 +363,7 @@ class Runner:
         """One decode step per batch bucket of sched (serve.scheduler.Scheduler) with every row free
         (captures the CUDA graphs before the first request; free rows write position 0, which a
         prefill overwrites before it is read), then the prefill graphs and packed prefills (one
-        mixed with a decode row)."""
+        mixed with a decode row; the largest with every row, where steps mix)."""
         for greedy in (True, False):  # a graph each: argmax alone, or the per-row draw
             self.rows.greedy = greedy
             for b in sched.buckets:
@@ -356,5 +381,7 @@ class Runner:
             self.decoder.prefill_packed([[0] * s], [0], [0], (self._tok[:1], [1 % self.max_batch], [s]))  # mixed
             n = min(1024, self.max_seq)
             k = max(1, max(BATCH_PREFILL_TOKENS, sched.prefill_chunk) // n)
-            self.decoder.prefill_packed([[0] * n] * k, [0] * k, [0] * k)
+            rows = list(range(self.max_batch))  # every row decoding through it, where steps mix
+            mixed = (self._tok, rows, [s] * self.max_batch) if sched.mix and sched.batch_prefill else None
+            self.decoder.prefill_packed([[0] * n] * k, [0] * k, [0] * k, mixed)
             torch.cuda.synchronize(self.device)

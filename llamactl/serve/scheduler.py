@@ -255,10 +255,7 @@ class Scheduler:
         self.prefill_chunk, self.gather_s, self.clock = prefill_chunk, gather_s, clock
         self.times = times or EngineTimes()
         # a pool as large as a fixed grid of max_batch rows of max_seq where none is given (tests)
-        self.pool = pool or BlockPool(max_batch * -(-max_seq // 16) + 1, 16)
-        self.block_size = self.pool.block_size
-        # blocks kept free at admission for the running requests' next tokens (fewer preemptions)
-        self.watermark = max(1, self.pool.blocks // 100)
+        self.use_pool(pool or BlockPool(max_batch * -(-max_seq // 16) + 1, 16))
         self.batch_prefill = gpu  # a step's prompt chunks in one packed forward
         self.mix = gpu if mix is None else mix  # ... which carries the step's decode rows too (with batch_prefill)
         self.spec_k, self.spec_rows = speculate  # proposals a row at most, while at most spec_rows decode
@@ -286,6 +283,13 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self.queue)
+
+    def use_pool(self, pool: BlockPool) -> None:
+        """The KV blocks admission draws on from now (before any request: the engine's measured pool)."""
+        self.pool = pool
+        self.block_size = pool.block_size
+        # blocks kept free at admission for the running requests' next tokens (fewer preemptions)
+        self.watermark = max(1, pool.blocks // 100)
 
     def fits(self, prompt_len: int, max_tokens: int) -> str | None:
         """Why a prompt of prompt_len tokens and max_tokens new ones do not fit, or None."""

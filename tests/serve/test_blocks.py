@@ -92,3 +92,18 @@ def test_admission_waits_for_blocks_and_the_newest_is_preempted_when_they_run_ou
             break
     assert s.times.preemptions == 1 and b.slot is None and s.queue[0] is b and a.slot == 0
     assert "KV blocks" in s.fits(20, 20)  # 10 blocks can never fit 8
+
+
+def test_a_measured_pool_takes_the_fraction_left_beside_the_warm_up_peak():
+    from llamactl.serve.runner import MARGIN_BYTES, blocks_left
+
+    gib = 1 << 30
+    # an 80 GiB card: 20 GiB reserved now (a 2 GiB probe pool among them), 30 GiB at the peak,
+    # 1 GiB held outside the allocator: the process peaks at 29 GiB without its probe
+    got = blocks_left(total=80 * gib, free=59 * gib, reserved=20 * gib, peak=30 * gib, probe_bytes=2 * gib,
+                      fraction=0.9, block_bytes=gib // 2)
+    assert got == int((72 * gib - 29 * gib - MARGIN_BYTES) // (gib // 2)) + 1
+    # another process holding 10 GiB more leaves 20 fewer half-GiB blocks
+    assert blocks_left(80 * gib, 49 * gib, 20 * gib, 30 * gib, 2 * gib, 0.9, gib // 2) == got - 20
+    # a peak beyond the fraction leaves no room: the runner refuses fewer than 2 blocks
+    assert blocks_left(80 * gib, 5 * gib, 70 * gib, 75 * gib, 2 * gib, 0.9, gib // 2) < 2
