@@ -407,21 +407,37 @@ class Scheduler:
     def _admit(self, cancelled: list[Request]) -> list[Request]:
         # under self.cv: first come, first served, into the free rows, while the blocks last
         joined = []
+        pending = None  # names of the prompt blocks running rows will compute and have not planned
         while self.queue:
             if self.queue[0].cancelled:
                 cancelled.append(self.queue.popleft())
                 continue
             free = next((i for i, r in enumerate(self.slots) if r is None), None)
-            if free is None or not self._take_blocks(self.queue[0], busy=any(self.slots)):
+            if free is None:
+                break
+            if pending is None:
+                pending = {h for r in self.slots if r is not None for h in r.names[r.named:]}
+            if self._shares_pending(self.queue[0], pending) or not self._take_blocks(self.queue[0], busy=any(self.slots)):
                 break
             r = self.queue.popleft()
             r.slot = free
             self.slots[free] = r
             self._tables[free] = list(r.blocks)
+            pending.update(r.names[r.named:])
             joined.append(r)
             if r.arrived <= self._burst_start + GATHER_SPAN * self.gather_s:
                 self._burst_size += 1
         return joined
+
+    def _shares_pending(self, r: Request, pending: set) -> bool:
+        """Whether the first prompt block r would compute is one a running row computes and has
+        not planned yet: r then waits for the next plan and reuses it (SGLang's in-batch prefix
+        caching: a burst sharing a system prompt prefills it once, not once a request)."""
+        if not pending or not self.pool.prefix_cache or r.params.prompt_logprobs is not None:
+            return False
+        names = chain(r.tokens, self.block_size, self.pool.salt)[: (len(r.tokens) - 1) // self.block_size]
+        hit = len(self.pool.match(names))
+        return hit < len(names) and names[hit] in pending
 
     def _take_blocks(self, r: Request, busy: bool) -> bool:
         """Give r the blocks of everything it prefills: its longest cached prefix (full blocks,

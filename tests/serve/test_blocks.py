@@ -107,3 +107,22 @@ def test_a_measured_pool_takes_the_fraction_left_beside_the_warm_up_peak():
     assert blocks_left(80 * gib, 49 * gib, 20 * gib, 30 * gib, 2 * gib, 0.9, gib // 2) == got - 20
     # a peak beyond the fraction leaves no room: the runner refuses fewer than 2 blocks
     assert blocks_left(80 * gib, 5 * gib, 70 * gib, 75 * gib, 2 * gib, 0.9, gib // 2) < 2
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once():
+    s = _sched(60, max_batch=4)
+    shared = list(range(1, 13))  # 3 full blocks of 4
+    reqs = [_submit(s, shared + [50 + i, 60 + i]) for i in range(3)]
+    other = _submit(s, [7, 8, 9])
+    first = s.schedule(busy=False)
+    assert first.joined == reqs[:1]  # the others wait for its blocks
+    (p,) = first.prefills
+    assert [len(c) for c in p.ids] == [14]
+    second = s.schedule(busy=True)
+    assert second.joined == reqs[1:] + [other]
+    assert [r.cached for r in reqs[1:]] == [12, 12] and s.pool.hit_tokens == 24
+    assert sorted(len(c) for p in second.prefills for c in p.ids) == [2, 2, 3]
+    off = Scheduler(4, 8, 64, 512, False, 0.0, clock=FakeClock(), pool=BlockPool(60, 4, prefix_cache=False))
+    off.cv = FakeCondition(off.clock)
+    burst = [_submit(off, shared + [50 + i]) for i in range(3)]
+    assert off.schedule(busy=False).joined == burst  # nothing to reuse: nobody waits
