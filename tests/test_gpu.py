@@ -317,7 +317,7 @@ def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
         eng.warm_up()
         return _greedy_tokens(eng, prompts, which, n), eng
 
-    together, eng = run(range(4), 16)  # 4 x 5 blocks wanted at the end, 16 there
+    together, eng = run(range(4), 9)  # 11 blocks wanted at the end (the prefix's 3 shared, 2 each), 9 there
     alone = [run([i], 64)[0][i] for i in range(4)]
     agree = [sum(x == y for x, y in zip(together[i], alone[i])) / n for i in range(4)]
     print("paged, prefix hits and preemptions vs alone:", agree, "preemptions", eng.times.preemptions,
