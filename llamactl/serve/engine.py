@@ -33,7 +33,7 @@ from llamactl.options import RuntimeOptions
 from llamactl.runtime import kv_format
 from llamactl.runtime.speculate import NgramDraft, agreed
 from llamactl.serve.blocks import BlockPool
-from llamactl.serve.runner import BLOCK_SIZE, GPU_MEMORY_FRACTION, PROBE_BLOCKS, Runner, kv_blocks, measured_blocks
+from llamactl.serve.runner import BLOCK_SIZE, GPU_MEMORY_FRACTION, PROBE_BLOCKS, Runner, blocks_left, kv_blocks
 from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
                                       Rejected, Request, Scheduler)
 from llamactl.runtime.tp import smallest
@@ -56,6 +56,15 @@ class KvOptions:
     gpu_fraction: float | None = None
     block_size: int = BLOCK_SIZE
     prefix_cache: bool = True
+
+
+def measured_fraction(kv: KvOptions, gpu: bool, tensor_parallel: bool) -> float | None:
+    """The fraction of the card a pool fills once warm_up has measured what the rest takes (one
+    GPU and no --kv-memory: a probe pool until then), or None where the pool is sized up front
+    (--kv-memory; the CPU; tensor parallelism, whose ranks agree on one size first)."""
+    if not gpu or kv.memory_gib is not None or tensor_parallel:
+        return None
+    return kv.gpu_fraction or GPU_MEMORY_FRACTION
 
 
 def _model_salt(model) -> bytes:
@@ -99,14 +108,12 @@ class Engine:
         max_seq = min(max_seq or ctx, ctx)
         chunk = prefill_chunk or (PREFILL_CHUNK_GPU if gpu else PREFILL_CHUNK_CPU)
         fmt = kv_format.resolve((options or RuntimeOptions()).kv_dtype, model.dtype, model.device)
-        # one GPU sized by a fraction: a probe pool until warm_up has measured what the rest takes
-        self._measure = kv.gpu_fraction if gpu and kv.memory_gib is None and world is None else None
+        self._measure = measured_fraction(kv, gpu, world is not None)  # None: the pool sized here
         if self._measure is None:
             blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
                                max(chunk, BATCH_PREFILL_TOKENS), fmt)
         else:
             blocks = PROBE_BLOCKS
-            self._measure = kv.gpu_fraction or GPU_MEMORY_FRACTION
         if world is not None:  # every rank holds the pool of the rank with the least memory
             blocks = smallest(blocks, world)
 
@@ -176,14 +183,19 @@ class Engine:
         if self._measure is None:
             self.runner.warm_up(self.scheduler)
             return
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_reserved(dev)  # the probe pool's among them
         self.runner.warm_up(self.scheduler)
-        blocks = measured_blocks(self.runner, self._measure)
+        warm_up = torch.cuda.max_memory_reserved(dev) - before
+        per = self.runner.cache.nbytes // self.runner.cache.blocks
         self.runner = None  # its pool and graphs freed before the real pool is taken
         gc.collect()
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        self.runner, pool = self._build(blocks)
+        free, total = torch.cuda.mem_get_info(dev)  # what is not freed counts as used: never twice too little
+        self.runner, pool = self._build(blocks_left(total, total - free, warm_up, self._measure, per))
         self.scheduler.use_pool(pool)
         self.runner.warm_up(self.scheduler)
 

@@ -89,8 +89,14 @@ def _rank_device(device: str):
 def _warm_up(engine) -> None:
     """Capture (and with --mode compile, compile) every batch bucket's step before serving; a
     failed compile is one line that names the way out."""
+    import torch
+
     try:
         engine.warm_up()
+    except torch.OutOfMemoryError as e:
+        raise InputError("the GPU ran out of memory while the server warmed up (its CUDA graphs and largest forward "
+                         "beside the KV cache)", "pass a smaller --kv-memory, a lower --gpu-memory-fraction or a "
+                         "smaller --max-batch") from e
     except Exception as e:
         if engine.mode != "compile":
             raise

@@ -30,9 +30,9 @@ CPU_KV_BYTES = 2 << 30  # the most a CPU server's pool takes by default
 # only 0.5 GiB was kept), library workspaces, allocator slack
 RESERVE_BYTES = 4 << 30
 # A GPU server sized by fraction warms up over a pool of PROBE_BLOCKS, measures its peak, then
-# takes what is left (measured_blocks): the estimate above left a llama3-8b server on an H100 a
-# 44.9 GiB pool and 124 MiB free, and its first 256-row mixed forward ran out of memory
-# (docs/bench/runs/2026-12-07-paged-h100). MARGIN_BYTES stays free beyond the measured peak.
+# takes what is left (blocks_left; serve.engine.Engine.warm_up): the estimate above left a llama3-8b server on an H100 a
+# 44.9 GiB pool and 124 MiB free (its graphs' pools held 13.1 GiB), and its first 256-row mixed
+# forward ran out of memory (docs/bench/runs/2026-12-07-paged-h100). MARGIN_BYTES stays free beyond the measured peak.
 PROBE_BLOCKS = 64
 MARGIN_BYTES = 1 << 30
 
@@ -65,23 +65,11 @@ def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gi
     return int(budget // per) + 1
 
 
-def blocks_left(total: int, free: int, reserved: int, peak: int, probe_bytes: int, fraction: float,
-                block_bytes: int) -> int:
-    """Blocks that `fraction` of a card of `total` bytes holds beside what a warm-up measured: the
-    device's free bytes now, the allocator's reserved bytes now and at their peak (the probe
-    pool's probe_bytes among them). What others hold (other processes, the CUDA context, libraries'
-    own allocations) is total - free - reserved."""
-    used = (total - free) - reserved + peak - probe_bytes
-    return int((fraction * total - used - MARGIN_BYTES) // block_bytes) + 1
-
-
-def measured_blocks(runner: "Runner", fraction: float | None) -> int:
-    """blocks_left after runner's warm-up (its peak since the allocator's peak was reset)."""
-    dev, cache = runner.device, runner.cache
-    torch.cuda.synchronize(dev)
-    free, total = torch.cuda.mem_get_info(dev)
-    return blocks_left(total, free, torch.cuda.memory_reserved(dev), torch.cuda.max_memory_reserved(dev),
-                       cache.nbytes, fraction or GPU_MEMORY_FRACTION, cache.nbytes // cache.blocks)
+def blocks_left(total: int, used: int, warm_up: int, fraction: float, block_bytes: int) -> int:
+    """Blocks that `fraction` of a card of `total` bytes holds beside `used` bytes (in use with no
+    pool: weights, the CUDA context, other processes) and `warm_up` bytes (what a warm-up took at
+    its peak beyond that: the graphs' pools, the largest forward's activations)."""
+    return int((fraction * total - used - warm_up - MARGIN_BYTES) // block_bytes) + 1
 
 
 class Runner:

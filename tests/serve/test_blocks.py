@@ -98,15 +98,20 @@ def test_a_measured_pool_takes_the_fraction_left_beside_the_warm_up_peak():
     from llamactl.serve.runner import MARGIN_BYTES, blocks_left
 
     gib = 1 << 30
-    # an 80 GiB card: 20 GiB reserved now (a 2 GiB probe pool among them), 30 GiB at the peak,
-    # 1 GiB held outside the allocator: the process peaks at 29 GiB without its probe
-    got = blocks_left(total=80 * gib, free=59 * gib, reserved=20 * gib, peak=30 * gib, probe_bytes=2 * gib,
-                      fraction=0.9, block_bytes=gib // 2)
-    assert got == int((72 * gib - 29 * gib - MARGIN_BYTES) // (gib // 2)) + 1
-    # another process holding 10 GiB more leaves 20 fewer half-GiB blocks
-    assert blocks_left(80 * gib, 49 * gib, 20 * gib, 30 * gib, 2 * gib, 0.9, gib // 2) == got - 20
-    # a peak beyond the fraction leaves no room: the runner refuses fewer than 2 blocks
-    assert blocks_left(80 * gib, 5 * gib, 70 * gib, 75 * gib, 2 * gib, 0.9, gib // 2) < 2
+    # an 80 GiB card: 16 GiB in use without a pool, a warm-up that took 14 GiB at its peak
+    got = blocks_left(total=80 * gib, used=16 * gib, warm_up=14 * gib, fraction=0.9, block_bytes=gib // 2)
+    assert got == int((72 * gib - 30 * gib - MARGIN_BYTES) // (gib // 2)) + 1
+    assert blocks_left(80 * gib, 26 * gib, 14 * gib, 0.9, gib // 2) == got - 20  # 10 GiB more in use
+    assert blocks_left(80 * gib, 16 * gib, 60 * gib, 0.9, gib // 2) < 2  # the runner refuses fewer than 2
+
+
+def test_only_one_gpu_without_kv_memory_measures_its_pool():
+    from llamactl.serve.engine import KvOptions, measured_fraction
+
+    assert measured_fraction(KvOptions(), gpu=True, tensor_parallel=False) == 0.9
+    assert measured_fraction(KvOptions(gpu_fraction=0.5), True, False) == 0.5
+    assert measured_fraction(KvOptions(memory_gib=16), True, False) is None
+    assert measured_fraction(KvOptions(), False, False) is None and measured_fraction(KvOptions(), True, True) is None
 
 
 def test_a_burst_sharing_a_prefix_prefills_it_once():

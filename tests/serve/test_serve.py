@@ -482,6 +482,17 @@ def test_a_failed_compile_of_the_step_is_one_line_naming_graphs():
     with pytest.raises(RuntimeError):
         _warm_up(Broken())
 
+    import torch
+
+    class Full:
+        mode = "graphs"
+
+        def warm_up(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 260.00 MiB.")
+
+    with pytest.raises(InputError, match=r"ran out of memory while the server warmed up.*smaller --kv-memory"):
+        _warm_up(Full())
+
 
 def test_hostile_bodies_are_4xx_and_a_client_gone_mid_body_is_one_line(long_model):
     """--max-request-bytes caps a body (413, by its header or by what arrives); a text that cannot
