@@ -22,6 +22,7 @@ from gpu_rates import rates, timed
 from llamactl.bench.targets import load_targets
 from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.sampling import RowSampling
+from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
 
 REPLAYS = 20
@@ -56,7 +57,7 @@ def probe(model, rows: int, max_seq: int, bandwidth: float, variant: str = "new"
         tables.append(ids[at : at + n])
         at += n
     cache.set_rows(list(range(rows)), tables)
-    sampling = RowSampling.make([{}] * rows, model.device)
+    sampling = RowSampling.make([Sampling(temperature=0)] * rows, model.device)
     sampling.greedy = True
     dec = Decoder(model, rows, max_seq, "graphs", options=None, rows=sampling, cache=cache)
     tok = torch.randint(0, model.args.vocab_size, (rows,), device="cuda")
