@@ -223,10 +223,8 @@ def test_served_rows_give_the_tokens_they_give_alone_on_the_gpu(trained_model):
     greedy request among others against the same request alone (which steps at batch 1: other
     GEMVs, other bf16 rounding) and against batch-1 `generate`. Tokens agree up to the first
     near-tie; the agreement is printed (the kernels' tolerance, measured)."""
-    import time
-
     from conftest import greedy_alone
-    from llamactl.serve.engine import Engine, KvOptions, Params
+    from llamactl.serve.engine import Engine, KvOptions
 
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.bfloat16)
     prompts = [list(range(10, 15)), list(range(100, 109)), list(range(300, 313)), list(range(7, 40))]
@@ -276,6 +274,31 @@ def test_a_pool_sized_by_fraction_leaves_the_warmed_up_server_its_margin(trained
     assert _greedy_tokens(fixed, prompts, range(4), 12) == measured
 
 
+def test_graphs_sharing_a_pool_reuse_what_each_capture_freed():
+    """runtime.graphs.capture: graphs captured into one pool (on one stream) hold about one
+    capture's temporaries between them, not one each; and each replays its own result."""
+    from llamactl.runtime.graphs import capture
+
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.ones(64 << 20, device="cuda")  # 256 MiB of float32
+
+    def fn(scale):
+        tmp = x * scale  # a 256 MiB temporary, freed at the end of the capture
+        return tmp.sum()
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    graphs = [capture(fn, (float(i + 1),), pool) for i in range(4)]
+    torch.cuda.synchronize()
+    grew = torch.cuda.memory_reserved() - before
+    # one capture's temporary in the pool and one eager run's in the stream's cache (a stream and
+    # a pool each per capture held eight)
+    assert grew < 3 * (256 << 20), grew
+    for i, (graph, out) in enumerate(graphs):
+        graph.replay()
+        assert out.item() == (i + 1) * x.numel()
+
+
 def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
     """Start a warmed-up engine, submit prompts[i] for i in which together (n greedy tokens each),
     stop it once they end -> their tokens."""
@@ -300,9 +323,7 @@ def test_paged_prefix_hits_and_preemption_on_the_gpu(trained_model):
     against each alone in a fresh pool (a whole prompt: a prefill graph), in float32, where the
     kernels' sums differ by rounding only: the tokens agree (printed). In bf16 these synthetic
     prompts meet near-ties within three tokens (one of four parted at the first on an H200)."""
-    import time
-
-    from llamactl.serve.engine import Engine, KvOptions, Params
+    from llamactl.serve.engine import Engine, KvOptions
 
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.float32)
     shared = list(range(500, 548))
