@@ -30,9 +30,10 @@ CPU_KV_BYTES = 2 << 30  # the most a CPU server's pool takes by default
 # only 0.5 GiB was kept), library workspaces, allocator slack
 RESERVE_BYTES = 4 << 30
 # A GPU server sized by fraction warms up over a pool of PROBE_BLOCKS, measures its peak, then
-# takes what is left (blocks_left; serve.engine.Engine.warm_up): the estimate above left a llama3-8b server on an H100 a
-# 44.9 GiB pool and 124 MiB free (its graphs' pools held 13.1 GiB), and its first 256-row mixed
-# forward ran out of memory (docs/bench/runs/2026-12-07-paged-h100). MARGIN_BYTES stays free beyond the measured peak.
+# takes what is left (blocks_left; serve.engine.Engine.warm_up): the estimate above left a
+# llama3-8b server on an H100 a 44.9 GiB pool and 124 MiB free (its graphs' pools held 13.1 GiB),
+# and its first 256-row mixed forward ran out of memory (docs/bench/runs/2026-12-07-paged-h100).
+# MARGIN_BYTES stays free beyond the measured peak.
 PROBE_BLOCKS = 64
 MARGIN_BYTES = 1 << 30
 

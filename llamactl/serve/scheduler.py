@@ -417,7 +417,9 @@ class Scheduler:
                 break
             if pending is None:
                 pending = {h for r in self.slots if r is not None for h in r.names[r.named:]}
-            if self._shares_pending(self.queue[0], pending) or not self._take_blocks(self.queue[0], busy=any(self.slots)):
+            head = self.queue[0]
+            hits = self._cached_prefix(head)
+            if self._shares_pending(head, hits, pending) or not self._take_blocks(head, hits, busy=any(self.slots)):
                 break
             r = self.queue.popleft()
             r.slot = free
@@ -429,25 +431,31 @@ class Scheduler:
                 self._burst_size += 1
         return joined
 
-    def _shares_pending(self, r: Request, pending: set) -> bool:
-        """Whether the first prompt block r would compute is one a running row computes and has
-        not planned yet: r then waits for the next plan and reuses it (SGLang's in-batch prefix
-        caching: a burst sharing a system prompt prefills it once, not once a request)."""
+    def _cached_prefix(self, r: Request) -> list[int]:
+        """Name r's full blocks of everything it prefills (r.target, r.names; a preempted request
+        prefills its output so far too) -> the cached blocks of its longest prefix, at least one
+        token left to compute (none for a scored prompt: every position computed)."""
+        r.target = len(r.tokens)
+        r.names = chain(r.tokens, self.block_size, self.pool.salt)
+        if r.params.prompt_logprobs is not None and len(r.prompt_scores) < r.prompt_len - 1:
+            return []
+        return self.pool.match(r.names[: (r.target - 1) // self.block_size])
+
+    def _shares_pending(self, r: Request, hits: list[int], pending: set) -> bool:
+        """Whether the first prompt block r would compute (after its cached `hits`) is one a
+        running row computes and has not planned yet: r then waits for the next plan and reuses it
+        (SGLang's in-batch prefix caching: a burst sharing a system prompt prefills it once, not
+        once a request). A request that asks for prompt scores never waits."""
         if not pending or not self.pool.prefix_cache or r.params.prompt_logprobs is not None:
             return False
-        names = chain(r.tokens, self.block_size, self.pool.salt)[: (len(r.tokens) - 1) // self.block_size]
-        hit = len(self.pool.match(names))
-        return hit < len(names) and names[hit] in pending
+        full = (r.target - 1) // self.block_size
+        return len(hits) < full and r.names[len(hits)] in pending
 
-    def _take_blocks(self, r: Request, busy: bool) -> bool:
-        """Give r the blocks of everything it prefills: its longest cached prefix (full blocks,
-        at least one token left to compute), new blocks for the rest; False (nothing taken) where
-        the pool cannot spare them (keeping `watermark` free while others run)."""
+    def _take_blocks(self, r: Request, hits: list[int], busy: bool) -> bool:
+        """Give r the blocks of everything it prefills: its cached prefix `hits` (_cached_prefix),
+        new blocks for the rest; False (nothing taken) where the pool cannot spare them (keeping
+        `watermark` free while others run)."""
         bs = self.block_size
-        r.target = len(r.tokens)  # a preempted request prefills its output so far too
-        r.names = chain(r.tokens, bs, self.pool.salt)
-        scoring = r.params.prompt_logprobs is not None and len(r.prompt_scores) < r.prompt_len - 1
-        hits = [] if scoring else self.pool.match(r.names[: (r.target - 1) // bs])  # (a scored prompt: every position computed)
         need = -(-r.target // bs) - len(hits)
         if need > self.pool.available - (self.watermark if busy else 0) - self._idle_in(hits):
             return False
