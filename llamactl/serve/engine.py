@@ -34,8 +34,9 @@ from llamactl.runtime import kv_format
 from llamactl.runtime.speculate import NgramDraft, agreed
 from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, GPU_MEMORY_FRACTION, PROBE_BLOCKS, Runner, blocks_left, kv_blocks
-from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, Event, Params, QueueFull,  # noqa: F401
-                                      Rejected, Request, Scheduler)
+from llamactl.serve.plan import Event, Params, Request
+from llamactl.serve.scheduler import (BATCH_PREFILL_TOKENS, EngineTimes, QueueFull, Rejected,  # noqa: F401
+                                      Scheduler)
 from llamactl.runtime.tp import smallest
 from llamactl.serve.grammar import Matcher
 from llamactl.serve.staging import Launched

@@ -19,7 +19,8 @@ from llamactl.runtime.sampling import RowSampling, snapshot_rows
 from llamactl.runtime.settings import Sampling
 from llamactl.runtime.step import Decoder
 from llamactl.runtime.tp import receive, send
-from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS, Decode, Params, Prefill, Verify
+from llamactl.serve.plan import Decode, Params, Prefill, Verify
+from llamactl.serve.scheduler import BATCH_PREFILL_TOKENS
 from llamactl.serve.staging import Launched, Staging
 
 BLOCK_SIZE = 16  # positions a KV block holds (a prefix is reused by whole blocks)

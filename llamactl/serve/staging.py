@@ -10,7 +10,7 @@ from llamactl.runtime.sampling import snapshot_rows
 
 
 class Launched:
-    """A decode step in flight: its requests (serve.scheduler.Request; request i at batch row
+    """A decode step in flight: its requests (serve.plan.Request; request i at batch row
     at[i]), its tokens on their way to the host."""
 
     def __init__(self, rows: list, at: list[int], host: torch.Tensor, ready: "torch.cuda.Event | None",

@@ -4,7 +4,8 @@ scheduler's use of it: packed rows, prefix hits, admission by blocks, preemption
 from __future__ import annotations
 
 from llamactl.serve.blocks import BlockPool, chain
-from llamactl.serve.scheduler import Params, Scheduler, buckets
+from llamactl.serve.plan import Params
+from llamactl.serve.scheduler import Scheduler, buckets
 from test_scheduler import FakeClock, FakeCondition
 from llamactl.runtime.settings import Sampling
 

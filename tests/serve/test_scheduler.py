@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from llamactl.serve.scheduler import GATHER_SPAN, Params, QueueFull, Rejected, Scheduler
+from llamactl.serve.plan import Params
+from llamactl.serve.scheduler import GATHER_SPAN, QueueFull, Rejected, Scheduler
 from llamactl.runtime.settings import Sampling
 
 
