@@ -9,9 +9,9 @@ import json
 
 import torch
 
+from llamactl.bench.targets import load_targets
 from llamactl.options import RuntimeOptions
 from llamactl.serve.engine import Engine, KvOptions
-from llamactl.serve.run import _synthetic
 
 GIB = 1 << 30
 
@@ -35,7 +35,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
         torch.cuda.reset_peak_memory_stats()
 
-    _, model, _, _, _ = _synthetic(args.shape, None, "cuda", "bfloat16", RuntimeOptions())
+    model = load_targets([], args.shape, torch.device("cuda"), "bfloat16")[0].model
     note("model loaded")
     eng = Engine(model, set(), 256, 64, 4096, None, RuntimeOptions(), kv=KvOptions(memory_gib=2))
     note("engine built (2 GiB pool)")
