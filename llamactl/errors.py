@@ -35,3 +35,28 @@ class MissingDependencyError(LlamactlError):
             f"{purpose} needs the '{package}' package, which is not installed",
             f"install it with: pip install 'llamactl[{extra}]'",
         )
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that staged outputs are removed as for Ctrl-C."""
+
+
+_signalled: str | None = None  # "SIGINT" or "SIGTERM" once one came to the running command
+
+
+def note_signal(name: str | None) -> None:
+    """Record that SIGINT or SIGTERM came (None: a new command starts)."""
+    global _signalled
+    _signalled = name
+
+
+def signalled() -> str | None:
+    return _signalled
+
+
+def check_not_stopped() -> None:
+    """Raise the signal's interrupt again where it came but was lost on the way: a handler's
+    exception raised inside a finalizer or a library's callback is printed and dropped, and the
+    command would run on to write its output and exit 0."""
+    if _signalled:
+        raise Terminated() if _signalled == "SIGTERM" else KeyboardInterrupt()

@@ -3,6 +3,7 @@ and nothing written or run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from llamactl.cli import app as app_module
 from llamactl.cli.app import app
 
 runner = CliRunner()
@@ -203,6 +205,39 @@ def test_a_ctrl_c_a_library_turns_into_its_own_error_is_still_an_interrupt(monke
     monkeypatch.setattr(describe, "describe", real)
     r = runner.invoke(app, ["generate", "~nosuchuser-llamactl/m", "-p", "x"])  # the next command is itself again
     assert r.exit_code == 1 and "no such user" in r.stderr
+
+
+def test_a_sigterm_whose_interrupt_was_dropped_still_stops_before_the_output(tmp_path, tiny_gqa, monkeypatch):
+    """A signal handler's exception raised inside a finalizer is printed and dropped, and the command
+    runs on: the output is still not renamed into place, and the exit is 143, not 0."""
+    import gc
+
+    from llamactl.folder import artifact
+
+    real = artifact.staged_output
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises Terminated inside __del__: dropped
+            time.sleep(0.5)
+
+    @contextlib.contextmanager
+    def dropped(*a, **k):
+        with real(*a, **k) as tmp:
+            yield tmp
+            Finalized()
+            gc.collect()
+
+    monkeypatch.setattr(artifact, "staged_output", dropped)
+    monkeypatch.setattr("llamactl.quantize.stage.staged_output", dropped)
+    previous = signal.signal(signal.SIGTERM, app_module._on_sigterm)
+    try:
+        r = runner.invoke(app, ["quantize", str(tiny_gqa), "-o", str(tmp_path / "q"), "--method", "rtn",
+                                "--group-size", "32", "--eval-tokens", "0"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert r.exit_code == 143 and "terminated; nothing was written" in r.stderr
+    assert sorted(tmp_path.iterdir()) == []
 
 
 def test_a_ctrl_c_while_the_cli_imports_is_one_line():

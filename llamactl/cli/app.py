@@ -12,7 +12,8 @@ from typer.core import TyperGroup
 
 from llamactl import __version__, ui
 from llamactl.cli import measure, models, run
-from llamactl.errors import LlamactlError
+from llamactl import errors
+from llamactl.errors import LlamactlError, Terminated
 from llamactl.options import debug
 from llamactl.runtime.cores import limit_threads_env
 
@@ -36,17 +37,18 @@ class ErrorBoundary(TyperGroup):
         import signal
         import threading
 
-        global _signalled
-        _signalled = None
+        errors.note_signal(None)
         if threading.current_thread() is threading.main_thread():  # Ctrl-C: a KeyboardInterrupt from here on
             signal.signal(signal.SIGINT, _on_sigint)
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            errors.check_not_stopped()  # a signal whose interrupt was dropped on the way still stops
+            return result
         except KeyboardInterrupt as e:
             _stopped(e)
         except Exception as e:
-            if _signalled:  # a library turned the Ctrl-C into an error of its own (transformers' imports)
-                _stopped(Terminated() if _signalled == "SIGTERM" else KeyboardInterrupt())
+            if errors.signalled():  # a library turned the Ctrl-C into an error of its own (transformers' imports)
+                _stopped(Terminated() if errors.signalled() == "SIGTERM" else KeyboardInterrupt())
             if isinstance(e, LlamactlError):
                 if debug():
                     traceback.print_exc()
@@ -59,12 +61,8 @@ class ErrorBoundary(TyperGroup):
             raise typer.Exit(1)
 
 
-_signalled: str | None = None  # "SIGINT" or "SIGTERM" once one came
-
-
 def _on_sigint(signum, frame):
-    global _signalled
-    _signalled = "SIGINT"
+    errors.note_signal("SIGINT")
     raise KeyboardInterrupt
 
 
@@ -93,13 +91,8 @@ def _environment(e: Exception) -> tuple[str, str] | None:
     return None
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the process is, so that staged outputs are removed as for Ctrl-C."""
-
-
 def _on_sigterm(signum, frame):
-    global _signalled
-    _signalled = "SIGTERM"
+    errors.note_signal("SIGTERM")
     raise Terminated()
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 from llamactl import __version__
 from llamactl.folder.config import LlamaArgs
 from llamactl.folder.headers import check_floating, check_regular_file, read_safetensors_header
-from llamactl.errors import CheckpointError, InputError, OutputExistsError
+from llamactl.errors import CheckpointError, InputError, OutputExistsError, check_not_stopped
 
 MANIFEST = "llamactl.json"
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "docs-llama-17m"
@@ -341,6 +341,7 @@ def staged_output(out: Path, force: bool, log=lambda message: None) -> Iterator[
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the output is an ordinary folder
         try:
             yield tmp
+            check_not_stopped()  # a Ctrl-C or SIGTERM whose interrupt was lost: no output
             if out.exists():
                 if not force:  # another tool made it meanwhile
                     raise OutputExistsError(f"output {out} appeared while this run worked; nothing was replaced",
@@ -383,6 +384,7 @@ def staged_file(out: Path, force: bool, kind: str, is_kind: Callable[[Path], boo
         tmp = Path(name)
         try:
             yield tmp
+            check_not_stopped()
             if out.exists() and not force:
                 raise OutputExistsError(f"output {out} appeared while this run worked; nothing was replaced",
                                         "pass --force to replace it, or choose another -o path")

@@ -251,7 +251,7 @@ def test_rows_name_the_products_of_their_batch():
 def test_a_stopped_bench_writes_the_rows_it_finished(tmp_path, monkeypatch):
     """SIGTERM or Ctrl-C in the second row: -o holds the first, marked interrupted; exit 143, one line."""
     from llamactl.bench import trials
-    from llamactl.cli.app import Terminated
+    from llamactl.errors import Terminated
 
     calls, timed = [], trials.time_llamactl
 
