@@ -13,7 +13,7 @@ from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.settings import Sampling
-from llamactl.runtime.speculate import ModelDraft, NgramDraft, Tally, accept
+from llamactl.runtime.speculate import ModelDraft, NgramDraft, Tally, keep
 from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.runtime.textstream import TextStream
 
@@ -256,8 +256,7 @@ def _speculative(dec, drafter, prompt_ids: list[int], first: int, max_new_tokens
                 return "length", tally.accepted + tally.verify_steps, tally
         proposal = drafter.propose(min(k, max_new_tokens - len(out) - 1))
         logits = dec.verify([last] + proposal, pos)  # [1 + len(proposal), V]
-        probs = None if sampling.greedy else shaped(logits, sampling).softmax(-1)
-        new = accept(logits, proposal, probs)
+        new = keep(proposal, sample(logits, sampling).tolist())
         tally.verify_steps += 1
         tally.proposed += len(proposal)
         tally.accepted += len(new) - 1

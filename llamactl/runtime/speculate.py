@@ -4,10 +4,11 @@ forward of K + 1 positions, and every proposal it would have produced itself is 
 One forward reads the weights once whatever K is, so at batch 1 (bound by those reads) each
 accepted proposal is a token for almost nothing. Greedy decoding keeps a proposal that equals the
 model's argmax there, then adds the model's own token at the first mismatch (or after the last
-proposal): the output is plain greedy decoding's. Sampling keeps proposal d with probability p(d)
-(the drafter is deterministic: its distribution is all on d), and on a rejection draws from p with
-d taken out, renormalized: each token is distributed as plain sampling draws it (Leviathan et al.,
-2023, with a one-point draft distribution).
+proposal): the output is plain greedy decoding's. Sampling draws the model's token at every place
+of the verify step as plain sampling draws it there and keeps a proposal that equals its draw:
+proposal d is kept with probability p(d), and a draw that differs is distributed as p with d taken
+out (Leviathan et al., 2023, with a one-point draft distribution), so the output is distributed as
+plain sampling's. One rule (`keep`) for generate and serve.
 
 Drafters: `NgramDraft` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the text's last few tokens; free, and strong where the answer copies from the prompt: summaries,
@@ -102,32 +103,10 @@ class Tally:
                 if self.verify_steps else None}
 
 
-def agreed(draft: list[int], drawn: list[int]) -> int:
-    """How many proposals, from the first, equal the model's tokens at their places (drawn[j]: its
-    token after the text and draft[:j])."""
+def keep(draft: list[int], drawn: list[int]) -> list[int]:
+    """The tokens a verify step hands out: the proposals up to the first that differs from the
+    model's draw at its place, then the model's draw there (drawn: len(draft) + 1 tokens)."""
     kept = 0
     while kept < len(draft) and draft[kept] == drawn[kept]:
         kept += 1
-    return kept
-
-
-def accept(logits: torch.Tensor, draft: list[int], probs: torch.Tensor | None) -> list[int]:
-    """logits [len(draft) + 1, V]: the model's after the token before the draft and after each
-    proposal -> the tokens to keep: the accepted proposals, then one of the model's own. probs:
-    the sampling distribution of each row ([len(draft) + 1, V], from generate.shaped), or None
-    for greedy decoding. Draws from the default generator."""
-    if probs is None:
-        best = logits.argmax(-1).tolist()
-        kept = agreed(draft, best)
-        return draft[:kept] + [best[kept]]
-    u = torch.rand(len(draft), device=probs.device).tolist() if draft else []
-    p_draft = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)].tolist() \
-        if draft else []
-    for j, d in enumerate(draft):
-        if u[j] >= p_draft[j]:  # rejected: draw from p without d
-            rest = probs[j].clone()
-            rest[d] = 0
-            if float(rest.sum()) <= 0:  # p was all on d (u >= 1 cannot happen; float safety)
-                return draft[: j + 1]
-            return draft[:j] + [int(torch.multinomial(rest / rest.sum(), 1))]
-    return draft + [int(torch.multinomial(probs[len(draft)], 1))]
+    return draft[:kept] + [drawn[kept]]

@@ -31,7 +31,7 @@ import torch
 
 from llamactl.options import RuntimeOptions
 from llamactl.runtime import kv_format
-from llamactl.runtime.speculate import NgramDraft, agreed
+from llamactl.runtime.speculate import NgramDraft, keep
 from llamactl.serve.blocks import BlockPool
 from llamactl.serve.runner import BLOCK_SIZE, GPU_MEMORY_FRACTION, PROBE_BLOCKS, Runner, blocks_left, kv_blocks
 from llamactl.serve.plan import Event, Params, Request
@@ -355,15 +355,15 @@ class Engine:
         self.times.verify_s += now - t0
         slots, last = [], []  # the rows still running, and the token each feeds its next step
         for r, chunk, toks in zip(v.requests, v.chunks, drawn):
-            kept = agreed(chunk[1:], toks)
-            sched.verified(r, kept, len(chunk) - 1)
-            for tok in toks[: kept + 1]:
+            new = keep(chunk[1:], toks)
+            sched.verified(r, len(new) - 1, len(chunk) - 1)
+            for tok in new:
                 if not r.finished:
                     self.times.decode_rows += 1
                     self._emit(r, tok, now)
             if r.slot is not None:
                 slots.append(r.slot)
-                last.append(toks[kept])
+                last.append(new[-1])
         self.runner.set_last(slots, last)
 
     def _collect(self, step: Launched | None) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llamactl.runtime import generate as gen
-from llamactl.runtime.speculate import NgramDraft, accept
+from llamactl.runtime.speculate import NgramDraft, keep
 
 PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib(n):\n",
            "The cat sat on the mat. The cat sat on the", "Hello"]
@@ -51,19 +51,31 @@ def test_greedy_speculation_gives_plain_decodings_tokens(embedded):
 
 
 def test_sampled_acceptance_keeps_the_models_distribution():
-    """accept() with a fixed proposal: over many draws the first kept token is distributed as p
-    (chi-square against p over 8,000 draws, well inside the 0.1% critical value), whatever the
-    proposal."""
+    """keep() over the sampler's draws (gen.sample at temperature 0.7) with a fixed proposal: the
+    first token handed out is distributed as the model's p, and so is the second, given the
+    first (chi-square over 8,000 draws against the 0.1% critical value), whatever the proposal;
+    a proposal equal to the draw is kept."""
     torch.manual_seed(0)
     p = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
-    probs = torch.stack([p, p])  # [2, V]: after the last token, after the proposal
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    logits = torch.log(torch.stack([p, q])) * 0.7  # [2, V]: after the last token, after the proposal
+    s = gen.Sampling(temperature=0.7)
     n = 8000
     for proposal in (0, 3):
-        counts = torch.zeros(5)
+        first, second, kept = torch.zeros(5), torch.zeros(5), 0
         for _ in range(n):
-            counts[accept(torch.log(probs), [proposal], probs)[0]] += 1
-        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
-        assert chi2 < 18.5, (proposal, counts.tolist())  # 4 degrees of freedom, p = 0.001
+            new = keep([proposal], gen.sample(logits, s).tolist())
+            first[new[0]] += 1
+            if len(new) == 2:
+                assert new[0] == proposal
+                second[new[1]] += 1
+                kept += 1
+        chi2 = float(((first - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 18.5, (proposal, first.tolist())  # 4 degrees of freedom, p = 0.001
+        assert abs(kept / n - float(p[proposal])) < 0.03
+        live = q > 0
+        chi2 = float(((second[live] - kept * q[live]) ** 2 / (kept * q[live])).sum())
+        assert chi2 < 16.3 and second[~live].sum() == 0, (proposal, second.tolist())  # 3 degrees of freedom
 
 
 
