@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -82,7 +81,12 @@ def generate(
             ui.log(f"using the compile cache in {art.path}, made on this machine (--no-compile: eager)")
     if chat:
         chats.apply(tok, chat_template)
-    drafter = draft if draft in (None, "ngram") else _draft_model(draft, art, tok, m, allow_pickle, options)
+    if draft in (None, "ngram"):
+        drafter = draft
+    else:
+        from llamactl.quantize.draft import load_draft
+
+        drafter = load_draft(draft, art.path, tok, m, allow_pickle, options, ui.log)
     ids, templated = gen.encode_prompt(tok, prompt, chat)
     if chat and not templated:
         ui.warn(f"{art.path} has no chat template; using the prompt as plain text")
@@ -131,32 +135,6 @@ def generate(
         ui.log(f"[dim]speculation ({spec['draft']}, up to {spec['k']} a step): {spec['accepted']} of {spec['proposed']} "
                f"proposals kept ({(spec['acceptance'] or 0) * 100:.0f}%), {spec['tokens_per_step'] or 0:.2f} tokens a "
                f"verify step over {spec['verify_steps']} steps[/dim]")
-
-
-def _draft_model(draft: str, art, tok, target, allow_pickle: bool, options):
-    """--draft FOLDER: its model on the target's device and in its dtype, its tokenizer the target's
-    (proposals are token ids); self-int4 / self-int8: the target's RTN copy (group 128 / per
-    channel), made now into a temporary folder."""
-    import tempfile
-
-    from llamactl.runtime.load import load
-
-    device, dtype = str(target.device), str(target.dtype).replace("torch.", "")
-    if draft in ("self-int4", "self-int8"):
-        from llamactl.quantize.options import QuantOptions
-        from llamactl.quantize.stage import quantize
-
-        bits = int(draft[-1])
-        with tempfile.TemporaryDirectory(prefix="llamactl-draft-") as tmp:
-            ui.log(f"--draft {draft}: quantizing a round-to-nearest copy of {art.path}")
-            quantize(art.path, Path(tmp) / "draft", QuantOptions(method="rtn", bits=bits, group_size=128 if bits == 4 else -1),
-                     eval_tokens=0, device=device, log=lambda m: None)
-            return load(str(Path(tmp) / "draft"), device, dtype, allow_pickle, options)[1]
-    _, model, dtok, _ = load(draft, device, dtype, allow_pickle, options)
-    if dtok.get_vocab() != tok.get_vocab():
-        raise InputError(f"--draft {draft}: its tokenizer is not the model's (proposals are token ids)",
-                         "draft with a model of the same family and tokenizer, or --draft ngram")
-    return model
 
 
 def tensor_parallel(tp: int, model: str | None, device: str, allow_pickle: bool, synthetic: str | None = None,
@@ -217,7 +195,7 @@ def serve(
     block_size: Annotated[int, typer.Option("--block-size", min=1, max=256, help="Tokens a KV block holds (prefixes are reused by whole blocks).")] = 16,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="The chat template of /v1/chat/completions: a built-in (plain, chatml, llama3) or a Jinja file [default: the model's; plain for the embedded model].")] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompts' shared prefixes (system prompts, earlier turns) instead of computing them again.")] = True,
-    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (each row proposes the tokens that followed the latest earlier occurrence of its last ones, prompt lookup; checked in one forward, the output unchanged). Model drafts run in generate.")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: ngram (each row proposes the tokens that followed the latest earlier occurrence of its last ones, prompt lookup), a model folder with the same tokenizer, or self-int4 / self-int8 (this model's round-to-nearest copy, made at start; its K/V in the same KV blocks); checked in one forward, the output unchanged.")] = None,
     speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals a row checks in one step (each row adapts: one more than it last kept).")] = 4,
     speculate_rows: Annotated[int, typer.Option("--speculate-rows", min=1, help="With --draft: speculate only while at most this many requests run and none is prefilling (under load it steps aside).")] = 8,
     mixed_steps: Annotated[bool, typer.Option("--mixed-steps/--no-mixed-steps", help="On a GPU, the running rows' decode step goes through the same forward as the prompt chunks prefilled with it (the weights read once for both).")] = True,
@@ -250,9 +228,6 @@ def serve(
                         kv_memory_gib=kv_memory, gpu_memory_fraction=gpu_memory_fraction, block_size=block_size,
                         prefix_cache=prefix_cache, chat_template=chat_template, max_request_bytes=max_request_bytes,
                         mixed_steps=mixed_steps, draft=draft, speculate=speculate, speculate_rows=speculate_rows)
-    if draft is not None and draft != "ngram":
-        raise InputError(f"serve --draft {draft}: a server speculates with prompt lookup alone",
-                         "pass --draft ngram (model drafts: llamactl generate --draft)")
     if chat_template is not None:
         from llamactl.runtime.chat import resolve
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.step import Decoder
 
 
@@ -86,6 +87,55 @@ class ModelDraft:
         proposals = torch.cat(out).tolist()
         self.written = self.tokens[:n] + proposals[:-1]
         return proposals
+
+
+class PagedDraft:
+    """A draft model's proposals for a paged server's rows (serve.engine): its K/V in a pool of its
+    own that mirrors the target's block for block, under the same block table, so the scheduler's
+    blocks, preemption and prefix reuse serve both models. Each row first feeds the tokens its
+    draft K/V lack (from `start`, where they stop being valid) in one packed forward, whose last
+    token's next is its first proposal; then decode steps of the first b rows (CUDA graphs per
+    batch bucket, as the target's steps) give the rest, greedily."""
+
+    def __init__(self, model, target: PagedCache, rows: int, mode: str = "eager", options=None):
+        self.cache = PagedCache.for_model(model, rows, target.blocks, target.block_size, target.max_seq)
+        self.cache.table = target.table  # one table: the target's moves and set_rows are the draft's
+        self.dec = Decoder(model, rows, target.max_seq, mode, options=options, cache=self.cache)
+        self.device = model.device
+
+    @property
+    def block_bytes(self) -> int:
+        return self.cache.nbytes // self.cache.blocks
+
+    @torch.inference_mode()
+    def propose(self, slots: list[int], chunks: list[list[int]], starts: list[int], ks: list[int],
+                b: int, idle: list[tuple[int, int, int]]) -> list[list[int]]:
+        """Rows slots[i] (below b) feed chunks[i] (their tokens from starts[i] to the last one,
+        whose K/V the target has not computed yet) and propose ks[i] >= 1 tokens -> the proposals,
+        per row. The decode steps run rows 0..b-1: idle lists (slot, last token, its position) of
+        the other running rows, and a row whose proposals are done feeds its last token again;
+        both rewrite K/V the draft already holds there (free rows write the null block)."""
+        first = self.dec.prefill_packed(chunks, slots, starts)  # [n]: each row's first proposal
+        k = max(ks)
+        if k == 1:
+            return [[t] for t in first.tolist()]
+        tok, pos = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+        for slot, t, p in idle:
+            tok[slot], pos[slot] = t, p
+        at = torch.tensor(slots, device=self.device)
+        last_tok = torch.tensor([c[-1] for c in chunks], device=self.device)  # [n]
+        last_pos = torch.tensor([s + len(c) - 1 for s, c in zip(starts, chunks)], device=self.device)  # [n]
+        more = torch.tensor(ks, device=self.device)  # [n]
+        tok, pos = tok.to(self.device), pos.to(self.device)
+        drawn, out = first, [first]
+        for j in range(1, k):
+            going = j < more  # [n]: rows still proposing
+            tok[at] = torch.where(going, drawn, last_tok)
+            pos[at] = torch.where(going, last_pos + j, last_pos)
+            drawn = self.dec.step(tok, pos)[at]  # [n]
+            out.append(drawn)
+        table = torch.stack(out, 1).tolist()  # [n, k]
+        return [row[:n] for row, n in zip(table, ks)]
 
 
 @dataclass

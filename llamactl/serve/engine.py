@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from llamactl.errors import InputError
 from llamactl.options import RuntimeOptions
 from llamactl.runtime import kv_format
 from llamactl.runtime.speculate import NgramDraft, keep
@@ -90,7 +91,7 @@ class Engine:
                  max_seq: int | None = None, mode: str | None = None, options: RuntimeOptions | None = None,
                  prefill_chunk: int | None = None, world=None, overlap: bool | None = None,
                  gather_s: float | None = None, prefill_graphs: bool = True, kv: "KvOptions | None" = None,
-                 mix: bool | None = None, speculate: tuple[int, int] = (0, 0)):
+                 mix: bool | None = None, speculate: tuple[int, int] = (0, 0), draft=None):
         """gather_s: from idle, wait this long after each arrival for the next (None: GATHER_GPU_S
         on a GPU, 0 on the CPU).
         overlap: launch each decode step before handing out the last one's tokens (None: on a
@@ -99,7 +100,11 @@ class Engine:
         only follow() its runner's actions. kv: the KV pool's size and the prefix cache.
         mix: a step's decode rows go through its prefill forward (None: on a GPU; Scheduler.mix).
         speculate: (k, rows): while at most `rows` rows run and none is prefilling, each proposes
-        up to k tokens by prompt lookup (runtime.speculate.NgramDraft), checked in one forward."""
+        up to k tokens, checked in one forward: by prompt lookup (runtime.speculate.NgramDraft),
+        or where `draft` (a model with the target's tokenizer) is given, by its greedy decoding
+        (runtime.speculate.PagedDraft; one process only)."""
+        if draft is not None and world is not None:
+            raise InputError("a draft model speculates on one process", "drop --tp, or pass --draft ngram")
         gpu = model.device.type == "cuda"
         ctx = model.args.max_position_embeddings
         self.device, self.max_batch = model.device, max_batch
@@ -112,7 +117,7 @@ class Engine:
         self._measure = measured_fraction(kv, gpu, world is not None)  # None: the pool sized here
         if self._measure is None:
             blocks = kv_blocks(model, max_batch, max_seq, kv.block_size, kv.memory_gib, kv.gpu_fraction,
-                               max(chunk, BATCH_PREFILL_TOKENS), fmt)
+                               max(chunk, BATCH_PREFILL_TOKENS), fmt, draft)
         else:
             blocks = PROBE_BLOCKS
         if world is not None:  # every rank holds the pool of the rank with the least memory
@@ -120,7 +125,7 @@ class Engine:
 
         def build(blocks: int) -> tuple[Runner, BlockPool]:
             runner = Runner(model, max_batch, max_seq, self.mode, options, world, prefill_graphs, blocks=blocks,
-                            block_size=kv.block_size, fmt=fmt)
+                            block_size=kv.block_size, fmt=fmt, draft=draft)
             # blocks are named by their tokens and the model (its shape and weights' first values)
             return runner, BlockPool(blocks, kv.block_size, kv.prefix_cache, _model_salt(model))
 
@@ -190,7 +195,7 @@ class Engine:
         before = torch.cuda.memory_reserved(dev)  # the probe pool's among them
         self.runner.warm_up(self.scheduler)
         warm_up = torch.cuda.max_memory_reserved(dev) - before
-        per = self.runner.cache.nbytes // self.runner.cache.blocks
+        per = self.runner.block_bytes
         self.runner = None  # its pool and graphs freed before the real pool is taken
         gc.collect()
         torch.cuda.synchronize(dev)
@@ -325,18 +330,13 @@ class Engine:
                 self.runner.set_masks([s for s, _ in rows], torch.stack([m for _, m in rows]))
 
     def _speculate(self) -> None:
-        """One verify step of the running rows, each with its prompt-lookup proposals (a plain decode
-        step where none has any); each row keeps the proposals that equal the tokens drawn at their
+        """One verify step of the running rows, each with its proposals (a plain decode step where
+        none has any); each row keeps the proposals that equal the tokens drawn at their
         positions, and the token drawn after the last of them."""
         sched = self.scheduler
-        proposals = {}
-        for r in (r for r in sched.slots
-                  if r is not None and not r.finished and r.params.speculate and r.launched >= r.spec_after):
-            draft = self._drafts.setdefault(r.id, NgramDraft())
-            draft.extend(r.tokens[len(draft.tokens) :])
-            proposals[r.id] = draft.propose(r.spec_k or sched.spec_k)
-            if not proposals[r.id]:
-                sched.rest(r)
+        rows = [r for r in sched.slots
+                if r is not None and not r.finished and r.params.speculate and r.launched >= r.spec_after]
+        proposals = self._drafted(rows) if self.runner.draft is not None else self._looked_up(rows)
         if not any(proposals.values()):  # a plain step (run a step ahead where the loop overlaps)
             step = sched.decode()
             launched = self.runner.launch(step) if step is not None else None
@@ -356,6 +356,8 @@ class Engine:
         slots, last = [], []  # the rows still running, and the token each feeds its next step
         for r, chunk, toks in zip(v.requests, v.chunks, drawn):
             new = keep(chunk[1:], toks)
+            if r.id in proposals and self.runner.draft is not None:  # its draft K/V: the last token's, the kept proposals'
+                r.drafted = r.pos + 1 + min(len(new) - 1, len(chunk) - 2)
             sched.verified(r, len(new) - 1, len(chunk) - 1)
             for tok in new:
                 if not r.finished:
@@ -365,6 +367,32 @@ class Engine:
                 slots.append(r.slot)
                 last.append(new[-1])
         self.runner.set_last(slots, last)
+
+    def _looked_up(self, rows: list[Request]) -> dict[int, list[int]]:
+        """Prompt-lookup proposals of rows (a row that has none rests)."""
+        proposals = {}
+        for r in rows:
+            draft = self._drafts.setdefault(r.id, NgramDraft())
+            draft.extend(r.tokens[len(draft.tokens) :])
+            proposals[r.id] = draft.propose(r.spec_k or self.scheduler.spec_k)
+            if not proposals[r.id]:
+                self.scheduler.rest(r)
+        return proposals
+
+    def _drafted(self, rows: list[Request]) -> dict[int, list[int]]:
+        """The draft model's proposals for rows: their blocks for them first (preempting where the
+        pool is out), then each row's tokens its draft K/V lack and its proposals."""
+        sched = self.scheduler
+        ks = {r.id: min(r.spec_k or sched.spec_k, r.params.max_tokens - r.launched - 1) for r in rows}
+        live, tables = sched.reserve([r for r in rows if ks[r.id] > 0], ks)
+        self.runner.arrange([], tables)
+        if not live:
+            return {}
+        running = [r for r in sched.slots if r is not None]
+        idle = [(r.slot, r.tokens[-1], r.pos) for r in running if r not in live]
+        toks = self.runner.propose([r.slot for r in live], [r.tokens[r.drafted :] for r in live],
+                                   [r.drafted for r in live], [ks[r.id] for r in live], sched.bucket(), idle)
+        return {r.id: t for r, t in zip(live, toks)}
 
     def _collect(self, step: Launched | None) -> None:
         """Read a launched step's tokens (the one host read a step) and hand them out; a row that

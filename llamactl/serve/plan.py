@@ -73,6 +73,7 @@ class Request:
         self.prompt_scores: list = []  # prompt token i + 1's (log-probability, alternatives), where asked for
         self.spec_k = 0  # speculation: proposals its next verify step may carry (0: the server's most)
         self.spec_after = 0  # ... none before this many launched tokens (it found nothing to propose)
+        self.drafted = 0  # ... its leading tokens whose K/V a draft model holds (runtime.speculate.PagedDraft)
         self.cancelled = False
         self.finished = False
 

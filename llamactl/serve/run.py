@@ -34,7 +34,7 @@ class ServeOptions:
     block_size: int = 16
     prefix_cache: bool = True
     mixed_steps: bool = True  # on a GPU, decode rows ride in the prefill forwards (scheduler.mix)
-    draft: str | None = None  # speculative decoding: "ngram" (prompt lookup); None: off
+    draft: str | None = None  # speculative decoding: "ngram" (prompt lookup), a folder, self-int4/8; None: off
     speculate: int = 4  # proposals a row checks in one step, at most
     speculate_rows: int = 8  # speculation while at most this many rows run
     chat_template: str | None = None  # a built-in's name or a Jinja file (runtime.chat); None: the model's
@@ -134,13 +134,19 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
                              f"use --max-seq {ctx} or less")
         from llamactl.serve.engine import KvOptions
 
+        drafter = None
+        if serve.draft not in (None, "ngram"):
+            from llamactl.quantize.draft import load_draft
+
+            drafter = load_draft(serve.draft, None if synthetic else art.path, tok, m, allow_pickle, options, log)
+
         kv = KvOptions(serve.kv_memory_gib, serve.gpu_memory_fraction, serve.block_size, serve.prefix_cache)
         max_batch = serve.max_batch or (DEFAULT_MAX_BATCH if m.device.type == "cuda" else CPU_MAX_BATCH)
         engine = Engine(m, eos, max_batch, serve.max_queue,
                         serve.max_seq or min(ctx, DEFAULT_MAX_SEQ), serve.mode, options, serve.prefill_chunk, world,
                         gather_s=None if serve.gather_ms is None else serve.gather_ms / 1000,
                         prefill_graphs=serve.prefill_graphs, kv=kv, mix=None if serve.mixed_steps else False,
-                        speculate=(serve.speculate, serve.speculate_rows) if serve.draft else (0, 0))
+                        speculate=(serve.speculate, serve.speculate_rows) if serve.draft else (0, 0), draft=drafter)
         for w in engine.decoder.plan.warnings:
             warn(w)
         if leader:

@@ -17,6 +17,7 @@ from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.kv_format import KVFormat
 from llamactl.runtime.sampling import RowSampling, snapshot_rows
 from llamactl.runtime.settings import Sampling
+from llamactl.runtime.speculate import PagedDraft
 from llamactl.runtime.step import Decoder
 from llamactl.runtime.tp import receive, send
 from llamactl.serve.plan import Decode, Params, Prefill, Verify
@@ -50,12 +51,13 @@ def activation_bytes(model, max_batch: int, prefill_tokens: int) -> int:
 
 
 def kv_blocks(model, max_batch: int, max_seq: int, block_size: int, kv_memory_gib: float | None,
-              fraction: float | None, prefill_tokens: int, fmt: KVFormat | None = None) -> int:
+              fraction: float | None, prefill_tokens: int, fmt: KVFormat | None = None, draft=None) -> int:
     """Blocks of the KV pool: kv_memory_gib of them; else on a GPU what `fraction` of the card
     (GPU_MEMORY_FRACTION) leaves after what is in use now (weights; other processes) and the
     activations; on the CPU a fixed grid of max_batch x max_seq, at most CPU_KV_BYTES. fmt: what
-    the pool stores (runtime.kv_format; default: the model's dtype)."""
-    per = PagedCache.block_bytes(model, block_size, fmt)
+    the pool stores (runtime.kv_format; default: the model's dtype); draft: a draft model whose
+    K/V each block holds too (in its own dtype)."""
+    per = PagedCache.block_bytes(model, block_size, fmt) + (PagedCache.block_bytes(draft, block_size) if draft else 0)
     if kv_memory_gib is not None:
         return int(kv_memory_gib * (1 << 30) // per) + 1
     dev = model.device
@@ -79,12 +81,13 @@ class Runner:
 
     def __init__(self, model, max_batch: int, max_seq: int, mode: str, options: RuntimeOptions | None,
                  world=None, prefill_graphs: bool = True, *, blocks: int, block_size: int = BLOCK_SIZE,
-                 fmt: KVFormat | None = None):
+                 fmt: KVFormat | None = None, draft=None):
         """world: tensor parallelism (tp.World): rank 0 sends each model action to the other ranks
         first (every rank computes the same tokens: the head is replicated). prefill_graphs: a
         whole prompt of few tokens, or a few joining together, replays a CUDA graph where the steps
         do (not under tensor parallelism: untried there). blocks: the KV pool's (kv_blocks), fmt:
-        what it stores (runtime.kv_format)."""
+        what it stores (runtime.kv_format). draft: a draft model whose proposals (propose()) the
+        verify steps check, its K/V in blocks of its own under the same table."""
         self.device, self.mode, self.world = model.device, mode, world
         self.max_batch = max_batch
         self.rows = RowSampling.make([Sampling(temperature=0)] * max_batch, self.device)
@@ -95,6 +98,7 @@ class Runner:
         self.decoder = Decoder(model, max_batch, max_seq, mode, options=options, rows=self.rows,
                                prefill_graphs=prefill_graphs and world is None, cache=self.cache)
         self.max_seq = max_seq
+        self.draft = None if draft is None else PagedDraft(draft, self.cache, max_batch, mode, options)
         self._tok = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # each row's last token
         self._staging = Staging(max_batch, self.device)
         self.scores: list = []  # the last prefill's prompt scores, per chunk (prefill())
@@ -214,6 +218,16 @@ class Runner:
             at += len(c)
         return out
 
+    def propose(self, slots: list[int], chunks: list[list[int]], starts: list[int], ks: list[int], b: int,
+                idle: list[tuple[int, int, int]]) -> list[list[int]]:
+        """The draft model's proposals for rows `slots` (runtime.speculate.PagedDraft.propose)."""
+        return self._do(("propose", slots, chunks, starts, ks, b, idle))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes a block of the pool takes, the draft's K/V in it included."""
+        return self.cache.nbytes // self.cache.blocks + (self.draft.block_bytes if self.draft is not None else 0)
+
     def set_last(self, slots: list[int], tokens: list[int]) -> None:
         """Rows' last tokens (what their next decode step feeds), from the host."""
         self._do(("last", slots, tokens))
@@ -288,6 +302,8 @@ class Runner:
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
             chunks, slots, starts = a
             return self.decoder.verify_packed(chunks, slots, starts)  # [T]
+        elif kind == "propose":
+            return self.draft.propose(*a)
         elif kind == "flags":
             for k, on in a[0].items():
                 setattr(self.rows, k, on)
@@ -358,6 +374,10 @@ class Runner:
             self.rows.greedy = greedy
             for b in sched.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        if self.draft is not None:  # its steps at the buckets that speculate, and a packed forward
+            for b in sched.buckets[: 1 + sum(b < sched.spec_rows for b in sched.buckets)]:
+                self.draft.dec.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device))
+            self.draft.dec.prefill_packed([[0] * min(16, self.max_seq)], [0], [0])
         graphs = self.decoder.prefill_graphs
         if graphs is not None:  # the short prefills' graphs, into free rows
             graphs.capture_all()

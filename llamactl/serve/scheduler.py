@@ -426,6 +426,20 @@ class Scheduler:
         tables, self._tables = self._tables, {}
         return Verify(live, [[r.tokens[-1]] + drafts[r.id] for r in live], [r.pos for r in live], tables)
 
+    def reserve(self, rows: list[Request], ahead: dict[int, int]) -> tuple[list[Request], dict[int, list[int]]]:
+        """Blocks for rows' next positions and ahead[its id] after them (a draft model's proposals,
+        whose K/V it writes before the verify step), preempting as decode() does -> the rows still
+        running and the table rows to set before the draft runs."""
+        with self.cv:
+            live = self._grow(rows, ahead)
+        tables, self._tables = self._tables, {}
+        return live, tables
+
+    def bucket(self) -> int:
+        """The batch bucket a step of the running rows runs (rows 0..b-1)."""
+        top = max(r.slot for r in self.slots if r is not None)
+        return next(b for b in self.buckets if b > top)
+
     def rest(self, r: Request) -> None:
         """r found nothing to propose: it decodes plainly for SPEC_REST tokens."""
         r.spec_after = r.launched + SPEC_REST
@@ -463,7 +477,7 @@ class Scheduler:
         """Under self.cv: r's row and blocks back; it waits at the queue's head to prefill all its
         tokens again (its full blocks stay cached, so most of that is a prefix hit)."""
         self._free_row(r)
-        r.prefilled = r.launched = 0
+        r.prefilled = r.launched = r.drafted = 0
         r.names, r.named = [], 0
         self.queue.appendleft(r)
         self.times.preemptions += 1

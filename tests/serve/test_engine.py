@@ -504,3 +504,38 @@ def test_an_fp8_model_serves_the_tokens_generate_gives(tmp_path):
     for (ids, p), (got, _) in zip(reqs, together):
         events = gen.generate(model, tok, ids, p.max_tokens, gen.Sampling(temperature=0), eos)
         assert got == next(e for e in events if isinstance(e, gen.Result)).token_ids
+
+
+def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(embedded, tiny_gqa):
+    """serve --draft MODEL: a draft model's K/V in the same blocks as the target's, its proposals
+    made for every speculating row in one catch-up forward and batched decode steps; the kept
+    tokens, greedy and sampled, are plain decoding's (CPU float32), whether the draft agrees
+    (the model itself: nearly every proposal kept) or not (a random model of another shape:
+    few kept, the catch-up after each rejection exercised), with a pool so small that rows are
+    preempted and come back (their draft K/V written again)."""
+    from llamactl.runtime.load import load
+    from llamactl.serve.engine import Engine, KvOptions, Params
+
+    art, model, tok = embedded
+    _, random_model, _, _ = load(str(tiny_gqa), "cpu", "float32")
+    counting = ", ".join(str(i) for i in range(1, 15)) + ","
+    prompts = [tok(counting).input_ids, tok(PROMPTS[0]).input_ids, tok(PROMPTS[1]).input_ids]
+    params = [Params(24, Sampling(temperature=0), ignore_eos=True),
+              Params(24, Sampling(temperature=0.8, seed=7), ignore_eos=True),
+              Params(20, Sampling(temperature=0), ignore_eos=True)]
+    plain = _run_engine(model, set(), list(zip(prompts, params)))
+    small = KvOptions(memory_gib=9 * 8 * 2 * _token_bytes(model) / 2**30, block_size=8)  # 9 blocks, the draft's K/V too
+    for draft, kv in ((model, None), (random_model, None), (model, small)):
+        eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=(4, 8), draft=draft, kv=kv)
+        eng.warm_up()
+        got = _run_engine(model, set(), list(zip(prompts, params)), engine=eng.start())
+        eng.stop()
+        assert eng.failure is None and got == plain, (draft is model, kv)
+        t = eng.times
+        assert t.verify_steps > 0
+        if kv is None:  # (a preempted row's prefill again makes a token of its own)
+            assert t.decode_rows == sum(p.max_tokens - 1 for p in params)
+        if draft is model and kv is None:
+            assert t.spec_accepted >= 0.7 * t.spec_proposed, (t.spec_accepted, t.spec_proposed)
+        if kv is not None:
+            assert t.preemptions > 0

@@ -581,3 +581,26 @@ def test_the_official_openai_sdk_against_the_server(server):
                                            max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     first = rated.choices[0].logprobs.content[0]
     assert first.logprob <= 0 and len(first.top_logprobs) == 2 and first.top_logprobs[0].logprob == first.logprob
+
+
+def test_a_server_drafting_with_its_own_int8_copy_answers_as_plain_decoding(server):
+    """serve --draft self-int8: the model's round-to-nearest copy made at start drafts for it; the
+    greedy completions streamed and whole are the plain server's, and /metrics counts the kept
+    proposals. Random weights have no folder to copy: one line."""
+    s = Server(["--max-batch", "4", "--max-seq", "256", "--dtype", "float32", "--draft", "self-int8", "--speculate", "3"])
+    try:
+        assert any("quantizing a round-to-nearest copy" in line for line in s.lines)
+        for prompt in PROMPTS[:3]:
+            body = {"model": "docs-llama-17m", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            want = server.client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            assert s.client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            assert _stream(s.client, "/v1/completions", body)[1] == want
+        metrics = s.client.get("/metrics").text
+        proposed = float(re.search(r"^llamactl_engine_spec_proposed (\S+)", metrics, re.M).group(1))
+        accepted = float(re.search(r"^llamactl_engine_spec_accepted (\S+)", metrics, re.M).group(1))
+        assert proposed > 0 and accepted >= proposed / 2, metrics
+    finally:
+        assert s.stop() == 0
+    r = subprocess.run([sys.executable, "-m", "llamactl", "serve", "--synthetic", "tiny", "--device", "cpu", "--port", "0",
+                        "--draft", "self-int4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "random weights have none" in r.stderr and "Traceback" not in r.stderr
