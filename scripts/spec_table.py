@@ -1,5 +1,5 @@
 """Speculative decoding's batch-1 speed-up table (issue 50), from measured step costs: a plain
-decode step (the Decoder's, in its mode), a verify step of K+1 positions (Decoder.verify) for each
+decode step (the Decoder's over a paged cache, in its mode), a verify step of K+1 positions (Decoder.verify_packed) for each
 K, and a draft's own step (a model `--draft` names: a smaller model, or self-int4 / self-int8, the
 target's round-to-nearest copy; none: prompt lookup, free). With a per-proposal acceptance a, a
 verify step keeps (1 - a^(K+1)) / (1 - a) tokens on average, and costs verify(K) + K draft steps,
@@ -18,6 +18,7 @@ import time
 import torch
 
 from llamactl.bench.targets import load_targets
+from llamactl.runtime.kv_cache import PagedCache
 from llamactl.runtime.step import Decoder, sync
 
 REPS = 30
@@ -36,13 +37,19 @@ def timed(fn, device) -> float:
 
 
 def step_costs(model, ctx: int, ks: list[int], mode: str) -> dict:
-    """(one decode step, {K: a verify step of K+1 positions}) at position ctx, seconds."""
-    dec = Decoder(model, 1, ctx + max(ks) + 2, mode)
+    """(one decode step, {K: a verify step of K+1 positions}) at position ctx, seconds: the serving
+    engine's (one row of a paged cache; a packed verify forward, as serve.runner runs it)."""
+    size = 16
+    blocks = -(-(ctx + max(ks) + 2) // size) + 1
+    cache = PagedCache.for_model(model, 1, blocks, size, (blocks - 1) * size)
+    cache.set_rows([0], [list(range(1, blocks))])
+    dec = Decoder(model, 1, cache.max_seq, mode, cache=cache)
     device = model.device
-    dec.prefill(torch.randint(0, model.args.vocab_size, (1, ctx), device=device))
+    dec.prefill_packed([torch.randint(0, model.args.vocab_size, (ctx,)).tolist()], [0], [0])
     tok = torch.zeros(1, dtype=torch.long, device=device)
-    step = timed(lambda: dec.step(tok, ctx), device)
-    verify = {k: timed(lambda k=k: dec.verify([1] * (k + 1), ctx), device) for k in ks}
+    pos = torch.full((1,), ctx, dtype=torch.long, device=device)
+    step = timed(lambda: dec.step(tok, pos), device)
+    verify = {k: timed(lambda k=k: dec.verify_packed([[1] * (k + 1)], [0], [ctx]), device) for k in ks}
     return {"step_s": step, "verify_s": verify}
 
 

@@ -135,7 +135,7 @@ class Engine:
         self.times = EngineTimes()
         self.scheduler = Scheduler(max_batch, max_queue, self.max_seq, chunk, gpu,
                                    (GATHER_GPU_S if gpu else 0.0) if gather_s is None else gather_s, self.times,
-                                   pool=pool, mix=mix, speculate=speculate)
+                                   pool=pool, mix=mix, speculate=speculate, model_draft=draft is not None)
         self.overlap = gpu if overlap is None else overlap
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._drafts: dict[int, NgramDraft] = {}  # a speculating request's prompt lookup, by its id
@@ -213,6 +213,12 @@ class Engine:
         self.runner.stop_followers()
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
+
+    def iterate(self) -> bool:
+        """One pass of the step loop on the calling thread, for a caller that drives the engine
+        itself (serve.single); False once stopped. Errors propagate."""
+        with torch.inference_mode():
+            return self._iteration()
 
     def run(self) -> None:
         """The step loop on this thread, until stop() (from another thread) ends it; a failed

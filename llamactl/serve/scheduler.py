@@ -95,7 +95,8 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, max_seq: int, prefill_chunk: int, gpu: bool,
                  gather_s: float, times: EngineTimes | None = None, clock: Callable[[], float] = time.perf_counter,
-                 pool: BlockPool | None = None, mix: bool | None = None, speculate: tuple[int, int] = (0, 0)):
+                 pool: BlockPool | None = None, mix: bool | None = None, speculate: tuple[int, int] = (0, 0),
+                 model_draft: bool = False):
         self.max_batch, self.max_queue, self.max_seq = max_batch, max_queue, max_seq
         self.prefill_chunk, self.gather_s, self.clock = prefill_chunk, gather_s, clock
         self.times = times or EngineTimes()
@@ -104,6 +105,7 @@ class Scheduler:
         self.batch_prefill = gpu  # a step's prompt chunks in one packed forward
         self.mix = gpu if mix is None else mix  # ... which carries the step's decode rows too (with batch_prefill)
         self.spec_k, self.spec_rows = speculate  # proposals a row at most, while at most spec_rows decode
+        self.model_draft = model_draft  # a draft model proposes (verified()), not prompt lookup
         self.buckets = buckets(max_batch)
         self.slots: list[Request | None] = [None] * max_batch
         self.queue: deque[Request] = deque()
@@ -448,10 +450,12 @@ class Scheduler:
         """r's verify step kept `kept` of its `proposed` proposals (and added a token of its own):
         its next step proposes one more than it kept (at most spec_k); a row that proposed nothing,
         or had its one proposal refused, sits out SPEC_REST tokens (a verify step is read before
-        the next is planned: plain steps run a step ahead)."""
+        the next is planned: plain steps run a step ahead). A draft model always proposes, two
+        more than it kept: on the embedded model's int4 copy that took 78 target forwards for 256
+        tokens where this rule took 96 (docs/decisions/2026-12-07-model-drafts.md)."""
         r.launched += kept + 1
-        r.spec_k = min(self.spec_k, kept + 1)
-        if not proposed or (proposed == 1 and not kept):
+        r.spec_k = min(self.spec_k, kept + (2 if self.model_draft else 1))
+        if not self.model_draft and (not proposed or (proposed == 1 and not kept)):
             self.rest(r)
         self.times.spec_proposed += proposed
         self.times.spec_accepted += kept

@@ -524,6 +524,13 @@ def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(embedded, ti
               Params(24, Sampling(temperature=0.8, seed=7), ignore_eos=True),
               Params(20, Sampling(temperature=0), ignore_eos=True)]
     plain = _run_engine(model, set(), list(zip(prompts, params)))
+    greedy = [(ids, p) for ids, p in zip(prompts, params) if p.sampling.greedy]
+    eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=(4, 8), draft=model).start()
+    assert _run_engine(model, set(), greedy, engine=eng) == [o for o, (_, p) in zip(plain, zip(prompts, params))
+                                                            if p.sampling.greedy]
+    eng.stop()
+    t = eng.times  # the model drafting for itself, greedily: every proposal kept
+    assert t.spec_proposed > 20 and t.spec_accepted == t.spec_proposed, (t.spec_accepted, t.spec_proposed)
     small = KvOptions(memory_gib=9 * 8 * 2 * _token_bytes(model) / 2**30, block_size=8)  # 9 blocks, the draft's K/V too
     for draft, kv in ((model, None), (random_model, None), (model, small)):
         eng = Engine(model, set(), max_batch=4, max_queue=4, max_seq=128, speculate=(4, 8), draft=draft, kv=kv)
@@ -535,7 +542,5 @@ def test_a_draft_models_proposals_give_the_tokens_of_plain_decoding(embedded, ti
         assert t.verify_steps > 0
         if kv is None:  # (a preempted row's prefill again makes a token of its own)
             assert t.decode_rows == sum(p.max_tokens - 1 for p in params)
-        if draft is model and kv is None:
-            assert t.spec_accepted >= 0.7 * t.spec_proposed, (t.spec_accepted, t.spec_proposed)
         if kv is not None:
             assert t.preemptions > 0
