@@ -84,9 +84,9 @@ class Grammars:
         except ImportError:
             raise ApiError(400, "structured output needs xgrammar, which this server does not have: install it "
                            "(pip install xgrammar) and restart", field) from None
-        if self._compiler is None:
+        if self._compiler is None:  # a model without EOS ids (random weights): the tokenizer's (xgrammar refuses [])
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_ids)
+                                                      stop_token_ids=self.stop_ids or None)
             self._compiler = xgr.GrammarCompiler(info)
         try:
             if kind == "regex":

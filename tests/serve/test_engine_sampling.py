@@ -210,3 +210,24 @@ def test_captured_steps_give_the_engine_the_tokens_of_eager_ones(embedded, monke
     assert len(eng.decoder._graphs) > 2  # steps of several kinds were captured and replayed
     assert captured == eager
     assert captured_lps == eager_lps
+
+
+def test_a_model_without_eos_ids_still_follows_a_schema_to_its_end(embedded):
+    """Random weights are served without EOS ids (serve --synthetic): the grammar takes the
+    tokenizer's own stop token (xgrammar refuses an empty list; that was a 500 on every JSON
+    request), and a document ends its request when the grammar does."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from llamactl.serve.engine import Params
+    from llamactl.serve.grammar import Grammars
+
+    art, model, tok = embedded
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                         "additionalProperties": False})
+    obj = Grammars(tok, model.args.vocab_size, set()).compile(("json", schema, "response_format"))
+    [(ids, why)] = _run_engine(model, set(), [(tok(PROMPTS[0]).input_ids, Params(40, Sampling(temperature=0.0),
+                                                                               grammar=obj))])
+    assert why == "stop" and json.loads(tok.decode(ids, skip_special_tokens=True)) in ({"ok": True}, {"ok": False})
