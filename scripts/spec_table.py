@@ -1,5 +1,5 @@
 """Speculative decoding's batch-1 speed-up table (issue 50), from measured step costs: a plain
-decode step (the Decoder's over a paged cache, in its mode), a verify step of K+1 positions (Decoder.verify_packed) for each
+decode step (the Decoder's over a paged cache, in its mode), a verify step of K+1 positions (Decoder.verify_rows: a CUDA graph in graphs mode) for each
 K, and a draft's own step (a model `--draft` names: a smaller model, or self-int4 / self-int8, the
 target's round-to-nearest copy; none: prompt lookup, free). With a per-proposal acceptance a, a
 verify step keeps (1 - a^(K+1)) / (1 - a) tokens on average, and costs verify(K) + K draft steps,
@@ -49,7 +49,9 @@ def step_costs(model, ctx: int, ks: list[int], mode: str) -> dict:
     tok = torch.zeros(1, dtype=torch.long, device=device)
     pos = torch.full((1,), ctx, dtype=torch.long, device=device)
     step = timed(lambda: dec.step(tok, pos), device)
-    verify = {k: timed(lambda k=k: dec.verify_packed([[1] * (k + 1)], [0], [ctx]), device) for k in ks}
+    lens = torch.ones(1, dtype=torch.long, device=device)
+    verify = {k: timed(lambda k=k: dec.verify_rows(torch.ones(1, k + 1, dtype=torch.long, device=device), pos,
+                                                    lens * (k + 1)), device) for k in ks}
     return {"step_s": step, "verify_s": verify}
 
 

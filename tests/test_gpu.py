@@ -589,3 +589,34 @@ def test_grammar_rows_a_step_ahead_give_the_tokens_of_eager_steps_on_the_gpu(tra
     assert ahead == apart
     for i in (0, 2):
         assert re.fullmatch("[a-z]{3,6}( [a-z]{3,6}){3}", tok.decode(ahead[i], skip_special_tokens=True))
+
+
+def test_verify_steps_in_cuda_graphs_give_the_tokens_of_plain_decoding(trained_model):
+    """Speculation on the GPU with its verify steps replayed from CUDA graphs (runtime.ragged.uniform:
+    rows padded to the longest chunk; a free row in the bucket), float32: greedy tokens of four
+    requests with prompt-lookup proposals and with the model drafting for itself agree with plain
+    decoding's up to rounding (printed), graphs of kind "verify" were captured, and the model's
+    own draft had its proposals kept."""
+    from llamactl.serve.engine import Engine
+
+    model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.float32)
+    counting = list(range(300, 340)) * 2
+    prompts = [counting[: 40 + 7 * i] for i in range(3)]
+    n = 32
+
+    def run(spec, draft=None):
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=256, speculate=spec, draft=draft)
+        eng.warm_up()
+        return _greedy_tokens(eng, prompts, range(3), n), eng
+
+    plain, _ = run((0, 0))
+    for draft in (None, model):
+        got, eng = run((4, 8), draft)
+        agree = [sum(x == y for x, y in zip(got[i], plain[i])) / n for i in range(3)]
+        kinds = {k[0] for k in eng.decoder._graphs}
+        print("verify graphs", draft is not None, agree, eng.times.verify_steps, eng.times.spec_proposed,
+              eng.times.spec_accepted, sorted(map(str, kinds)))
+        assert "verify" in kinds and eng.times.verify_steps > 0 and sum(agree) / 3 >= 0.9
+        assert all(got[i][:8] == plain[i][:8] for i in range(3))
+        if draft is not None:
+            assert eng.times.spec_accepted >= 0.8 * eng.times.spec_proposed

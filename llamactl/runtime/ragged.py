@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llamactl.runtime.kv_cache import NULL_BLOCK
 from llamactl.runtime.kv_format import dequantize
 
 TILE = 64  # query tokens of one sequence an attention program takes
@@ -72,6 +73,25 @@ class Ragged:
         return cls(*i32, positions, last, cache.at(token_rows, positions[0]), token_rows, decode, table)
 
 
+def uniform(cache, pos: torch.Tensor, lens: torch.Tensor, width: int) -> Ragged:
+    """Rows 0..b-1 of cache, `width` tokens each at positions pos[r].. (a verify step's: a row's
+    last token and proposals, padded), every token's logits: built on the device from pos [b] and
+    lens [b] with no host read, so a CUDA graph captures it. A row's tokens past lens[r] (padding;
+    a free row's lens is 0) are no queries of its sequence (their attention output, and so their
+    logits, are garbage the caller drops), write their K/V into the null block, never a row's own
+    blocks, and sit at positions clamped to the cache."""
+    b, dev = pos.numel(), pos.device
+    j = torch.arange(width, device=dev)
+    rows = torch.arange(b, dtype=torch.int32, device=dev)
+    positions = (pos.view(b, 1) + j).clamp(max=cache.max_seq - 1).view(1, b * width)  # [1, T]
+    token_rows = torch.arange(b, device=dev).repeat_interleave(width)  # [T]
+    real = (j < lens.view(b, 1)).view(-1)  # [T]
+    where = torch.where(real, cache.at(token_rows, positions[0]), NULL_BLOCK * cache.block_size + j.repeat(b)
+                        % cache.block_size)  # [T]
+    return Ragged(rows, rows * width, lens.to(torch.int32), pos.to(torch.int32), rows,
+                  torch.zeros_like(rows), positions, torch.arange(b * width, device=dev), where, token_rows)
+
+
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
            ragged: Ragged, min_chunk: int = 64, k_scale: torch.Tensor | None = None,
            v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,6 +130,8 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # [N*BS, H_kv, D]
     for start, n, c0, row in zip(*(x.tolist() for x in (ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows))):
+        if n == 0:  # a free row of a verify step (uniform)
+            continue
         pos = torch.arange(c0 + n, device=q.device)
         at = table[row, pos // bs].long() * bs + pos % bs  # [c0 + n]
         k, v = flat_k[at], flat_v[at]  # [c0 + n, H_kv, D]

@@ -26,7 +26,7 @@ from llamactl.runtime import kv_format
 from llamactl.runtime.aot import AotStep
 from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime.kv_cache import StaticCache
-from llamactl.runtime.ragged import Ragged
+from llamactl.runtime.ragged import TILE, Ragged, uniform
 from llamactl.runtime.sampling import TOP_LOGPROBS
 
 MODES = ("eager", "graphs", "compile", "aot")
@@ -313,13 +313,34 @@ class Decoder:
         return toks, out
 
     @torch.inference_mode()
-    def verify_packed(self, chunks: list[list[int]], rows: list[int], starts: list[int]) -> torch.Tensor:
-        """Speculative steps of several rows in one packed forward: chunk i (row rows[i]'s last
-        token, then its proposals) at positions starts[i].. -> the token drawn after every one of
-        them [T], with its row's settings: the draw plain decoding makes at that position (the
-        sampler hashes the seed and the position), so a proposal that equals it is kept."""
-        packed = Ragged.build(self.cache, rows, starts, [len(c) for c in chunks], every=True)
-        return self._packed(torch.tensor([[t for c in chunks for t in c]], device=self.device), packed)[0]  # [T]
+    def verify_rows(self, tok: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """A speculative step of cache rows 0..b-1 of a paged cache (a batch bucket): tok [b, L] on
+        the device (each row's last token, then its proposals, then padding) at positions pos[r]..,
+        lens [b] its real tokens (0: a free row) -> the token drawn after each [b, L], with its
+        row's settings at the position after it: the draw plain decoding makes there (the sampler
+        hashes the seed and the position), so a proposal equal to it is kept. One CUDA graph per
+        (b, L) where the steps are graphs (an eager packed forward cost 6-10 one-token steps)."""
+        b, width = tok.shape
+        if width > TILE:
+            raise ValueError(f"a verify step of {width} tokens a row; the most is {TILE}")
+        extras = (self.rows.greedy, self.rows.logprobs, self.rows.adjusted, self.rows.masked) if self.rows is not None else ()
+        kind = ("verify", b, width, *extras)
+        if not self.use_graph:
+            return self._verify(tok, pos, lens)
+        if kind not in self._graphs:
+            static = (tok.clone(), pos.clone(), lens.clone())
+            graph, out = capture(self._verify, static, self._pool)
+            self._graphs[kind] = (static, None, graph, out)
+        static, _, graph, out = self._graphs[kind]
+        for x, y in zip(static, (tok, pos, lens)):
+            x.copy_(y)
+        graph.replay()
+        return out
+
+    def _verify(self, tok: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        # tok [b, L], pos [b], lens [b] -> the draws after every token [b, L] (runtime.ragged.uniform)
+        b, width = tok.shape
+        return self._packed(tok.reshape(1, b * width), uniform(self.cache, pos, lens, width))[0].view(b, width)
 
     def _packed(self, ids: torch.Tensor, packed, ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> (the token drawn after each

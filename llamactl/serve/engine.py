@@ -355,7 +355,7 @@ class Engine:
         if v is None:
             return
         t0 = time.perf_counter()
-        drawn = self.runner.verify(v)
+        drawn = self.runner.verify(v, sched.bucket())
         now = time.perf_counter()
         self.times.verify_steps += 1
         self.times.verify_s += now - t0

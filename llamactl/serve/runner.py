@@ -208,15 +208,13 @@ class Runner:
                                             lp=self._lp_copy(drows) if d else None)
         return (toks[d:].tolist() if any(work.ends) else None), launched
 
-    def verify(self, v: Verify) -> list[list[int]]:
-        """Run a verify step: the token drawn after each of every row's chunk tokens, read."""
+    def verify(self, v: Verify, b: int) -> list[list[int]]:
+        """Run a verify step over rows 0..b-1 (a batch bucket): the token drawn after each of
+        every row's chunk tokens, read."""
         self.arrange([], v.tables)
-        toks = self._do(("verify", v.chunks, [r.slot for r in v.requests], v.starts)).tolist()  # [T]
-        out, at = [], 0
-        for c in v.chunks:
-            out.append(toks[at : at + len(c)])
-            at += len(c)
-        return out
+        slots = [r.slot for r in v.requests]
+        toks = self._do(("verify", v.chunks, slots, v.starts, b)).tolist()  # [b, L]
+        return [toks[s][: len(c)] for s, c in zip(slots, v.chunks)]
 
     def propose(self, slots: list[int], chunks: list[list[int]], starts: list[int], ks: list[int], b: int,
                 idle: list[tuple[int, int, int]]) -> list[list[int]]:
@@ -300,8 +298,13 @@ class Runner:
             self._tok[torch.tensor(slots, device=self.device)] = toks
             return toks
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
-            chunks, slots, starts = a
-            return self.decoder.verify_packed(chunks, slots, starts)  # [T]
+            chunks, slots, starts, b = a
+            width = max(len(c) for c in chunks)
+            tok, pos, lens = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+            for c, slot, start in zip(chunks, slots, starts):
+                tok[slot, : len(c)] = torch.tensor(c)
+                pos[slot], lens[slot] = start, len(c)
+            return self.decoder.verify_rows(tok.to(self.device), pos.to(self.device), lens.to(self.device))  # [b, L]
         elif kind == "propose":
             return self.draft.propose(*a)
         elif kind == "flags":

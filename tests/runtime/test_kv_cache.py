@@ -73,3 +73,34 @@ def test_packed_prompts_give_the_logits_of_each_prompt_alone(tiny_gqa):
         want = [model(x, torch.arange(x.shape[1]), StaticCache.for_model(model, 1, 64), slot=0)[:, -1]
                 for x in (a, b, c)]
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-4, atol=1e-4)
+
+
+def test_a_verify_step_of_padded_rows_gives_each_rows_draws_and_writes_nothing_else(tiny_gqa):
+    """Decoder.verify_rows (the serving engine's speculative step, runtime.ragged.uniform): rows of
+    4, 1 and 0 real tokens (a free row) padded to 4 give the greedy draws each row's tokens get
+    from the static cache alone, and change no pool position but the real tokens' own (padding
+    writes the null block)."""
+    from llamactl.runtime.kv_cache import NULL_BLOCK
+    from llamactl.runtime.ragged import Ragged
+    from llamactl.runtime.step import Decoder
+
+    model = _model(tiny_gqa)
+    torch.manual_seed(2)
+    paged = PagedCache.for_model(model, 3, 30, 8, 64)
+    paged.set_rows([0, 1], [[5, 3, 9], [2, 11, 7, 4]])
+    a, b = torch.randint(0, 8192, (1, 14)), torch.randint(0, 8192, (1, 23))
+    dec = Decoder(model, 3, paged.max_seq, "eager", cache=paged)
+    with torch.inference_mode():
+        pre = Ragged.build(paged, [0, 1], [0, 0], [10, 22])  # a's first 10, b's first 22
+        model(torch.cat([a[:, :10], b[:, :22]], 1), pre.positions, paged, slot=pre)
+        before = [layer.k.clone() for layer in paged.layers]
+        tok = torch.zeros(3, 4, dtype=torch.long)
+        tok[0], tok[1, 0] = a[0, 10:14], b[0, 22]
+        got = dec.verify_rows(tok, torch.tensor([10, 22, 0]), torch.tensor([4, 1, 0]))  # [3, 4]
+        want = [model(x, torch.arange(x.shape[1]), StaticCache.for_model(model, 1, 64), slot=0)[0].argmax(-1)
+                for x in (a, b)]  # [S]: the greedy draw after each token
+    assert got[0].tolist() == want[0][10:14].tolist() and got[1, 0] == want[1][22]
+    written = {(3, p % 8) for p in range(10, 14)} | {(7, 22 % 8)}  # row 0's block 1 is 3, row 1's block 2 is 7
+    for layer, old in zip(paged.layers, before):
+        changed = {(blk, off) for blk, off in (layer.k != old).any(-1).any(-1).nonzero().tolist()}
+        assert changed - {(NULL_BLOCK, o) for o in range(8)} <= written and written <= changed
