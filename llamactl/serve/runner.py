@@ -377,8 +377,15 @@ class Runner:
             self.rows.greedy = greedy
             for b in sched.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        spec = sched.buckets[: 1 + sum(b < sched.spec_rows for b in sched.buckets)] if sched.spec_k else []
+        for greedy in (True, False) if self.decoder.use_graph else ():
+            self.rows.greedy = greedy  # verify steps' graphs, every width at the buckets that speculate (free rows)
+            for b in spec:
+                zeros = torch.zeros(b, dtype=torch.long, device=self.device)
+                for width in range(2, sched.spec_k + 2):
+                    self.decoder.verify_rows(torch.zeros(b, width, dtype=torch.long, device=self.device), zeros, zeros)
         if self.draft is not None:  # its steps at the buckets that speculate, and a packed forward
-            for b in sched.buckets[: 1 + sum(b < sched.spec_rows for b in sched.buckets)]:
+            for b in spec:
                 self.draft.dec.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device))
             self.draft.dec.prefill_packed([[0] * min(16, self.max_seq)], [0], [0])
         graphs = self.decoder.prefill_graphs
