@@ -52,7 +52,7 @@ def generate(
         raise InputError("--aot with --tp is not supported", "drop --aot")
     if draft is not None:
         if aot or compile_ or world:
-            raise InputError("--draft decodes through the serving engine, on one process", "drop --aot, --compile and --tp")
+            raise InputError("--draft runs its verify steps eagerly, on one process", "drop --aot, --compile and --tp")
     if world and compile_:
         raise InputError("--compile with --tp is not supported yet", "drop --compile (CUDA graphs still capture each rank's step)")
     if prompt is None:
@@ -104,15 +104,8 @@ def generate(
             skip_compile_workers()
         mode, buckets = "compile", (entry or {}).get("buckets")
     result = plan = None
-    if drafter is None:
-        events = gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
-                              options)
-    else:  # the serving engine's speculation, one row
-        from llamactl.serve.single import speculative_generate
-
-        events = speculative_generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos,
-                                      options, drafter, speculate)
-    for ev in events:
+    for ev in gen.generate(m, tok, ids, max_new_tokens, sampling, gen.eos_ids(m, tok, art), ignore_eos, mode, buckets,
+                           options, drafter, speculate):
         if isinstance(ev, Plan):
             plan = ev
             for w in plan.warnings:

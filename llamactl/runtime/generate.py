@@ -13,6 +13,7 @@ from llamactl.errors import CheckpointError, InputError
 from llamactl.layers.plan import Plan
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.settings import Sampling
+from llamactl.runtime.speculate import ModelDraft, NgramDraft, Tally, keep
 from llamactl.runtime.step import Decoder, attention_backend, sync
 from llamactl.runtime.textstream import TextStream
 
@@ -131,13 +132,16 @@ class _TokenReader:
 @torch.inference_mode()
 def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
              stop_ids: set[int] | None = None, ignore_eos: bool = False, mode: str | None = None,
-             buckets: list[int] | None = None, options: RuntimeOptions | None = None) -> Iterator[Plan | Step | Result]:
+             buckets: list[int] | None = None, options: RuntimeOptions | None = None,
+             draft: "str | torch.nn.Module | None" = None, speculate: int = 4) -> Iterator[Plan | Step | Result]:
     """Prefill the prompt, then decode one token per step; yields the Plan of what runs, Steps,
     then one Result.
 
     mode: a Decoder mode (eager, graphs, compile); None picks graphs on CUDA for greedy decoding,
     eager otherwise. options: the runtime's choices (RuntimeOptions()'s defaults when None).
-    Speculative decoding runs in the serving engine (serve.single).
+    draft: speculative decoding with proposals from prompt lookup ("ngram") or a draft model (a
+    LlamaModel with the same tokenizer), checking up to `speculate` a step (eager verify steps;
+    Result.extra["speculation"] says what it did).
     Raises InputError when the prompt and new tokens do not fit the context.
     """
 
@@ -185,7 +189,12 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
     stop_reason = "length"
     steps = 0  # decode steps whose token was read (the EOS one included)
     reader = _TokenReader(device)
-    while True:
+    tally = None
+    if draft is not None:
+        drafter = NgramDraft() if draft == "ngram" else ModelDraft(draft, dec.max_seq, mode if mode != "aot" else "eager")
+        stop_reason, steps, tally = yield from _speculative(dec, drafter, prompt_ids, int(token.view(-1)[0]),
+                                                            max_new_tokens, stop_ids, stream, out, sampling, speculate)
+    while draft is None:
         # Queue the read of this token, then the step that makes the next one, then wait for the
         # read only: detokenizing and printing overlap the device's next step.
         reader.queue(token)
@@ -222,5 +231,34 @@ def generate(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, sampl
         extra={"mode": mode, "attention_backend": attention_backend(model, 1, dec.max_seq, device), "gemv": dec.plan.label,
                "kv_dtype": dec.cache.fmt.name,
                "plan": dec.plan.as_dict(),
+               **({"speculation": {"draft": draft if isinstance(draft, str) else "model", "k": speculate,
+                                   **tally.as_dict()}} if tally else {}),
                **({"aot_cache": "loaded" if dec.aot_cached else "built"} if dec.aot_cached is not None else {})},
     )
+
+
+def _speculative(dec, drafter, prompt_ids: list[int], first: int, max_new_tokens: int, stop_ids: set[int], stream,
+                 out: list[int], sampling: Sampling, k: int):
+    """generate's loop with speculative decoding (runtime.speculate): each verify step checks the
+    drafter's proposals after the last token, and hands out the tokens it keeps. Yields Steps
+    (appending to `out`); returns (stop reason, tokens made after the first, Tally)."""
+    tally = Tally()
+    drafter.extend(list(prompt_ids))
+    last, pos, new = first, len(prompt_ids), [first]  # `last` sits at pos, its K/V not computed yet
+    while True:
+        for t in new:
+            if t in stop_ids:
+                return "eos", tally.accepted + tally.verify_steps, tally
+            out.append(t)
+            drafter.extend([t])
+            yield Step(t, stream.add(t))
+            if len(out) >= max_new_tokens:
+                return "length", tally.accepted + tally.verify_steps, tally
+        proposal = drafter.propose(min(k, max_new_tokens - len(out) - 1))
+        logits = dec.verify([last] + proposal, pos)  # [1 + len(proposal), V]
+        new = keep(proposal, sample(logits, sampling).tolist())
+        tally.verify_steps += 1
+        tally.proposed += len(proposal)
+        tally.accepted += len(new) - 1
+        pos += len(new)
+        last = new[-1]

@@ -12,9 +12,10 @@ plain sampling's. One rule (`keep`) for generate and serve.
 
 Drafters: `NgramDraft` (prompt lookup: the tokens that followed the latest earlier occurrence of
 the text's last few tokens; free, and strong where the answer copies from the prompt: summaries,
-edits of code) and `PagedDraft` (a smaller model with the same tokenizer, or a low-bit copy of the
-target from `llamactl quantize`, decoding its proposals greedily: one-point proposals again).
-Both run in the serving engine (serve.engine), which `generate --draft` drives too (serve.single).
+edits of code) and a draft model (a smaller model with the same tokenizer, or a low-bit copy of the
+target from `llamactl quantize`, decoding its proposals greedily: one-point proposals again):
+`ModelDraft` over a static cache of its own (generate's loop), `PagedDraft` in the serving engine's
+paged pool (serve.engine).
 """
 
 from __future__ import annotations
@@ -57,6 +58,37 @@ class NgramDraft:
                     out.append(self.tokens[i] if i < len(self.tokens) else out[i - len(self.tokens)])
                 return out
         return []
+
+
+class ModelDraft:
+    """Proposals from a draft model's greedy decoding, over a cache of its own (runtime.step.Decoder,
+    one row): each propose() first feeds it the tokens its cache lacks (after a rejection, from
+    the first proposal that was not kept), then steps k times."""
+
+    def __init__(self, model, max_seq: int, mode: str = "eager"):
+        self.dec = Decoder(model, 1, max_seq, mode)
+        self.tokens: list[int] = []
+        self.written: list[int] = []  # the tokens whose K/V the draft's cache holds, by position
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        n, have = len(self.tokens), 0
+        while have < min(len(self.written), n - 1) and self.written[have] == self.tokens[have]:
+            have += 1
+        device = self.dec.device
+        if have < n - 1:  # the tokens before the last that the cache lacks, in one forward
+            self.dec.prefill(torch.tensor([self.tokens[have : n - 1]], device=device), start=have)
+        tok, out = torch.tensor([self.tokens[-1]], device=device), []
+        for j in range(k):
+            tok = self.dec.step(tok, n - 1 + j)  # [1]
+            out.append(tok)
+        proposals = torch.cat(out).tolist()
+        self.written = self.tokens[:n] + proposals[:-1]
+        return proposals
 
 
 class PagedDraft:

@@ -214,12 +214,6 @@ class Engine:
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
 
-    def iterate(self) -> bool:
-        """One pass of the step loop on the calling thread, for a caller that drives the engine
-        itself (serve.single); False once stopped. Errors propagate."""
-        with torch.inference_mode():
-            return self._iteration()
-
     def run(self) -> None:
         """The step loop on this thread, until stop() (from another thread) ends it; a failed
         step ends it too, after every request in it got the error (the engine then takes none)."""

@@ -8,7 +8,6 @@ import torch
 
 from llamactl.runtime import generate as gen
 from llamactl.runtime.speculate import NgramDraft, keep
-from llamactl.serve.single import speculative_generate
 
 PROMPTS = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\ndef fib(n):\n",
            "The cat sat on the mat. The cat sat on the", "Hello"]
@@ -42,11 +41,11 @@ def test_greedy_speculation_gives_plain_decodings_tokens(embedded):
         ids = tok(prompt).input_ids
         plain = list(gen.generate(model, tok, ids, 32, gen.Sampling(temperature=0), set(), True))[-1]
         for k in (1, 5):
-            spec = list(speculative_generate(model, tok, ids, 32, gen.Sampling(temperature=0), set(), True, None,
-                                             "ngram", k))[-1]
+            spec = list(gen.generate(model, tok, ids, 32, gen.Sampling(temperature=0), set(), True, draft="ngram",
+                                     speculate=k))[-1]
             assert spec.token_ids == plain.token_ids, (prompt, k)
             s = spec.extra["speculation"]
-            assert s["accepted"] + s["verify_steps"] + s["plain_steps"] == len(spec.token_ids) - 1
+            assert s["accepted"] + s["verify_steps"] == len(spec.token_ids) - 1
             kept += s["accepted"]
     assert kept > 0
 
@@ -83,7 +82,7 @@ def test_sampled_acceptance_keeps_the_models_distribution():
 @pytest.mark.slow
 def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_refused(embedded, tmp_path, tiny_gqa):
     """--draft FOLDER: the embedded model's own 4-bit RTN copy drafts for it; greedy output equals
-    plain decoding's and its verify steps give 1.8+ tokens each; a model with another tokenizer is one line."""
+    plain decoding's and most proposals are kept; a model with another tokenizer is one line."""
     from typer.testing import CliRunner
 
     from llamactl.cli.app import app
@@ -98,9 +97,9 @@ def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_r
     _, draft, _, _ = load(str(q), "cpu", "float32")
     ids = tok(PROMPTS[1]).input_ids
     plain = list(gen.generate(model, tok, ids, 24, gen.Sampling(temperature=0), set(), True))[-1]
-    spec = list(speculative_generate(model, tok, ids, 24, gen.Sampling(temperature=0), set(), True, None, draft, 4))[-1]
+    spec = list(gen.generate(model, tok, ids, 24, gen.Sampling(temperature=0), set(), True, draft=draft))[-1]
     s = spec.extra["speculation"]
-    assert spec.token_ids == plain.token_ids and s["draft"] == "model" and s["tokens_per_step"] > 1.8, s
+    assert spec.token_ids == plain.token_ids and s["draft"] == "model" and s["acceptance"] > 0.5, s
     import json
     import shutil
 
