@@ -1,6 +1,7 @@
 # the CPU A/B of generate --draft ngram: OLD (its own loop, dfd6156) and NEW (the serving engine), 3 rounds, orders alternating
+# Usage: [ROUNDS=3] bash ab.sh OUT.jsonl (the old tree at /tmp/oldtree: git worktree add /tmp/oldtree dfd6156)
 out=$1; : > $out
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-3}); do
   if [ $((round % 2)) = 1 ]; then order="old new"; else order="new old"; fi
   for tree in $order; do
     dir=/work/main; [ $tree = old ] && dir=/tmp/oldtree
