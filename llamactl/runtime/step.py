@@ -352,7 +352,12 @@ class Decoder:
     def _verify(self, tok: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         # tok [b, L], pos [b], lens [b] -> the draws after every token [b, L] (runtime.ragged.uniform)
         b, width = tok.shape
-        return self._packed(tok.reshape(1, b * width), uniform(self.cache, pos, lens, width))[0].view(b, width)
+        packed = uniform(self.cache, pos, lens, width)
+        if self.rows is not None and self.rows.greedy:  # every row greedy (none with a bias, mask or
+            # penalty speculates): the argmax, not a draw over the sorted vocabulary
+            logits = self.model(tok.reshape(1, b * width), packed.positions, self.cache, slot=packed)[:, -1]  # [T, V]
+            return logits.argmax(-1).view(b, width)
+        return self._packed(tok.reshape(1, b * width), packed)[0].view(b, width)
 
     def _packed(self, ids: torch.Tensor, packed, ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> (the token drawn after each

@@ -213,7 +213,8 @@ class Runner:
         every row's chunk tokens, read."""
         self.arrange([], v.tables)
         slots = [r.slot for r in v.requests]
-        toks = self._do(("verify", v.chunks, slots, v.starts, b)).tolist()  # [b, L]
+        greedy = all(r.params.sampling.greedy for r in v.requests)
+        toks = self._do(("verify", v.chunks, slots, v.starts, b, greedy)).tolist()  # [b, L]
         return [toks[s][: len(c)] for s, c in zip(slots, v.chunks)]
 
     def propose(self, slots: list[int], chunks: list[list[int]], starts: list[int], ks: list[int], b: int,
@@ -298,7 +299,8 @@ class Runner:
             self._tok[torch.tensor(slots, device=self.device)] = toks
             return toks
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
-            chunks, slots, starts, b = a
+            chunks, slots, starts, b, greedy = a
+            self.rows.greedy = greedy
             width = max(len(c) for c in chunks)
             tok, pos, lens = torch.zeros(b, width, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
             for c, slot, start in zip(chunks, slots, starts):
