@@ -153,6 +153,7 @@ class Decoder:
         # per (kind of position ("shared": [1], "rows": [B, 1]), rows): static inputs, graph, static output
         self._graphs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graph else None  # every graph's memory
+        self.verify_failed: dict[tuple[int, int], str] = {}  # (rows, width) of verify steps left eager, and why
         self.prefill_graphs = None
         if prefill_graphs and self.use_graph:
             self.prefill_graphs = PrefillGraphs(self._prefill_slots, batch, self.max_seq, self.device, pool=self._pool)
@@ -341,8 +342,15 @@ class Decoder:
             return self._verify(tok, pos, lens)
         if kind not in self._graphs:
             static = (tok.clone(), pos.clone(), lens.clone())
-            graph, out = capture(self._verify, static, self._pool)
-            self._graphs[kind] = (static, None, graph, out)
+            try:
+                graph, out = capture(self._verify, static, self._pool)
+            except RuntimeError as e:  # this shape's verify steps run eagerly from now on; `verify_failed` says why
+                self.verify_failed[(b, width)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                self._graphs[kind] = None
+            else:
+                self._graphs[kind] = (static, None, graph, out)
+        if self._graphs[kind] is None:
+            return self._verify(tok, pos, lens)
         static, _, graph, out = self._graphs[kind]
         for x, y in zip(static, (tok, pos, lens)):
             x.copy_(y)

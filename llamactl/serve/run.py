@@ -154,6 +154,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         started = time.perf_counter()
         _warm_up(engine)
         warm_s = time.perf_counter() - started
+        for (rows, width), why in engine.decoder.verify_failed.items():
+            warn(f"verify steps of {rows} rows x {width} tokens run eagerly: their CUDA graph failed ({why})")
         if not leader:
             import signal
 

@@ -104,3 +104,25 @@ def test_a_verify_step_of_padded_rows_gives_each_rows_draws_and_writes_nothing_e
     for layer, old in zip(paged.layers, before):
         changed = {(blk, off) for blk, off in (layer.k != old).any(-1).any(-1).nonzero().tolist()}
         assert changed - {(NULL_BLOCK, o) for o in range(8)} <= written and written <= changed
+
+
+def test_a_verify_step_whose_graph_fails_to_capture_runs_eagerly(tiny_gqa, monkeypatch):
+    """A CUDA graph of a verify step that cannot be captured (capture raises) leaves that shape
+    eager, says why in verify_failed, and draws what the eager step draws."""
+    from llamactl.runtime import step as step_mod
+
+    model = _model(tiny_gqa)
+    paged = PagedCache.for_model(model, 2, 10, 8, 32)
+    paged.set_rows([0], [[1, 2]])
+    dec = step_mod.Decoder(model, 2, paged.max_seq, "eager", cache=paged)
+    args = (torch.tensor([[5, 6, 7], [0, 0, 0]]), torch.tensor([0, 0]), torch.tensor([3, 0]))
+    with torch.inference_mode():
+        want = dec.verify_rows(*args)
+        dec.use_graph = True  # as on a GPU, where capture() then fails
+
+        def fails(*a, **k):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+        monkeypatch.setattr(step_mod, "capture", fails)
+        assert torch.equal(dec.verify_rows(*args), want) and torch.equal(dec.verify_rows(*args), want)
+    assert list(dec.verify_failed) == [(2, 3)] and "not permitted" in dec.verify_failed[2, 3]
