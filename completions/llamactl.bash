@@ -49,7 +49,7 @@ _llamactl() {
         return
     fi
     case "$cmd" in
-        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --ramp-up --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --request-json --kv-dtype --tp --help -h" ;;
+        bench) opts="--prompt-len --gen-len --batch --warmup --repeat --device --dtype --mode --kernels --pdl --quant-inputs --stages --synthetic --synthetic-quant --quality --reference --eval --eval-tokens --format --output -o --profile --compare --max-slowdown --pins-file --trust-compile-cache --tune --url --serve --concurrency --requests --rate --ramp-up --shared-prefix --prefix-groups --dataset --slo-ttft-ms --slo-itl-ms --gpu-hourly-cost --model --api-key --request-json --kv-dtype --draft --speculate --tp --help -h" ;;
         calibrate) opts="--output -o --calib --n-samples --seq-len --device --force --json --help -h" ;;
         compile) opts="--output -o --mode --buckets --device --dtype --quant-inputs --kernels --pins-file --force --json --help -h" ;;
         convert) opts="--output -o --to --type --dtype --tokenizer --context --dequantize --eval-tokens --allow-pickle --force --json --help -h" ;;

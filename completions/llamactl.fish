@@ -51,6 +51,8 @@ complete -c llamactl -n '__fish_seen_subcommand_from bench' -l model -r -d 'Load
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l api-key -r -d 'Load test: the servers API key (default: LLAMACTL_API_KEY).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l request-json -r -d 'Load test: more fields of every requests body, a JSON object or a file holding one (for example {"response_format": {"type": "json_object"}}).'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l kv-dtype -r -d 'What the KV cache stores: auto (the models dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head); a comma list such as auto,int8 times each in one run, and --quality adds the KL each 8-bit cache adds [default: auto].'
+complete -c llamactl -n '__fish_seen_subcommand_from bench' -l draft -r -d 'Also speculative decoding at batch 1, against plain decoding in the same run: ngram, a model folder with the same tokenizer, or self-int4 / self-int8 (a folders copy made at start; random weights: the shapes quantized weights); greedy, on the evaluation texts first --prompt-len tokens.'
+complete -c llamactl -n '__fish_seen_subcommand_from bench' -l speculate -r -d 'With --draft: the most proposals one verify step checks.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l tp -r -d 'Tensor-parallel processes: the model split over N GPUs (or CPU processes); started here, or by torchrun --nproc-per-node N.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -l help -s h -d 'Show help.'
 complete -c llamactl -n '__fish_seen_subcommand_from bench' -F

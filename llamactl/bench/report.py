@@ -86,6 +86,11 @@ def row_line(r: dict) -> str:
         return (f"{where}: {r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s, TTFT p50/p95 "
                 f"{fmt(r['ttft_ms_p50'], '{:.0f}')}/{fmt(r['ttft_ms_p95'], '{:.0f}')} ms, ITL p50 "
                 f"{fmt(r['itl_ms_p50'], '{:.1f}')} ms, {r['errors']} errors")
+    if "speculation" in r:  # bench --draft
+        s = r["speculation"]
+        return (f"{where}: decode {r['decode_tok_s']:.1f} tok/s against {r['plain_decode_tok_s']:.1f} plain "
+                f"({r['speedup_vs_plain']:.2f}x), {(s['acceptance'] or 0):.0%} of proposals kept, "
+                f"{s['tokens_per_step'] or 0:.2f} tokens a verify step" + ("" if r["same_tokens"] else ", OTHER TOKENS"))
     return (f"{where}: decode {r['decode_tok_s']:.1f} tok/s ({r['bandwidth_ceiling_frac']:.1%} of the ceiling), "
             f"prefill {r['prefill_tok_s']:.0f} tok/s" + (f", gemv {r['gemv']}" if r.get("gemv") else ""))
 

@@ -87,6 +87,8 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Load test: the server's API key (default: LLAMACTL_API_KEY).")] = None,
     request_json: Annotated[Optional[str], typer.Option("--request-json", help="Load test: more fields of every request's body, a JSON object or a file holding one (for example {\"response_format\": {\"type\": \"json_object\"}}).")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="What the KV cache stores: auto (the model's dtype), bf16, fp16, fp8 (e4m3; GPUs with FP8) or int8 (8 bits and a scale per position and head); a comma list such as auto,int8 times each in one run, and --quality adds the KL each 8-bit cache adds [default: auto].", show_default=False)] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Also speculative decoding at batch 1, against plain decoding in the same run: ngram, a model folder with the same tokenizer, or self-int4 / self-int8 (a folder's copy made at start; random weights: the shape's quantized weights); greedy, on the evaluation text's first --prompt-len tokens.")] = None,
+    speculate: Annotated[int, typer.Option("--speculate", min=1, max=16, help="With --draft: the most proposals one verify step checks.")] = 4,
     tp: TpOpt = 1,
 ):
     """Speed, memory and quality of one or more models, as tables or JSON; with --url, a load test of a server."""
@@ -167,6 +169,8 @@ def bench(
         from llamactl.quality import check_eval_file
 
         check_eval_file(eval_file)
+    if world and draft is not None:
+        raise InputError("--draft runs generate's loop on one process", "drop --tp")
     if world and "compile" in modes:
         raise InputError("--mode compile with --tp is not supported yet", "use --mode graphs or eager")
     targets = bt.load_targets(models or [], synthetic, dev, dtype, synthetic_quant,
@@ -207,6 +211,13 @@ def bench(
         n = write_pins(Path(tune), dev, " ".join(["llamactl", "bench", *sys.argv[2:]]))
         ui.log(f"wrote {n} pinned configs to {tune} (run them with --pins-file {tune}, or copy them into "
                "llamactl/kernels/configs/ for this GPU)")
+    if draft is not None:
+        from llamactl.bench import speculation
+
+        for t in targets:
+            for row in speculation.measure(t, draft, speculate, trial, options, ui.log):
+                ui.log(report.row_line(row), markup=False)
+                result["results"].append(row)
     if quality:
         bt.add_quality(result["results"], targets, reference, eval_file, eval_tokens, dev, ui.progress, options,
                        [k for k in kv_list if k in ("int8", "fp8")])

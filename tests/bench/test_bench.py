@@ -296,3 +296,25 @@ def test_a_failed_mode_is_an_error_row_and_the_others_are_kept(tmp_path, monkeyp
     rows = json.loads(out.read_text())["results"]
     assert [(x["prompt_len"], bool(x.get("failed"))) for x in rows] == [(16, False), (16, True), (32, False), (32, True)]
     assert all(x["decode_tok_s"] > 0 for x in rows if not x.get("failed"))
+
+
+def test_draft_rows_measure_speculation_against_plain_decoding_in_the_same_run(tmp_path):
+    """bench --draft: a row per prompt length at batch 1 with generate's speculative loop and its
+    plain loop, alternating on real text: their decode rates and ratio, the proposals kept, and
+    that both gave the same tokens (float32); random weights draft with their shape's int4 weights."""
+    out = tmp_path / "r.json"
+    r = bench("--device", "cpu", "--dtype", "float32", "--mode", "eager", "--prompt-len", "96", "--gen-len", "24",
+              "--warmup", "0", "--repeat", "2", "--draft", "ngram", "--format", "json", "-o", out)
+    assert r.exit_code == 0, r.output
+    [row] = [x for x in json.loads(out.read_text())["results"] if "speculation" in x]
+    assert row["stage"] == "llamactl speculative (ngram, up to 4)" and row["batch"] == 1 and row["prompt_len"] == 96
+    assert row["same_tokens"] and row["decode_tok_s"] > 0 and row["plain_decode_tok_s"] > 0
+    assert row["speedup_vs_plain"] == row["decode_tok_s"] / row["plain_decode_tok_s"]
+    assert row["speculation"]["verify_steps"] > 0 and "proposals kept" in r.stderr
+    # (int4 weights run with bf16 activations, where a verify step's rounding may part from a step's)
+    r = bench("--synthetic", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--mode", "eager", "--prompt-len", "32",
+              "--gen-len", "12", "--warmup", "0", "--repeat", "1", "--draft", "self-int4", "--speculate", "2",
+              "--format", "json")
+    assert r.exit_code == 0, r.output
+    [row] = [x for x in json.loads(r.stdout)["results"] if "speculation" in x]
+    assert row["speculation"]["k"] == 2 and row["speculation"]["draft"] == "model" and row["speculation"]["verify_steps"] > 0
