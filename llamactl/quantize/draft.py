@@ -35,4 +35,7 @@ def load_draft(draft: str, folder: Path | None, tok, target, allow_pickle: bool,
     if dtok.get_vocab() != tok.get_vocab():
         raise InputError(f"--draft {draft}: its tokenizer is not the model's (proposals are token ids)",
                          "draft with a model of the same family and tokenizer, or --draft ngram")
+    if model.args.vocab_size > target.args.vocab_size:  # (a padded head could propose ids the model has no row for)
+        raise InputError(f"--draft {draft}: its vocabulary has {model.args.vocab_size} rows, the model's "
+                         f"{target.args.vocab_size}", "draft with a model whose vocabulary is no larger than the model's")
     return model

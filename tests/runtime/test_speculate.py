@@ -82,7 +82,8 @@ def test_sampled_acceptance_keeps_the_models_distribution():
 @pytest.mark.slow
 def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_refused(embedded, tmp_path, tiny_gqa):
     """--draft FOLDER: the embedded model's own 4-bit RTN copy drafts for it; greedy output equals
-    plain decoding's and most proposals are kept; a model with another tokenizer is one line."""
+    plain decoding's and most proposals are kept; a model with another tokenizer, or a larger
+    vocabulary, is one line."""
     from typer.testing import CliRunner
 
     from llamactl.cli.app import app
@@ -118,3 +119,8 @@ def test_a_draft_model_gives_plain_decodings_tokens_and_a_foreign_tokenizer_is_r
     (other / "tokenizer.json").write_text(json.dumps(data))
     r = runner.invoke(app, ["generate", "-p", "x", "-n", "2", "--draft", str(other)])
     assert r.exit_code == 1 and "its tokenizer is not the model's" in r.stderr
+    from conftest import make_hf_model
+
+    padded = make_hf_model(tmp_path / "padded", vocab=8256)  # the same tokenizer, a head of 64 more rows
+    r = runner.invoke(app, ["generate", "-p", "x", "-n", "2", "--draft", str(padded)])
+    assert r.exit_code == 1 and "its vocabulary has 8256 rows, the model's 8192" in r.stderr
