@@ -27,7 +27,7 @@ from llamactl.runtime.aot import AotStep
 from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime.kv_cache import StaticCache
 from llamactl.runtime.ragged import TILE, Ragged, uniform
-from llamactl.runtime.sampling import TOP_LOGPROBS
+from llamactl.runtime.sampling import TOP_LOGPROBS, RowSampling
 
 MODES = ("eager", "graphs", "compile", "aot")
 
