@@ -75,6 +75,7 @@ BATCH_PREFILL_TOKENS = 8192  # prompt tokens prefilled in one forward when no ro
 # off: a lone client's request is not held for others that do not come; the first burst after it
 # is then split once (its first request goes alone), the next gathered.
 GATHER_SPAN = 10
+IDLE_WAKE_S = 0.5  # an idle engine's wait wakes this often (a SIGTERM's handler runs on this thread)
 SPEC_REST = 8  # tokens a row that found nothing to propose decodes plainly before it proposes again
 
 
@@ -194,7 +195,9 @@ class Scheduler:
         step is in flight."""
         with self.cv:
             while not self.stopping and self._idle(busy):
-                self.cv.wait()
+                # never for good: a signal that came while this thread ran C code (its handler
+                # pending, no EINTR to come) must find the loop back in Python within IDLE_WAKE_S
+                self.cv.wait(IDLE_WAKE_S)
             if self.stopping and self._idle(busy):
                 return None
             plan = StepPlan()
