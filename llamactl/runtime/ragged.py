@@ -77,9 +77,9 @@ def uniform(cache, pos: torch.Tensor, lens: torch.Tensor, width: int) -> Ragged:
     """Rows 0..b-1 of cache, `width` tokens each at positions pos[r].. (a verify step's: a row's
     last token and proposals, padded), every token's logits: built on the device from pos [b] and
     lens [b] with no host read, so a CUDA graph captures it. A row's tokens past lens[r] (padding;
-    a free row's lens is 0) are no queries of its sequence (their attention output, and so their
-    logits, are garbage the caller drops), write their K/V into the null block, never a row's own
-    blocks, and sit at positions clamped to the cache."""
+    a free row's lens is 0) are no queries of its sequence (their attention output is zeros, their
+    draws are dropped), write their K/V into the null block, never a row's own blocks, and sit at
+    positions clamped to the cache. (Left unset, a padding row's NaN reached a real row's draw.)"""
     b, dev = pos.numel(), pos.device
     j = torch.arange(width, device=dev)
     rows = torch.arange(b, dtype=torch.int32, device=dev)
@@ -127,7 +127,7 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     where 8-bit), SDPA with its causal offset, the query heads of a KV head as more rows of it."""
     t, h, d = q.shape
     hkv, bs = k_pool.shape[2], k_pool.shape[1]
-    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    out = torch.zeros(t, h, d, dtype=q.dtype, device=q.device)  # (a verify step's padding: no query, zeros)
     flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # [N*BS, H_kv, D]
     for start, n, c0, row in zip(*(x.tolist() for x in (ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows))):
         if n == 0:  # a free row of a verify step (uniform)
