@@ -79,7 +79,8 @@ def uniform(cache, pos: torch.Tensor, lens: torch.Tensor, width: int) -> Ragged:
     lens [b] with no host read, so a CUDA graph captures it. A row's tokens past lens[r] (padding;
     a free row's lens is 0) are no queries of its sequence (their attention output is zeros, their
     draws are dropped), write their K/V into the null block, never a row's own blocks, and sit at
-    positions clamped to the cache. (Left unset, a padding row's NaN reached a real row's draw.)"""
+    positions clamped to the cache. (Left unset, a padding token's NaN went on into its K/V of the
+    next layers, in the null block, which an eager decode step gathers under its mask: 0 x NaN.)"""
     b, dev = pos.numel(), pos.device
     j = torch.arange(width, device=dev)
     rows = torch.arange(b, dtype=torch.int32, device=dev)
