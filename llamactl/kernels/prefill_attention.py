@@ -81,7 +81,8 @@ def ragged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     t, h, d = q.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"prefill attention needs a power-of-two head_dim >= 16, got {d}")
-    out = torch.zeros(t, h, d, dtype=q.dtype, device=q.device)  # tokens no sequence queries (a verify step's padding) stay 0
+    # tokens no sequence queries (ragged.padded: a verify step's padding) stay 0, not unset memory
+    out = (torch.zeros if ragged.padded else torch.empty)(t, h, d, dtype=q.dtype, device=q.device)
     tiles = ragged.tile_seq.numel()
     if tiles == 0:
         return out

@@ -44,6 +44,7 @@ class Ragged:
     decode: int = 0  # the first `decode` sequences are single decode tokens (tiles only for the rest)
     decode_table: torch.Tensor | None = None  # [decode, M] int32: their table rows
     tile: int = TILE
+    padded: bool = False  # some tokens no sequence queries (uniform: a verify step's padding, free rows)
 
     @classmethod
     def build(cls, cache, rows: list[int], starts: list[int], lens: list[int], decode: int = 0,
@@ -90,7 +91,8 @@ def uniform(cache, pos: torch.Tensor, lens: torch.Tensor, width: int) -> Ragged:
     where = torch.where(real, cache.at(token_rows, positions[0]), NULL_BLOCK * cache.block_size + j.repeat(b)
                         % cache.block_size)  # [T]
     return Ragged(rows, rows * width, lens.to(torch.int32), pos.to(torch.int32), rows,
-                  torch.zeros_like(rows), positions, torch.arange(b * width, device=dev), where, token_rows)
+                  torch.zeros_like(rows), positions, torch.arange(b * width, device=dev), where, token_rows,
+                  padded=True)
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -128,7 +130,7 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
     where 8-bit), SDPA with its causal offset, the query heads of a KV head as more rows of it."""
     t, h, d = q.shape
     hkv, bs = k_pool.shape[2], k_pool.shape[1]
-    out = torch.zeros(t, h, d, dtype=q.dtype, device=q.device)  # (a verify step's padding: no query, zeros)
+    out = (torch.zeros if ragged.padded else torch.empty)(t, h, d, dtype=q.dtype, device=q.device)  # (padding: zeros)
     flat_k, flat_v = k_pool.flatten(0, 1), v_pool.flatten(0, 1)  # [N*BS, H_kv, D]
     for start, n, c0, row in zip(*(x.tolist() for x in (ragged.q_start, ragged.q_len, ragged.ctx, ragged.rows))):
         if n == 0:  # a free row of a verify step (uniform)
