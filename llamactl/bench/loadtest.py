@@ -217,6 +217,12 @@ async def _level(post, load: Load, model: str, concurrency: int, texts: list[tup
     return results, time.perf_counter() - t0
 
 
+def tpot_ms(r: dict) -> float:
+    """A request's time per output token after its first, ms: a chunk may carry several tokens (a
+    speculating server's kept proposals), so the gaps between chunks are not the gaps between tokens."""
+    return (r["end"] - r["chunks"][0]) * 1000 / (r["output_tokens"] - 1)
+
+
 def goodput(results: list[dict], wall: float, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> float:
     """Requests a second that succeeded within both targets: TTFT, and the mean time between
     their tokens (None: no target)."""
@@ -234,6 +240,7 @@ def summarize(results: list[dict], wall: float, load: Load | None = None) -> dic
     ttft = [r["chunks"][0] - r["start"] for r in ok]
     itl = [(b - a) * 1000 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     e2e = [r["end"] - r["start"] for r in ok]
+    tpot = [tpot_ms(r) for r in ok if (r["output_tokens"] or 0) > 1]
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     prompt_tokens = [r["prompt_tokens"] for r in ok if r["prompt_tokens"] is not None]
     errors = [r["error"] for r in results if not r["ok"]]
@@ -250,6 +257,7 @@ def summarize(results: list[dict], wall: float, load: Load | None = None) -> dic
         "ttft_ms_p50": pct(ttft, 50, 1000), "ttft_ms_p95": pct(ttft, 95, 1000), "ttft_ms_p99": pct(ttft, 99, 1000),
         "itl_ms_p50": pct(itl, 50), "itl_ms_p95": pct(itl, 95),
         "latency_ms_p50": pct(itl, 50), "latency_ms_p95": pct(itl, 95),  # bench's per-token columns: the ITL
+        "tpot_ms_mean": sum(tpot) / len(tpot) if tpot else None, "tpot_ms_p50": pct(tpot, 50),
         "e2e_s_p50": pct(e2e, 50), "e2e_s_p95": pct(e2e, 95),
         "prompt_tokens_mean": sum(prompt_tokens) / len(prompt_tokens) if prompt_tokens else None,
         "output_tokens_mean": out_tokens / len(ok) if ok else None,
