@@ -60,3 +60,10 @@ def check_not_stopped() -> None:
     command would run on to write its output and exit 0."""
     if _signalled:
         raise Terminated() if _signalled == "SIGTERM" else KeyboardInterrupt()
+
+
+def first_line(e: BaseException, width: int = 160) -> str:
+    """An exception as one short line: its type and its message's first line (a failed kernel
+    build or graph capture, kept beside the fallback it caused)."""
+    text = str(e).splitlines()[0][:width] if str(e) else ""
+    return f"{type(e).__name__}: {text}"

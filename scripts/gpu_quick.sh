@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The shortest call that checks the GPU paths and one goal of each of issues 52 and 53, for a
 # session with little device time left (the full runs: gpu_kv8.sh, gpu_fp8.sh, gpu_paged.sh):
-#   gpu-tests.log    tests/test_gpu.py's 8-bit cache, FP8, paged and served tests, and test_kv8
+#   gpu-tests.log    tests/test_gpu.py's 8-bit cache and FP8 tests, tests/serve/test_engine_gpu.py, test_kv8
 #   kv8-7b-16k.json  llama2-7b-32k, int4 weights, batch 1 after 16,384 tokens, --kv-dtype auto,int8,fp8
 #   fp8-8b-b1.json   llama3-8b bf16 and FP8, batch 1 after 2,048 tokens (TTFT, batch-1 decode)
 # Usage: bash scripts/gpu_quick.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: gpu_quick.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/kernels/test_kv8.py \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/serve/test_engine_gpu.py tests/kernels/test_kv8.py \
   -k "8bit or fp8 or paged or served or kv8 or graphs or grammar" > "$out/gpu-tests.log" 2>&1
 grep -E "passed|failed|FAILED|Error" "$out/gpu-tests.log" | tail -8
 bench() {  # NAME SECONDS BENCH_ARGS...

@@ -8,6 +8,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from llamactl.errors import first_line
 from llamactl.kernels.device import index, interpreted
 
 
@@ -74,7 +75,7 @@ def self_check(device: torch.device, inputs: str = "float") -> str | None:
         out = attention.decode_attention_rope(q, k_new, v_new, k2, v2, ones, zeros, pos)
         checks["decode attention + rope"] = rel(out, ref)
     except Exception as e:  # a kernel that does not compile or launch here
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return first_line(e)
     return _failed(checks)
 
 

@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from llamactl.errors import first_line
+
 # Padded prompt lengths (tokens): every 64 up to 256, then every half power of two. The padding is
 # arithmetic done for nothing, cheap while a prefill is bound by its launches.
 LENGTHS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -108,7 +110,7 @@ class PrefillGraphs:
             try:
                 graph, out = self._capture(self._forward, (static, sb), self._pool)
             except RuntimeError as e:  # this bucket prefills eagerly from now on; `failed` says why
-                self.failed[(kb, sb)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                self.failed[(kb, sb)] = first_line(e)
                 tokens, finite = self._forward(static, sb)
                 return tokens[:k], finite
             self._graphs[(kb, sb)] = (static, graph, out)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from llamactl.errors import InputError
+from llamactl.errors import InputError, first_line
 from llamactl.layers.plan import prepare, unfold_cache_writes
 from llamactl.options import RuntimeOptions
 from llamactl.runtime import kv_format
@@ -345,7 +345,7 @@ class Decoder:
             try:
                 graph, out = capture(self._verify, static, self._pool)
             except RuntimeError as e:  # this shape's verify steps run eagerly from now on; `verify_failed` says why
-                self.verify_failed[(b, width)] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                self.verify_failed[(b, width)] = first_line(e)
                 self._graphs[kind] = None
             else:
                 self._graphs[kind] = (static, None, graph, out)

@@ -129,7 +129,7 @@ def test_a_tensor_parallel_server_answers_as_one_process(gqa_bf16):
     pytest.importorskip("uvicorn")
     from concurrent.futures import ThreadPoolExecutor
 
-    from test_serve import Server
+    from servers import Server
 
     ref = generate(gqa_bf16, "--temperature", "0")
     s = Server([str(gqa_bf16), "--tp", "2", "--dtype", "float32", "--max-batch", "2", "--max-seq", "128"])

@@ -1,7 +1,7 @@
 """The OpenAI API's fields beyond the basics through a real server on 127.0.0.1 (the embedded
 trained model, CPU float32; a random tiny chat model for tools): n, logprobs and echo, penalties
 and logit_bias, stop_token_ids, structured output and tool calls, with the official and LangChain
-clients where they take them. This module runs servers of its own (test_serve's fixtures)."""
+clients where they take them. This module runs servers of its own (tests/serve/servers.py's fixtures)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from llamactl.runtime import generate as gen
 from test_engine import PROMPTS
-from test_serve import _stream, _tok, long_model, server, small_server  # noqa: F401, F811 (fixtures: servers of this module)
+from servers import long_model, server, small_server, stream_events  # noqa: F401, F811 (fixtures: servers of this module)
+from test_serve import _tok
 
 
 def test_n_choices_greedy_equal_sampled_each_its_own_seed_streamed_and_whole(server):
@@ -37,7 +38,7 @@ def test_n_choices_greedy_equal_sampled_each_its_own_seed_streamed_and_whole(ser
     before, prompt = hits(), list(range(100, 164))  # 64 tokens: whole blocks
     r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": 3, "temperature": 0})
     assert r.status_code == 200 and hits() - before >= 2 * 48  # choices 1 and 2 found the prompt's blocks cached
-    events, _ = _stream(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+    events, _ = stream_events(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
                                                     "n": 2, "temperature": 1.0, "seed": 3})
     chunks = [e for e in events if e != "[DONE]"]
     for i in (0, 1):
@@ -57,7 +58,7 @@ def test_logprobs_in_openais_shapes_streamed_and_whole(server):
     for chosen, tops in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert len(tops) <= 3 and chosen <= 0 and abs(max(tops.values()) - chosen) < 1e-6
     assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
-    events, _ = _stream(c, "/v1/completions", body | {"logprobs": 3})
+    events, _ = stream_events(c, "/v1/completions", body | {"logprobs": 3})
     streamed = [v for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
                 for v in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == lp["token_logprobs"]
@@ -113,7 +114,7 @@ def test_structured_output_follows_the_schema_streamed_and_whole(server):
         r = c.post("/v1/chat/completions", json=body).json()
         for choice in r["choices"]:
             assert choice["finish_reason"] == "stop" and _is_person(choice["message"]["content"]), choice
-    _, text = _stream(c, "/v1/chat/completions", chat | {"temperature": 0.7, "seed": 2})
+    _, text = stream_events(c, "/v1/chat/completions", chat | {"temperature": 0.7, "seed": 2})
     assert _is_person(text)
     r = c.post("/v1/completions", json={"prompt": "Data:", "max_tokens": 60, "temperature": 0.9, "seed": 1,
                                         "response_format": {"type": "json_object"}}).json()
@@ -144,7 +145,7 @@ def test_echo_gives_the_prompt_first_with_its_log_probabilities(server):
     assert r["choices"][0]["text"] == PROMPTS[0] + plain and len(lp["tokens"]) == n + 3
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
-    events, text = _stream(c, "/v1/completions", body | {"echo": True, "logprobs": 1})
+    events, text = stream_events(c, "/v1/completions", body | {"echo": True, "logprobs": 1})
     streamed = [v for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]
                 for v in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert text == PROMPTS[0] + plain and streamed == lp["token_logprobs"]
@@ -189,7 +190,7 @@ def test_tool_calls_required_named_and_auto_whole_and_streamed(small_server):
         args = json.loads(call["function"]["arguments"])
         assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
         assert set(args) == ({"a", "b"} if call["function"]["name"] == "add" else {"city"})
-    events, text = _stream(c, "/v1/chat/completions", chat | {"tool_choice": "required"})
+    events, text = stream_events(c, "/v1/chat/completions", chat | {"tool_choice": "required"})
     deltas = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
     calls = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
     assert text == "" and len(calls) == 1 and calls[0][0]["index"] == 0 and deltas[-1]["finish_reason"] == "tool_calls"
