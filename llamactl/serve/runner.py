@@ -8,6 +8,7 @@ actions rank 0 sends to the other ranks, which replay them (`follow`).
 from __future__ import annotations
 
 import time
+from importlib.util import find_spec
 
 import torch
 
@@ -358,6 +359,8 @@ class Runner:
     def warm_up_plan(self, sched) -> str:
         """What warm_up runs, said before it starts (on a GPU's first start it takes minutes)."""
         steps = f"{2 * len(sched.buckets)} decode steps ({', '.join(map(str, sched.buckets))} rows, greedy and sampled)"
+        if self._grammar_forwards():
+            steps += f", {len(sched.buckets)} grammar steps' forwards"
         if self.device.type != "cuda":
             return steps
         if self.mode == "eager":
@@ -369,6 +372,12 @@ class Runner:
         return (f"{what}; the first start on a GPU also compiles and tunes its kernels (minutes; later starts reuse "
                 "the compiler caches)")
 
+    def _grammar_forwards(self) -> bool:
+        """Whether the warm-up captures the forwards of grammar rows' steps (structured output can
+        run: xgrammar is installed; the steps are graphs): else the first constrained requests of
+        each batch size pay for a capture."""
+        return self.decoder.use_graph and find_spec("xgrammar") is not None
+
     @torch.inference_mode()
     def warm_up(self, sched) -> None:
         """One decode step per batch bucket of sched (serve.scheduler.Scheduler) with every row free
@@ -379,6 +388,9 @@ class Runner:
             self.rows.greedy = greedy
             for b in sched.buckets:
                 self.decoder.step(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device), 64)
+        if self._grammar_forwards():  # a grammar's step: its forward alone, drawn after the host's masks
+            for b in sched.buckets:
+                self.decoder.step_logits(self._tok[:b], torch.zeros(b, dtype=torch.long, device=self.device))
         spec = sched.buckets[: 1 + sum(b < sched.spec_rows for b in sched.buckets)] if sched.spec_k else []
         for greedy in (True, False) if self.decoder.use_graph else ():
             self.rows.greedy = greedy  # verify steps' graphs, every width at the buckets that speculate (free rows)

@@ -212,7 +212,7 @@ def test_verify_steps_in_cuda_graphs_give_the_tokens_of_plain_decoding(trained_m
     requests with prompt-lookup proposals and with the model drafting for itself agree with plain
     decoding's up to rounding (printed), graphs of kind "verify" were captured, and the model's
     own draft had its proposals kept."""
-    from llamactl.serve.engine import Engine
+    from llamactl.serve.engine import Engine, KvOptions
 
     model = load_model(open_artifact(trained_model), torch.device("cuda"), torch.float32)
     counting = list(range(300, 340)) * 2
@@ -220,7 +220,8 @@ def test_verify_steps_in_cuda_graphs_give_the_tokens_of_plain_decoding(trained_m
     n = 32
 
     def run(spec, draft=None):
-        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=256, speculate=spec, draft=draft)
+        eng = Engine(model, set(), max_batch=4, max_queue=8, max_seq=256, speculate=spec, draft=draft,
+                     kv=KvOptions(memory_gib=1))  # (by fraction, the engines before hold the card)
         eng.warm_up()
         return _greedy_tokens(eng, prompts, range(3), n), eng
 
