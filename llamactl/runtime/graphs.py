@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from llamactl.errors import first_line
+from llamactl.runtime.transfer import copy_in
 
 # Padded prompt lengths (tokens): every 64 up to 256, then every half power of two. The padding is
 # arithmetic done for nothing, cheap while a prefill is bound by its launches.
@@ -115,7 +116,7 @@ class PrefillGraphs:
                 return tokens[:k], finite
             self._graphs[(kb, sb)] = (static, graph, out)
         static, graph, (tokens, finite) = self._graphs[(kb, sb)]
-        static.copy_(host, non_blocking=False)
+        copy_in(static, host)
         graph.replay()
         return tokens[:k], finite
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from llamactl.runtime.kv_format import SCALE_DTYPE, KVFormat, dequantize, quantize
+from llamactl.runtime.transfer import to_device
 
 
 class LayerCache(nn.Module):
@@ -252,7 +253,7 @@ class PagedCache(nn.Module):
         host = torch.full((len(rows), self.width), NULL_BLOCK, dtype=torch.int32)
         for i, ids in enumerate(blocks):
             host[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        self.table[torch.tensor(rows, device=self.table.device)] = host.to(self.table.device)
+        self.table[to_device(rows, self.table.device, torch.long)] = to_device(host, self.table.device)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rows src's tables ([n] row indexes on the table's device) to rows dst (src's left as they

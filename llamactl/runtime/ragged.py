@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from llamactl.runtime.kv_cache import NULL_BLOCK
 from llamactl.runtime.kv_format import dequantize
+from llamactl.runtime.transfer import lists_to_device
 
 TILE = 64  # query tokens of one sequence an attention program takes
 
@@ -63,13 +64,14 @@ class Ragged:
             at += n
         tiles = [(i, m) for i, n in enumerate(lens) if i >= decode for m in range(0, n, TILE)]
         device = cache.table.device
-        i32 = [torch.tensor(x, dtype=torch.int32).to(device)
-               for x in (rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles])]
-        positions = torch.tensor([[s + j for s, n in zip(starts, lens) for j in range(n)]], device=device)  # [1, T]
-        token_rows = torch.tensor([r for r, n in zip(rows, lens) for _ in range(n)], device=device)  # [T]
+        i32 = lists_to_device([rows, q_start, lens, starts, [i for i, _ in tiles], [m for _, m in tiles]], device,
+                              torch.int32)
         marks = every if isinstance(every, list) else [every] * len(lens)
-        last = torch.tensor([a + j for a, n, e in zip(q_start, lens, marks) for j in (range(n) if e else [n - 1])],
-                            device=device)
+        positions, token_rows, last = lists_to_device(
+            [[s + j for s, n in zip(starts, lens) for j in range(n)],  # [T]
+             [r for r, n in zip(rows, lens) for _ in range(n)],  # [T]
+             [a + j for a, n, e in zip(q_start, lens, marks) for j in (range(n) if e else [n - 1])]], device, torch.long)
+        positions = positions.view(1, -1)  # [1, T]
         table = cache.table[i32[0][:decode].long()] if decode else None  # [decode, M]
         return cls(*i32, positions, last, cache.at(token_rows, positions[0]), token_rows, decode, table)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from llamactl.runtime.settings import Sampling
+from llamactl.runtime.transfer import to_device
 
 @torch.library.custom_op("llamactl::cumsum_last", mutates_args=())
 def cumsum_last(x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +158,8 @@ class RowSampling:
             self.mask = torch.full((self.seed.numel(), -(-v // 32)), -1, dtype=torch.int32, device=dev)
             self._word = torch.arange(v, device=dev) // 32
             self._bit = (torch.arange(v, device=dev) % 32).to(torch.int32)
-        at = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.mask[at] = -1 if masks is None else masks.to(self.mask.device, torch.int32)
+        at = to_device(rows, self.mask.device, torch.long)
+        self.mask[at] = -1 if masks is None else to_device(masks, self.mask.device, torch.int32)
 
     def _allowed(self, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         # logits [B, V] of rows (None: the first B) -> -inf where a row's bitmask disallows a token

@@ -28,6 +28,7 @@ from llamactl.runtime.graphs import PrefillGraphs, capture
 from llamactl.runtime.kv_cache import StaticCache
 from llamactl.runtime.ragged import TILE, Ragged, uniform
 from llamactl.runtime.sampling import TOP_LOGPROBS, RowSampling
+from llamactl.runtime.transfer import lists_to_device, to_device
 
 MODES = ("eager", "graphs", "compile", "aot")
 
@@ -242,14 +243,14 @@ class Decoder:
         if (slot is not None and start == 0 and self.prefill_graphs is not None and self.prefill_graphs.bucket(1, s)
                 and not self._recording()):
             return self.prefill_slots(ids, [slot], [n])  # a whole prompt, or its first chunk: a graph
-        ids = ids.to(self.device)
+        ids = to_device(ids, self.device)
         logits = self.model(ids, torch.arange(start, start + s, device=self.device), self.cache, last_only=True, slot=slot,
                             kv_len=start + s, last_at=None if valid is None else valid - 1)
         self.prefill_finite = torch.isfinite(logits).all()  # on the device: read by who syncs anyway (generate)
         if self.rows is None:
             return self.sample(logits[:, -1])
         drawn_at = torch.full((ids.shape[0],), start + n, dtype=torch.long, device=self.device)
-        which = None if slot is None else torch.tensor([slot], device=self.device)
+        which = None if slot is None else to_device([slot], self.device, torch.long)
         return self.rows.sample(logits[:, -1], drawn_at, which)
 
     def _recording(self) -> bool:
@@ -269,8 +270,8 @@ class Decoder:
         if self.prefill_graphs is not None and self.prefill_graphs.bucket(b, s) is not None and not self._recording():
             toks, self.prefill_finite = self.prefill_graphs.run(ids, slots, valid)
             return toks
-        ids = ids.to(self.device)
-        at, n = torch.tensor(slots, device=self.device), torch.tensor(valid, device=self.device)
+        ids = to_device(ids, self.device)
+        at, n = lists_to_device([slots, valid], self.device, torch.long)
         toks, self.prefill_finite = self._prefill_slots(ids, at, n)
         return toks
 
@@ -304,15 +305,15 @@ class Decoder:
         scored = score is not None and any(s is not None for s in score)
         marks = [False] * len(drows) + [s is not None for s in score] if scored else False
         packed = Ragged.build(self.cache, drows + rows, dpos + starts, lens, decode=len(drows), every=marks)
-        ids = torch.tensor([[t for c in chunks for t in c]], device=self.device)  # [1, T - d]
+        ids = to_device([[t for c in chunks for t in c]], self.device, torch.long)  # [1, T - d]
         if drows:
             ids = torch.cat([tok.view(1, -1), ids], 1)  # [1, T]
             if self.rows is not None:
-                self.rows.count(tok.view(-1), torch.tensor(drows, device=self.device))
+                self.rows.count(tok.view(-1), to_device(drows, self.device, torch.long))
         if not scored:
             return self._packed(ids, packed)[0]  # [d + n]
         sizes = [n if m else 1 for n, m in zip(lens, marks)]
-        ends = torch.tensor(sizes, device=self.device).cumsum(0) - 1  # each sequence's last entry
+        ends = to_device(sizes, self.device, torch.long).cumsum(0) - 1  # each sequence's last entry
         toks, logits = self._packed(ids, packed, ends)  # logits [L, V]: the marked sequences' every token
         out, at = [], len(drows)  # the decode rows' entries (one each) come first
         for size, nxt in zip(sizes[len(drows) :], score):
@@ -361,17 +362,19 @@ class Decoder:
         # tok [b, L], pos [b], lens [b] -> the draws after every token [b, L] (runtime.ragged.uniform)
         b, width = tok.shape
         packed = uniform(self.cache, pos, lens, width)
-        if self.rows is not None and self.rows.greedy:  # every row greedy (none with a bias, mask or
-            # penalty speculates): the argmax, not a draw over the sorted vocabulary
-            logits = self.model(tok.reshape(1, b * width), packed.positions, self.cache, slot=packed)[:, -1]  # [T, V]
-            return logits.argmax(-1).view(b, width)
-        return self._packed(tok.reshape(1, b * width), packed)[0].view(b, width)
+        # every row greedy (none with a bias, mask or penalty speculates): the argmax
+        greedy = self.rows is not None and self.rows.greedy
+        return self._packed(tok.reshape(1, b * width), packed, greedy=greedy)[0].view(b, width)
 
-    def _packed(self, ids: torch.Tensor, packed, ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed(self, ids: torch.Tensor, packed, ends: torch.Tensor | None = None,
+                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         # ids: [1, T] packed as `packed` (a runtime.ragged.Ragged) says -> (the token drawn after each
         # of its tokens packed.last [n] (only those at entries `ends`, where given), each with its
-        # row's settings at the position after it; the logits [n, V])
+        # row's settings at the position after it, or where greedy the argmax (not a draw over the
+        # sorted vocabulary); the logits [n, V])
         logits = self.model(ids, packed.positions, self.cache, slot=packed)[:, -1]  # [n, V]
+        if greedy:
+            return logits.argmax(-1), logits
         self.prefill_finite = torch.isfinite(logits).all()
         drawn, last = (logits, packed.last) if ends is None else (logits[ends], packed.last[ends])
         if self.rows is None:

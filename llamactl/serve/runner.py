@@ -19,6 +19,7 @@ from llamactl.runtime.kv_format import KVFormat
 from llamactl.runtime.sampling import RowSampling, snapshot_rows
 from llamactl.runtime.settings import Sampling
 from llamactl.runtime.speculate import PagedDraft
+from llamactl.runtime.transfer import lists_to_device, to_device
 from llamactl.runtime.step import Decoder
 from llamactl.runtime.tp import receive, send
 from llamactl.serve.plan import Decode, Params, Prefill, Verify
@@ -137,7 +138,7 @@ class Runner:
         r = self.rows
         if isinstance(rows, int):
             return r.lp_token[:rows].clone(), r.lp_ids[:rows].clone(), r.lp_vals[:rows].clone()
-        at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        at = to_device(rows, self.device, torch.long)
         return r.lp_token[at], r.lp_ids[at], r.lp_vals[at]
 
     def set_sampling(self, slot: int, p: Params) -> None:
@@ -267,7 +268,7 @@ class Runner:
         elif kind == "arrange":  # rows moved down, then tables set
             moves, tables = a
             if moves:
-                src, dst = (torch.tensor(x, device=self.device) for x in zip(*moves))
+                src, dst = lists_to_device([list(x) for x in zip(*moves)], self.device, torch.long)
                 self.cache.move(src, dst)
                 self.rows.move(src, dst)
                 self._tok[dst] = self._tok[src]
@@ -282,7 +283,7 @@ class Runner:
         elif kind == "prefill_packed":  # chunks of several rows in one forward, and decode rows first (mixed)
             chunks, slots, starts, ends, drows, dpos, *score = a
             d = len(drows)
-            at = torch.tensor(drows, dtype=torch.long, device=self.device) if d else None
+            at = to_device(drows, self.device, torch.long) if d else None
             toks = self.decoder.prefill_packed(chunks, slots, starts, (self._tok[at], drows, dpos) if d else None,
                                                **({"score": score[0]} if score else {}))
             scores = None
@@ -292,12 +293,13 @@ class Runner:
             if d:
                 self._tok[at] = toks[:d]
             if done:
-                self._tok[torch.tensor([slots[i - d] for i in done], device=self.device)] = toks[done]
+                at_done, slot_done = lists_to_device([done, [slots[i - d] for i in done]], self.device, torch.long)
+                self._tok[slot_done] = toks[at_done]
             return (toks, scores) if score else toks
         elif kind == "prefill_slots":  # whole prompts of one padded length, one a slot
             ids, slots, lens = a
             toks = self.decoder.prefill_slots(torch.tensor(ids), slots, lens)  # [k]
-            self._tok[torch.tensor(slots, device=self.device)] = toks
+            self._tok[to_device(slots, self.device, torch.long)] = toks
             return toks
         elif kind == "verify":  # rows' last tokens and proposals, every position's draw
             chunks, slots, starts, b, greedy = a
@@ -307,7 +309,7 @@ class Runner:
             for c, slot, start in zip(chunks, slots, starts):
                 tok[slot, : len(c)] = torch.tensor(c)
                 pos[slot], lens[slot] = start, len(c)
-            return self.decoder.verify_rows(tok.to(self.device), pos.to(self.device), lens.to(self.device))  # [b, L]
+            return self.decoder.verify_rows(*(to_device(x, self.device) for x in (tok, pos, lens)))  # [b, L]
         elif kind == "propose":
             return self.draft.propose(*a)
         elif kind == "flags":
@@ -320,8 +322,8 @@ class Runner:
         elif kind == "last":
             slots, tokens = a
             if slots:
-                at = torch.tensor(slots, dtype=torch.long, device=self.device)
-                self._tok[at] = torch.tensor(tokens, dtype=torch.long, device=self.device)
+                at, toks = lists_to_device([slots, tokens], self.device, torch.long)
+                self._tok[at] = toks
         elif kind == "step":  # one decode step of the first b rows
             b, pos, kv_len, greedy = a
             self.rows.greedy = greedy
