@@ -205,7 +205,9 @@ class TritonInt4Linear(nn.Module, FusedIO):
     on kernels.skinny (the norm before, SwiGLU and the residual folded in; with int16 inputs, the
     GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
-    batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS.
+    batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS. With
+    use_mma (RuntimeOptions.int4_mma), 2 to 64 rows of bf16 run the tensor-core kernel
+    (kernels.mma_int4) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
     """
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
@@ -230,7 +232,22 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
+        self.mma: tuple[torch.Tensor, torch.Tensor] | None = None  # the codes in kernels.mma_int4's layout
         self._init_fused_io()
+
+    def use_mma(self, on: bool) -> None:
+        """2 to 64 rows on the tensor-core kernel (codes laid out for it now), where it takes the
+        layer's shape; off: the Triton kernels (the copy freed)."""
+        from llamactl.kernels import mma_int4
+
+        n, k = self.out_features, self.qweight.shape[1] * 8
+        if not (on and mma_int4.supported(n, k, self.group_size)):
+            self.mma = None
+            return
+        if self.mma is None:
+            words = self.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K / 8]
+            codes = (words.unsqueeze(-1) >> (4 * torch.arange(8, device=words.device))) & 15  # [N, K / 8, 8]
+            self.mma = mma_int4.pack(codes.view(n, k), self.zeros.t().float(), self.scales.t().float(), self.group_size)
 
     def can_fuse(self) -> bool:
         # act-order layers gather x first, a short last group pads it: not fused
@@ -257,6 +274,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
+        from llamactl.kernels.mma_int4 import MAX_ROWS as MMA_ROWS, mma_int4
         from llamactl.kernels.multirow import int4_rows, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():
@@ -264,7 +282,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
                           None if residual is None else residual.reshape(-1), self.glu, self.glu_out, self.inputs,
                           self.pdl, self.pins)
             return y.view(*x.shape[:-1], self._output_width())
-        rows = self._skinny_rows(x)
+        rows = self._skinny_rows(x) if self.mma is None else 0
         if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_int4, skinny_int4_i8
 
@@ -282,6 +300,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
         if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
+        elif self.mma is not None and x2.shape[0] <= MMA_ROWS and x2.dtype == torch.bfloat16:
+            y = mma_int4(x2, *self.mma, self.group_size)  # a decode batch on the tensor cores
         elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
         else:
@@ -297,6 +317,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if rows == 1:
             return "int4 GEMV"
+        if self.mma is not None and rows <= 64:
+            return "int4 tensor-core MMA"
         if self._skinny_takes(rows):
             return "int4 skinny int8 MMA" if self.inputs == "int16" else "int4 skinny"
         if rows <= int4_rows(self.group_size):

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llamactl.kernels import check, pinned, cpu as kcpu
+from llamactl.kernels import check, mma_int4, pinned, cpu as kcpu
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.kernels.device import pdl_supported, runs_on, triton_version
 from llamactl.layers.cpu import CpuLinear, bf16_fast, quant_fast, kernels_load
@@ -117,6 +117,19 @@ def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
             "their weights each call (one row reads them as they are)"]
 
 
+def int4_mma_plan(model, want: bool) -> list[str]:
+    """int4 layers' 2-64 row products on the tensor-core kernel where `want` and it runs (bf16
+    models, shapes it takes; laid out for it here, before any graph is captured); the warning
+    where it was asked for and cannot run."""
+    layers = [m for m in model.modules() if isinstance(m, TritonInt4Linear)]
+    why = mma_int4.available() if want and layers else None
+    if want and layers and why is None and model.dtype != torch.bfloat16:
+        why = f"the int4 MMA kernel multiplies bf16 activations, not {str(model.dtype).replace('torch.', '')}"
+    for m in layers:
+        m.use_mma(want and why is None)
+    return [f"{why}; int4 decode batches keep the Triton kernels"] if why else []
+
+
 @torch.no_grad()
 def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = False) -> Plan:
     """Route the model's linears and decode attention through llamactl's kernels where they run
@@ -162,6 +175,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     warnings += fp8_plan(model, on, pdl)
     if on:
         fuse(model, options.swiglu)
+    warnings += int4_mma_plan(model, on and options.int4_mma)
     hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
     attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else "cpu" if cpu and cpu_attention_fits(hd, group) else ""
     for layer in model.model.layers:

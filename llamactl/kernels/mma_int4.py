@@ -1,0 +1,188 @@
+"""int4 x bf16 products on the tensor cores for decode batches (issue 51): mma_int4.cu, Marlin's
+approach (the codes laid out once at load as the MMA's B fragments, dequantized in registers) in a
+kernel of llamactl's own.
+
+The kernel is built at first use on a GPU machine: by nvcc into a cubin in the user's cache
+(~/.cache/llamactl/cuda-kernels, named by a hash of the source, the compiler and the GPU's
+architecture; written to a temporary name and renamed into place), else by NVRTC (PyTorch's
+`torch.cuda._compile_kernel` machinery). Where neither works, `available()` says why and the
+callers keep the Triton kernels. Not built from anything in a model folder.
+
+Layouts (mma_int4.cu's header comment): `pack` turns GPTQ-style codes [N, K] (0..15, groups of
+consecutive columns), zeros and scales [K / group, N] into the kernel's qw [N / 8, K / 128, 32, 4]
+int32 and sz [K / group, N] int32; `emulate` computes what the kernel computes, fragment by
+fragment, on any device (the tests' check of the layout on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from llamactl.kernels.cpu import cache_root
+
+SOURCE = Path(__file__).with_name("mma_int4.cu")
+MAX_ROWS = 64  # rows one launch takes (four m16 tiles)
+TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows
+BLOCK_N, CHUNK_K = 128, 128  # columns a block owns; columns of K a step of its loop takes
+# nibble p of a lane's word (lane = 4 g + t, word j) holds column 32 j + 2 t + NIBBLE_K[p] of its chunk:
+# b0 and b1 of the first k-step (nibbles 0, 4 and 1, 5), then of the second (2, 6 and 3, 7)
+NIBBLE_K = (0, 8, 16, 24, 1, 9, 17, 25)
+
+
+def supported(n: int, k: int, group: int) -> bool:
+    """Whether the kernel takes a layer of n outputs, k inputs, groups of `group` inputs."""
+    return n % BLOCK_N == 0 and k % CHUNK_K == 0 and group % 32 == 0 and k % group == 0
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..15, in group order), zeros/scales [K / group, N] -> (qw [N / 8, K / 128, 32, 4]
+    int32, sz [K / group, N] int32: bf16 -(128 + zero) low, bf16 scale high)."""
+    n, k = codes.shape
+    if not supported(n, k, group) or zeros.shape != (k // group, n) or scales.shape != zeros.shape:
+        raise ValueError(f"mma_int4.pack: codes {tuple(codes.shape)}, zeros {tuple(zeros.shape)}, group {group}")
+    dev = codes.device
+    t, j, p = torch.arange(4, device=dev), torch.arange(4, device=dev), torch.tensor(NIBBLE_K, device=dev)
+    offs = j.view(1, 4, 1) * 32 + 2 * t.view(4, 1, 1) + p.view(1, 1, 8)  # [t, j, p]: a column of the chunk
+    cw = codes.to(torch.int64).view(n // 8, 8, k // CHUNK_K, CHUNK_K)  # [n8, g, c, column]
+    nib = cw[:, :, :, offs]  # [n8, g, c, t, j, p]
+    words = (nib << (4 * torch.arange(8, device=dev))).sum(-1)  # [n8, g, c, t, j]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    qw = words.permute(0, 2, 1, 3, 4).reshape(n // 8, k // CHUNK_K, 32, 4).contiguous()
+    sz = (_bf16_bits(scales.float()) << 16) | _bf16_bits(-(128 + zeros.float()))
+    return qw, sz.to(torch.int32).contiguous()
+
+
+def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] float32 as the kernel computes it: each lane's B fragments read from its
+    word as mma_int4.cu reads them (nibbles 0/4 and 1/5: rows 2t, 2t + 1 and 2t + 8, 2t + 9 of the
+    first k-step; 2/6 and 3/7 of the second; column g of the n-tile), (q - z) * s rounded to bf16
+    once, products summed in float32."""
+    n8, chunks = qw.shape[:2]
+    n, k = n8 * 8, chunks * CHUNK_K
+    w = qw.to(torch.int64) & 0xFFFFFFFF  # [n8, c, lane, j]
+    nib = torch.stack([(w >> (4 * p)) & 0xF for p in range(8)], -1)  # [n8, c, lane, j, p]
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    # nibble p -> (k-step s, row of the k-step): (0: s0 2t) (4: s0 2t+1) (1: s0 2t+8) (5: s0 2t+9) ...
+    step = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
+    row = torch.tensor([0, 8, 0, 8, 1, 9, 1, 9])
+    col = (torch.arange(4).view(1, 4, 1) * 32 + step.view(1, 1, 8) * 16 + 2 * t.view(32, 1, 1)
+           + row.view(1, 1, 8))  # [lane, j, p]: the column of K in the chunk
+    dense = torch.zeros(n8, 8, chunks, CHUNK_K, dtype=torch.int64)
+    gi = g.view(32, 1, 1).expand(32, 4, 8)
+    for c in range(chunks):
+        dense[:, gi, c, col] = nib[:, c]
+    q = dense.view(n, k).float()
+    szw = sz.to(torch.int64) & 0xFFFFFFFF
+    to_f = lambda bits: bits.to(torch.int16).view(torch.bfloat16).float()  # noqa: E731 (bf16 bits -> float)
+    nz = to_f(torch.where((szw & 0xFFFF) >= 2**15, (szw & 0xFFFF) - 2**16, szw & 0xFFFF))  # [G, N]: -(128 + z)
+    s = to_f(torch.where((szw >> 16) >= 2**15, (szw >> 16) - 2**16, szw >> 16))
+    cols = torch.arange(k) // group
+    wq = ((q + 128 + nz.t()[:, cols]) * s.t()[:, cols]).to(torch.bfloat16).float()  # [N, K]
+    return x.to(torch.bfloat16).float().cpu() @ wq.t()
+
+
+def _arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _cubin(nvcc: str) -> Path:
+    """The kernel's cubin for this GPU, built by nvcc once into the user's cache."""
+    real = Path(shutil.which(nvcc) or nvcc).resolve()
+    st = real.stat()
+    h = hashlib.sha256(SOURCE.read_bytes() + f"{real}:{st.st_size}:{st.st_mtime_ns}:{_arch()}".encode())
+    path = cache_root("cuda-kernels") / f"mma_int4-{h.hexdigest()[:16]}.cubin"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            done = subprocess.run([nvcc, f"-arch={_arch()}", "-cubin", "-O3", "-o", str(tmp), str(SOURCE)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                raise RuntimeError(next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr[-200:]))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels() -> "dict[int, object] | str":
+    """{m16 tiles: the launchable kernel}, built at first use; or why not (one line)."""
+    if not torch.cuda.is_available():
+        return "the int4 MMA kernel needs a CUDA GPU"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"the int4 MMA kernel needs bf16 tensor cores (sm_80+), not {_arch()}"
+    names = [f"mma_int4_{t}" for t in TILES]
+    try:
+        from torch.cuda._utils import _cuda_load_module
+    except ImportError:
+        return f"this torch ({torch.__version__}) cannot load CUDA modules (torch.cuda._utils)"
+    why = []
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if nvcc:
+        try:
+            mods = _cuda_load_module(_cubin(nvcc).read_bytes(), names)
+            return {t: mods[f"mma_int4_{t}"] for t in TILES}
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            why.append(f"nvcc: {type(e).__name__}: {str(e)[:160]}")
+    try:
+        from torch.cuda._utils import _nvrtc_compile
+
+        ptx, _ = _nvrtc_compile(SOURCE.read_text(), names[0], None, None, None)
+        mods = _cuda_load_module(ptx, names)
+        return {t: mods[f"mma_int4_{t}"] for t in TILES}
+    except Exception as e:  # NVRTC missing or failing: the reason, for the plan's line
+        why.append(f"NVRTC: {type(e).__name__}: {str(e)[:160]}")
+    return "the int4 MMA kernel could not be built (" + "; ".join(why) + ")"
+
+
+def available() -> str | None:
+    """None where the kernel runs here, else why not."""
+    k = _kernels()
+    return k if isinstance(k, str) else None
+
+
+def split_for(n: int, k: int) -> tuple[int, int]:
+    """(blocks along K, chunks each): about two blocks per SM, at least one chunk each."""
+    blocks, chunks = n // BLOCK_N, k // CHUNK_K
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    split = max(1, min(chunks, -(-2 * sms // blocks)))
+    per = -(-chunks // split)
+    return -(-chunks // per), per
+
+
+@torch.library.custom_op("llamactl::mma_int4", mutates_args=())
+def mma_int4(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bf16 (M <= MAX_ROWS) on the GPU, qw/sz from pack (on the GPU) -> [M, N] bf16."""
+    kernels = _kernels()
+    if isinstance(kernels, str):
+        raise RuntimeError(kernels)
+    m, k = x.shape
+    n = qw.shape[0] * 8
+    if not (0 < m <= MAX_ROWS and x.dtype == torch.bfloat16 and qw.shape[1] * CHUNK_K == k):
+        raise ValueError(f"mma_int4: x {tuple(x.shape)} {x.dtype} against qw {tuple(qw.shape)}")
+    x = x.contiguous()
+    tiles = next(t for t in TILES if m <= 16 * t)
+    split, per = split_for(n, k)
+    out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
+    kernels[tiles](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
+                   args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
+    return out.to(torch.bfloat16)
+
+
+@mma_int4.register_fake
+def _(x, qw, sz, group):
+    return x.new_empty(x.shape[0], qw.shape[0] * 8)
