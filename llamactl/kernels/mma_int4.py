@@ -155,6 +155,7 @@ def available() -> str | None:
     return k if isinstance(k, str) else None
 
 
+@functools.lru_cache(maxsize=None)
 def split_for(n: int, k: int) -> tuple[int, int]:
     """(blocks along K, chunks each): about two blocks per SM, at least one chunk each."""
     blocks, chunks = n // BLOCK_N, k // CHUNK_K
@@ -175,6 +176,8 @@ def mma_int4(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) ->
     if not (0 < m <= MAX_ROWS and x.dtype == torch.bfloat16 and qw.shape[1] * CHUNK_K == k):
         raise ValueError(f"mma_int4: x {tuple(x.shape)} {x.dtype} against qw {tuple(qw.shape)}")
     x = x.contiguous()
+    if x.data_ptr() % 16:  # a view that starts mid-row of its storage: the kernel loads 16 bytes at a time
+        x = x.clone()
     tiles = next(t for t in TILES if m <= 16 * t)
     split, per = split_for(n, k)
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
