@@ -29,7 +29,8 @@ from llamactl.kernels.cpu import cache_root
 
 SOURCE = Path(__file__).with_name("mma_int4.cu")
 MAX_ROWS = 64  # rows one launch takes (four m16 tiles)
-TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows
+TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows, each for bf16 and fp16
+DTYPES = {torch.bfloat16: ("bf16", 128), torch.float16: ("f16", 1024)}  # name, the magic number's value
 BLOCK_N, CHUNK_K = 128, 128  # columns a block owns; columns of K a step of its loop takes
 # nibble p of a lane's word (lane = 4 g + t, word j) holds column 32 j + 2 t + NIBBLE_K[p] of its chunk:
 # b0 and b1 of the first k-step (nibbles 0, 4 and 1, 5), then of the second (2, 6 and 3, 7)
@@ -41,13 +42,19 @@ def supported(n: int, k: int, group: int) -> bool:
     return n % BLOCK_N == 0 and k % CHUNK_K == 0 and group % 32 == 0 and k % group == 0
 
 
-def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+def _bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(dtype).float()
+
+
+def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """codes [N, K] (0..15, in group order), zeros/scales [K / group, N] -> (qw [N / 8, K / 128, 32, 4]
-    int32, sz [K / group, N] int32: bf16 -(128 + zero) low, bf16 scale high)."""
+    int32, sz [K / group, N] int32: -(magic + zero) low, the scale high, in dtype (bf16: magic 128;
+    fp16: 1024), the activations' dtype)."""
     n, k = codes.shape
     if not supported(n, k, group) or zeros.shape != (k // group, n) or scales.shape != zeros.shape:
         raise ValueError(f"mma_int4.pack: codes {tuple(codes.shape)}, zeros {tuple(zeros.shape)}, group {group}")
@@ -59,15 +66,17 @@ def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: 
     words = (nib << (4 * torch.arange(8, device=dev))).sum(-1)  # [n8, g, c, t, j]
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     qw = words.permute(0, 2, 1, 3, 4).reshape(n // 8, k // CHUNK_K, 32, 4).contiguous()
-    sz = (_bf16_bits(scales.float()) << 16) | _bf16_bits(-(128 + zeros.float()))
+    magic = DTYPES[dtype][1]
+    sz = (_bits(scales.float(), dtype) << 16) | _bits(-(magic + zeros.float()), dtype)
     return qw, sz.to(torch.int32).contiguous()
 
 
-def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [M, K] -> [M, N] float32 as the kernel computes it: each lane's B fragments read from its
     word as mma_int4.cu reads them (nibbles 0/4 and 1/5: rows 2t, 2t + 1 and 2t + 8, 2t + 9 of the
-    first k-step; 2/6 and 3/7 of the second; column g of the n-tile), (q - z) * s rounded to bf16
-    once, products summed in float32."""
+    first k-step; 2/6 and 3/7 of the second; column g of the n-tile), (q - z) * s rounded to dtype
+    once, products of x in dtype summed in float32."""
     n8, chunks = qw.shape[:2]
     n, k = n8 * 8, chunks * CHUNK_K
     w = qw.to(torch.int64) & 0xFFFFFFFF  # [n8, c, lane, j]
@@ -84,13 +93,11 @@ def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> 
     for c in range(chunks):
         dense[:, gi, c, col] = nib[:, c]
     q = dense.view(n, k).float()
-    szw = sz.to(torch.int64) & 0xFFFFFFFF
-    to_f = lambda bits: bits.to(torch.int16).view(torch.bfloat16).float()  # noqa: E731 (bf16 bits -> float)
-    nz = to_f(torch.where((szw & 0xFFFF) >= 2**15, (szw & 0xFFFF) - 2**16, szw & 0xFFFF))  # [G, N]: -(128 + z)
-    s = to_f(torch.where((szw >> 16) >= 2**15, (szw >> 16) - 2**16, szw >> 16))
+    szw = sz.to(torch.int64).cpu() & 0xFFFFFFFF
+    nz, s = _from_bits(szw & 0xFFFF, dtype), _from_bits(szw >> 16, dtype)  # [G, N]: -(magic + z), s
     cols = torch.arange(k) // group
-    wq = ((q + 128 + nz.t()[:, cols]) * s.t()[:, cols]).to(torch.bfloat16).float()  # [N, K]
-    return x.to(torch.bfloat16).float().cpu() @ wq.t()
+    wq = ((q + DTYPES[dtype][1] + nz.t()[:, cols]) * s.t()[:, cols]).to(dtype).float()  # [N, K]
+    return x.to(dtype).float().cpu() @ wq.t()
 
 
 def _arch() -> str:
@@ -120,12 +127,13 @@ def _cubin(nvcc: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _kernels() -> "dict[int, object] | str":
-    """{m16 tiles: the launchable kernel}, built at first use; or why not (one line)."""
+    """{(dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
     if not torch.cuda.is_available():
         return "the int4 MMA kernel needs a CUDA GPU"
     if torch.cuda.get_device_capability() < (8, 0):
         return f"the int4 MMA kernel needs bf16 tensor cores (sm_80+), not {_arch()}"
-    names = [f"mma_int4_{t}" for t in TILES]
+    variants = [(d, t) for d, _ in DTYPES.values() for t in TILES]
+    names = [f"mma_int4_{d}_{t}" for d, t in variants]
     try:
         from torch.cuda._utils import _cuda_load_module
     except ImportError:
@@ -135,7 +143,7 @@ def _kernels() -> "dict[int, object] | str":
     if nvcc:
         try:
             mods = _cuda_load_module(_cubin(nvcc).read_bytes(), names)
-            return {t: mods[f"mma_int4_{t}"] for t in TILES}
+            return {v: mods[name] for v, name in zip(variants, names)}
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             why.append(f"nvcc: {type(e).__name__}: {str(e)[:160]}")
     try:
@@ -143,7 +151,7 @@ def _kernels() -> "dict[int, object] | str":
 
         ptx, _ = _nvrtc_compile(SOURCE.read_text(), names[0], None, None, None)
         mods = _cuda_load_module(ptx, names)
-        return {t: mods[f"mma_int4_{t}"] for t in TILES}
+        return {v: mods[name] for v, name in zip(variants, names)}
     except Exception as e:  # NVRTC missing or failing: the reason, for the plan's line
         why.append(f"NVRTC: {type(e).__name__}: {str(e)[:160]}")
     return "the int4 MMA kernel could not be built (" + "; ".join(why) + ")"
@@ -167,13 +175,14 @@ def split_for(n: int, k: int) -> tuple[int, int]:
 
 @torch.library.custom_op("llamactl::mma_int4", mutates_args=())
 def mma_int4(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] bf16 (M <= MAX_ROWS) on the GPU, qw/sz from pack (on the GPU) -> [M, N] bf16."""
+    """x [M, K] bf16 or fp16 (M <= MAX_ROWS) on the GPU, qw/sz from pack for x's dtype (on the GPU)
+    -> [M, N] in x's dtype."""
     kernels = _kernels()
     if isinstance(kernels, str):
         raise RuntimeError(kernels)
     m, k = x.shape
     n = qw.shape[0] * 8
-    if not (0 < m <= MAX_ROWS and x.dtype == torch.bfloat16 and qw.shape[1] * CHUNK_K == k):
+    if not (0 < m <= MAX_ROWS and x.dtype in DTYPES and qw.shape[1] * CHUNK_K == k):
         raise ValueError(f"mma_int4: x {tuple(x.shape)} {x.dtype} against qw {tuple(qw.shape)}")
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view that starts mid-row of its storage: the kernel loads 16 bytes at a time
@@ -181,9 +190,9 @@ def mma_int4(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) ->
     tiles = next(t for t in TILES if m <= 16 * t)
     split, per = split_for(n, k)
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
-    kernels[tiles](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
+    kernels[(DTYPES[x.dtype][0], tiles)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
                    args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
-    return out.to(torch.bfloat16)
+    return out.to(x.dtype)
 
 
 @mma_int4.register_fake

@@ -206,7 +206,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
     GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
     batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS. With
-    use_mma (RuntimeOptions.int4_mma), 2 to 64 rows of bf16 run the tensor-core kernel
+    use_mma (RuntimeOptions.int4_mma), 2 to 64 rows of bf16 or fp16 run the tensor-core kernel
     (kernels.mma_int4) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
     """
 
@@ -233,21 +233,24 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
         self.mma: tuple[torch.Tensor, torch.Tensor] | None = None  # the codes in kernels.mma_int4's layout
+        self.mma_dtype: torch.dtype | None = None  # the activations' dtype it was laid out for
         self._init_fused_io()
 
-    def use_mma(self, on: bool) -> None:
-        """2 to 64 rows on the tensor-core kernel (codes laid out for it now), where it takes the
-        layer's shape; off: the Triton kernels (the copy freed)."""
+    def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+        """2 to 64 rows of `dtype` (bf16 or fp16) on the tensor-core kernel (codes laid out for it
+        now), where it takes the layer's shape; off: the Triton kernels (the copy freed)."""
         from llamactl.kernels import mma_int4
 
         n, k = self.out_features, self.qweight.shape[1] * 8
-        if not (on and mma_int4.supported(n, k, self.group_size)):
-            self.mma = None
+        if not (on and mma_int4.supported(n, k, self.group_size) and dtype in mma_int4.DTYPES):
+            self.mma = self.mma_dtype = None
             return
-        if self.mma is None:
+        if self.mma is None or self.mma_dtype != dtype:
             words = self.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K / 8]
             codes = (words.unsqueeze(-1) >> (4 * torch.arange(8, device=words.device))) & 15  # [N, K / 8, 8]
-            self.mma = mma_int4.pack(codes.view(n, k), self.zeros.t().float(), self.scales.t().float(), self.group_size)
+            self.mma = mma_int4.pack(codes.view(n, k), self.zeros.t().float(), self.scales.t().float(),
+                                     self.group_size, dtype)
+            self.mma_dtype = dtype
 
     def can_fuse(self) -> bool:
         # act-order layers gather x first, a short last group pads it: not fused
@@ -300,7 +303,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
         if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
-        elif self.mma is not None and x2.shape[0] <= MMA_ROWS and x2.dtype == torch.bfloat16:
+        elif self.mma is not None and x2.shape[0] <= MMA_ROWS and x2.dtype == self.mma_dtype:
             y = mma_int4(x2, *self.mma, self.group_size)  # a decode batch on the tensor cores
         elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)

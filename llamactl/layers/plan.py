@@ -118,15 +118,15 @@ def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
 
 
 def int4_mma_plan(model, want: bool) -> list[str]:
-    """int4 layers' 2-64 row products on the tensor-core kernel where `want` and it runs (bf16
-    models, shapes it takes; laid out for it here, before any graph is captured); the warning
+    """int4 layers' 2-64 row products on the tensor-core kernel where `want` and it runs (bf16 and
+    fp16 models, shapes it takes; laid out for it here, before any graph is captured); the warning
     where it was asked for and cannot run."""
     layers = [m for m in model.modules() if isinstance(m, TritonInt4Linear)]
     why = mma_int4.available() if want and layers else None
-    if want and layers and why is None and model.dtype != torch.bfloat16:
-        why = f"the int4 MMA kernel multiplies bf16 activations, not {str(model.dtype).replace('torch.', '')}"
+    if want and layers and why is None and model.dtype not in mma_int4.DTYPES:
+        why = f"the int4 MMA kernel multiplies bf16 or fp16 activations, not {str(model.dtype).replace('torch.', '')}"
     for m in layers:
-        m.use_mma(want and why is None)
+        m.use_mma(want and why is None, model.dtype)
     return [f"{why}; int4 decode batches keep the Triton kernels"] if why else []
 
 
