@@ -210,6 +210,9 @@ class TritonInt4Linear(nn.Module, FusedIO):
     (kernels.mma_int4) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
     """
 
+    mma: "tuple[torch.Tensor, torch.Tensor] | None" = None  # the codes in kernels.mma_int4's layout (use_mma)
+    mma_dtype: "torch.dtype | None" = None  # the activations' dtype they were laid out for
+
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None, device: torch.device, in_features: int | None = None):
         """codes: [out, groups * group_size] in group order (whole_groups), zeros/scales: [groups, out],
@@ -232,8 +235,6 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.register_buffer("perm", perm)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
-        self.mma: tuple[torch.Tensor, torch.Tensor] | None = None  # the codes in kernels.mma_int4's layout
-        self.mma_dtype: torch.dtype | None = None  # the activations' dtype it was laid out for
         self._init_fused_io()
 
     def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
