@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -49,9 +50,13 @@ def step_costs(model, ctx: int, ks: list[int], mode: str) -> dict:
     tok = torch.zeros(1, dtype=torch.long, device=device)
     pos = torch.full((1,), ctx, dtype=torch.long, device=device)
     step = timed(lambda: dec.step(tok, pos), device)
+    print(f"step {step * 1e3:.3f} ms", file=sys.stderr, flush=True)  # (a first start compiles for minutes)
     lens = torch.ones(1, dtype=torch.long, device=device)
-    verify = {k: timed(lambda k=k: dec.verify_rows(torch.ones(1, k + 1, dtype=torch.long, device=device), pos,
-                                                    lens * (k + 1)), device) for k in ks}
+    verify = {}
+    for k in ks:
+        verify[k] = timed(lambda k=k: dec.verify_rows(torch.ones(1, k + 1, dtype=torch.long, device=device), pos,
+                                                       lens * (k + 1)), device)
+        print(f"verify K={k}: {verify[k] * 1e3:.3f} ms", file=sys.stderr, flush=True)
     return {"step_s": step, "verify_s": verify}
 
 
