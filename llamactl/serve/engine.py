@@ -140,7 +140,7 @@ class Engine:
         self._inflight: Launched | None = None  # the step whose tokens are not read yet
         self._drafts: dict[int, NgramDraft] = {}  # a speculating request's prompt lookup, by its id
         self._matchers: dict = {}  # a request's place in its grammar (serve.grammar.Matcher), by its id
-        self._masks: dict = {}  # bitmasks to send before the next forward: request id -> (request, mask)
+        self._masks: dict = {}  # masks to send before the next forward: request id -> (request, its Matcher or None: all allowed)
         self._last_read = 0.0
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
         self._thread = threading.Thread(target=self.run, name="llamactl-engine", daemon=True)
@@ -314,12 +314,13 @@ class Engine:
                 m = self._matchers[r.id] = Matcher(r.params.grammar, self.runner.rows.ids.numel())
                 for tok in r.tokens[r.prompt_len :]:
                     m.accept(tok)
-                self._masks[r.id] = (r, m.mask())
+                self._masks[r.id] = (r, m)
             elif self.runner.rows.mask is not None:
                 self._masks[r.id] = (r, None)
 
     def _send_masks(self) -> None:
-        """The bitmasks made since the last forward, to the device (their requests' rows now)."""
+        """The bitmasks of the matchers that moved since the last forward, made in one batch and sent
+        to the device (their requests' rows now)."""
         live = [(r, m) for r, m in self._masks.values() if r.slot is not None and not r.finished]
         self._masks.clear()
         if live:
@@ -327,7 +328,7 @@ class Engine:
             rows = [(r.slot, m) for r, m in live if m is not None]
             self.runner.set_masks(clear, None)
             if rows:
-                self.runner.set_masks([s for s, _ in rows], torch.stack([m for _, m in rows]))
+                self.runner.set_masks([s for s, _ in rows], Matcher.masks([m for _, m in rows]))
 
     def _speculate(self) -> None:
         """One verify step of the running rows, each with its proposals (a plain decode step where
@@ -429,7 +430,7 @@ class Engine:
             if m.done:  # its grammar has ended (a stop token accepted: with ignore_eos too)
                 self._release(r, "stop")
                 return
-            self._masks[r.id] = (r, m.mask())
+            self._masks[r.id] = (r, m)
         if r.generated >= r.params.max_tokens:
             self._release(r, "length")
 

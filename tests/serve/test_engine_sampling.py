@@ -231,3 +231,31 @@ def test_a_model_without_eos_ids_still_follows_a_schema_to_its_end(embedded):
     [(ids, why)] = _run_engine(model, set(), [(tok(PROMPTS[0]).input_ids, Params(40, Sampling(temperature=0.0),
                                                                                grammar=obj))])
     assert why == "stop" and json.loads(tok.decode(ids, skip_special_tokens=True)) in ({"ok": True}, {"ok": False})
+
+
+def test_masks_filled_together_are_each_matchers_own(embedded):
+    """Matcher.masks: the rows of one batch fill (xgrammar's threads) equal each matcher's alone,
+    for matchers at different places in different grammars."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    import torch
+
+    from llamactl.serve.grammar import Grammars, Matcher
+
+    art, model, tok = embedded
+    grammars = Grammars(tok, model.args.vocab_size, gen.eos_ids(model, tok, art))
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    codes = [grammars.compile(("json", schema, "response_format")), grammars.compile(("regex", "[a-z]{2,4}!", "r"))]
+    matchers = [Matcher(codes[i % 2], model.args.vocab_size) for i in range(5)]
+    for i, m in enumerate(matchers):  # walk each some allowed tokens into its grammar
+        for _ in range(i):
+            allowed = ((Matcher.masks([m])[0].view(-1, 1) >> torch.arange(32)) & 1).view(-1).nonzero().view(-1)
+            assert m.accept(int(allowed[len(allowed) // 2]))
+    together = Matcher.masks(matchers)
+    assert together.shape == (5, -(-model.args.vocab_size // 32))
+    for i, m in enumerate(matchers):
+        assert torch.equal(together[i], Matcher.masks([m])[0]), i
+    assert not torch.equal(together[0], together[2])  # (places differ: the check can fail)
