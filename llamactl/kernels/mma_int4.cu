@@ -89,6 +89,15 @@ __device__ __forceinline__ void mma_int4_body(const unsigned short* __restrict__
 #pragma unroll
       for (int i = 0; i < 4; i++) nxt[i] = __ldg(qw + ((unsigned long long)(n8_0 + i) * chunks + c + 1) * 32 + lane);
     }
+    // this chunk's scales and zeros [32-column part][n-tile], loaded before the staging and its
+    // barrier so that their latency hides behind them
+    unsigned zs[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const int grp = (c * 128 + j * 32) / group;
+#pragma unroll
+      for (int i = 0; i < 4; i++) zs[j][i] = __ldg(sz + (unsigned long long)grp * N + n0 + i * 8 + g);
+    }
     // x[:, c * 128 .. + 128] into shared memory (rows past M: zeros)
     for (int idx = threadIdx.x; idx < MT * 16 * 16; idx += blockDim.x) {
       const int row = idx >> 4, col8 = idx & 15;
@@ -99,13 +108,12 @@ __device__ __forceinline__ void mma_int4_body(const unsigned short* __restrict__
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < 4; j++) {  // 32 columns: two k-steps of 16
-      const int grp = (c * 128 + j * 32) / group;
       unsigned b[4][4];  // [n-tile][k-step 0: b0 b1, k-step 1: b0 b1]
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         const unsigned w = j == 0 ? cur[i].x : j == 1 ? cur[i].y : j == 2 ? cur[i].z : cur[i].w;
-        const unsigned zs = __ldg(sz + (unsigned long long)grp * N + n0 + i * 8 + g);
-        const unsigned nz2 = (zs & 0xffffu) | (zs << 16), s2 = (zs >> 16) | (zs & 0xffff0000u);
+        const unsigned z = zs[j][i];
+        const unsigned nz2 = (z & 0xffffu) | (z << 16), s2 = (z >> 16) | (z & 0xffff0000u);
         b[i][0] = dequant2<F16>(w, nz2, s2);
         b[i][1] = dequant2<F16>(w >> 4, nz2, s2);
         b[i][2] = dequant2<F16>(w >> 8, nz2, s2);
