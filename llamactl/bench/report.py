@@ -85,7 +85,7 @@ def row_line(r: dict) -> str:
         fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
         return (f"{where}: {r['output_tok_s']:.1f} output tok/s, {r['requests_s']:.2f} req/s, TTFT p50/p95 "
                 f"{fmt(r['ttft_ms_p50'], '{:.0f}')}/{fmt(r['ttft_ms_p95'], '{:.0f}')} ms, ITL p50 "
-                f"{fmt(r['itl_ms_p50'], '{:.1f}')} ms, {r['errors']} errors")
+                f"{fmt(r['itl_ms_p50'], '{:.1f}')} ms, TPOT {fmt(r.get('tpot_ms_mean'), '{:.2f}')} ms, {r['errors']} errors")
     if "speculation" in r:  # bench --draft
         s = r["speculation"]
         return (f"{where}: decode {r['decode_tok_s']:.1f} tok/s against {r['plain_decode_tok_s']:.1f} plain "
