@@ -126,7 +126,7 @@ def _cubin(nvcc: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels() -> "dict[int, object] | str":
+def _kernels() -> "dict[tuple[str, int], object] | str":
     """{(dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
     if not torch.cuda.is_available():
         return "the int4 MMA kernel needs a CUDA GPU"
