@@ -247,10 +247,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
             self.mma = self.mma_dtype = None
             return
         if self.mma is None or self.mma_dtype != dtype:
-            words = self.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K / 8]
-            codes = (words.unsqueeze(-1) >> (4 * torch.arange(8, device=words.device))) & 15  # [N, K / 8, 8]
-            self.mma = mma_int4.pack(codes.view(n, k), self.zeros.t().float(), self.scales.t().float(),
-                                     self.group_size, dtype)
+            codes = unpack_rows(self.qweight.t(), 4).t()  # [N, K]: nibble j of word i is column 8 i + j
+            self.mma = mma_int4.pack(codes, self.zeros.t().float(), self.scales.t().float(), self.group_size, dtype)
             self.mma_dtype = dtype
 
     def can_fuse(self) -> bool:
