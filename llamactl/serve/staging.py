@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from llamactl.runtime.sampling import snapshot_rows
+from llamactl.runtime.transfer import to_device
 
 
 class Launched:
@@ -60,20 +61,16 @@ class _Ring:
 
 
 class Staging:
-    """Host buffers for the decode step's positions and tokens: on a GPU pinned and copied without
-    a stream sync, each in a _Ring."""
+    """The decode step's positions in (runtime.transfer: pinned, no stream sync) and its tokens
+    out, through a _Ring of pinned host buffers on a GPU."""
 
     def __init__(self, max_batch: int, device: torch.device):
         self.device, self.gpu = device, device.type == "cuda"
-        self._pos, self._tok = _Ring(max_batch, self.gpu), _Ring(max_batch, self.gpu)
+        self._tok = _Ring(max_batch, self.gpu)
 
     def positions(self, pos: list[int]) -> torch.Tensor:
         """pos -> [len(pos)] on the device."""
-        i, host = self._pos.take(len(pos))
-        host.copy_(torch.tensor(pos, dtype=torch.long))
-        dev = host.to(self.device, non_blocking=True)
-        self._pos.copied(i)
-        return dev
+        return to_device(pos, self.device, torch.long)
 
     def read_later(self, out: torch.Tensor, rows: list, at: list[int], launched: float,
                    mixed: bool = False, lp: tuple | None = None) -> Launched:
