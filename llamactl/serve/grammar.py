@@ -10,6 +10,7 @@ model cannot spend its tokens on spaces.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -124,16 +125,13 @@ class Matcher:
         if len(matchers) == 1:
             first._m.fill_next_token_bitmask(rows, 0)
         else:
-            _batch(first._xgr).batch_fill_next_token_bitmask([m._m for m in matchers], rows)
+            _batch().batch_fill_next_token_bitmask([m._m for m in matchers], rows)
         return rows
 
 
-_BATCH = None
-
-
-def _batch(xgr):
+@functools.lru_cache(maxsize=None)
+def _batch():
     """One xgrammar BatchGrammarMatcher for the process (its thread pool)."""
-    global _BATCH
-    if _BATCH is None:
-        _BATCH = xgr.BatchGrammarMatcher()
-    return _BATCH
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
