@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 
 from llamactl.folder.artifact import Artifact
-from llamactl.errors import CheckpointError
+from llamactl.errors import CheckpointError, first_line
 
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -56,7 +56,7 @@ def load_tokenizer(art: Artifact):
     try:
         tok = AutoTokenizer.from_pretrained(str(art.path), local_files_only=True)
     except Exception as e:
-        raise CheckpointError(f"{art.path}: the tokenizer could not be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+        raise CheckpointError(f"{art.path}: the tokenizer could not be loaded ({first_line(e, 200)})",
                               "check tokenizer.json / tokenizer_config.json, or copy them from the original checkpoint")
     vocab = art.args.vocab_size
     if len(tok) > vocab:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from llamactl.errors import first_line
 from llamactl.kernels.cpu import cache_root
 
 SOURCE = Path(__file__).with_name("mma_int4.cu")
@@ -145,7 +146,7 @@ def _kernels() -> "dict[tuple[str, int], object] | str":
             mods = _cuda_load_module(_cubin(nvcc).read_bytes(), names)
             return {v: mods[name] for v, name in zip(variants, names)}
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            why.append(f"nvcc: {type(e).__name__}: {str(e)[:160]}")
+            why.append(f"nvcc: {first_line(e)}")
     try:
         from torch.cuda._utils import _nvrtc_compile
 
@@ -153,7 +154,7 @@ def _kernels() -> "dict[tuple[str, int], object] | str":
         mods = _cuda_load_module(ptx, names)
         return {v: mods[name] for v, name in zip(variants, names)}
     except Exception as e:  # NVRTC missing or failing: the reason, for the plan's line
-        why.append(f"NVRTC: {type(e).__name__}: {str(e)[:160]}")
+        why.append(f"NVRTC: {first_line(e)}")
     return "the int4 MMA kernel could not be built (" + "; ".join(why) + ")"
 
 
