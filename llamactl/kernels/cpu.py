@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -59,13 +60,35 @@ def _command(cxx: str, out: Path) -> list[str]:
             "-lc10", "-ltorch_cpu", "-o", str(out)]
 
 
+def compiler_stamp(exe: str) -> str:
+    """A compiler named by its file: path, size and time (no process started per load)."""
+    real = Path(shutil.which(exe) or exe).resolve()
+    st = real.stat()
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def build_once(path: Path, command: Callable[[Path], list[str]], timeout: int = 600) -> str | None:
+    """Build `path` unless it is there: command(out) writes it to `out`, a temporary name beside it
+    renamed into place (a second process waiting for the first finds it built); None, or the
+    build's first error line."""
+    if path.is_file():
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run(command(out), capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            return next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[-200:])
+        os.replace(out, path)
+    finally:
+        out.unlink(missing_ok=True)
+    return None
+
+
 def _library_path(cxx: str) -> Path:
-    real = Path(shutil.which(cxx) or cxx).resolve()
-    st = real.stat()  # the compiler named by its file (no process started per load)
-    version = f"{real}:{st.st_size}:{st.st_mtime_ns}"
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), version.encode(), cpu_flags().encode(),
-                 sys.version.encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), torch.__version__.encode(), compiler_stamp(cxx).encode(),
+                 cpu_flags().encode(), sys.version.encode()):
         h.update(part)
     return cache_root() / f"llamactl_cpu-{h.hexdigest()[:16]}.so"
 
@@ -81,17 +104,9 @@ def load() -> str | None:
         return "no C++ compiler (g++) found to build llamactl's CPU kernels; install one, or set CXX"
     try:
         path = _library_path(cxx)
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=600)
-                if done.returncode:
-                    first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[-200:])
-                    return f"building llamactl's CPU kernels failed ({cxx}): {first}"
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+        failed = build_once(path, lambda out: _command(cxx, out))
+        if failed:
+            return f"building llamactl's CPU kernels failed ({cxx}): {failed}"
         torch.ops.load_library(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         return f"llamactl's CPU kernels could not be built or loaded: {e}"

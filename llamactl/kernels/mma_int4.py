@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from llamactl.errors import first_line
-from llamactl.kernels.cpu import cache_root
+from llamactl.kernels.cpu import build_once, cache_root, compiler_stamp
 
 SOURCE = Path(__file__).with_name("mma_int4.cu")
 MAX_ROWS = 64  # rows one launch takes (four m16 tiles)
@@ -108,21 +108,11 @@ def _arch() -> str:
 
 def _cubin(nvcc: str) -> Path:
     """The kernel's cubin for this GPU, built by nvcc once into the user's cache."""
-    real = Path(shutil.which(nvcc) or nvcc).resolve()
-    st = real.stat()
-    h = hashlib.sha256(SOURCE.read_bytes() + f"{real}:{st.st_size}:{st.st_mtime_ns}:{_arch()}".encode())
+    h = hashlib.sha256(SOURCE.read_bytes() + f"{compiler_stamp(nvcc)}:{_arch()}".encode())
     path = cache_root("cuda-kernels") / f"mma_int4-{h.hexdigest()[:16]}.cubin"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            done = subprocess.run([nvcc, f"-arch={_arch()}", "-cubin", "-O3", "-o", str(tmp), str(SOURCE)],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode:
-                raise RuntimeError(next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr[-200:]))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    failed = build_once(path, lambda out: [nvcc, f"-arch={_arch()}", "-cubin", "-O3", "-o", str(out), str(SOURCE)], 300)
+    if failed:
+        raise RuntimeError(failed)
     return path
 
 
