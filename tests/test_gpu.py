@@ -20,7 +20,8 @@ def untuned(monkeypatch):
     how fast. On a fresh GPU machine the autotuner compiles every candidate of each new shape: 12
     of these tests took over 150 s, and the int8-input generate test after them had not finished
     in 2 more minutes (runs 27-30). Each candidate's product is checked on its own
-    (test_kernels.test_every_*_autotune_config_*) and the benches run the tuned launches."""
+    (test_kernels.test_every_*_autotune_config_*) and the benches run the tuned launches. (Imported
+    by tests/serve/test_engine_gpu.py.)"""
     from llamactl.kernels import gemv
 
     monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)

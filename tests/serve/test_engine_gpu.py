@@ -10,16 +10,9 @@ import torch
 from llamactl.folder.artifact import open_artifact
 from llamactl.runtime.load import load_model
 from llamactl.runtime.settings import Sampling
+from test_gpu import untuned  # noqa: F401 (autouse: the GEMVs at their fixed block sizes)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(autouse=True)
-def untuned(monkeypatch):
-    """The GEMVs at their fixed block sizes, as tests/test_gpu.py's: what runs, not how fast."""
-    from llamactl.kernels import gemv
-
-    monkeypatch.setattr(gemv, "FIXED_BLOCKS", True)
 
 
 def _greedy_tokens(eng, prompts, which, n) -> dict[int, list[int]]:
