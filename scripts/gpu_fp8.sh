@@ -3,7 +3,8 @@
 # FP8 copy (--synthetic-quant none,fp8) in one run, so their ratios are of one call.
 #   fp8-SHAPE-b1    batch 1 after a 2,048-token prompt: time to first token, batch-1 decode
 #   fp8-SHAPE-b128  128 rows after 128-token prompts: decode
-# for llama3-8b and llama2-7b; first the FP8 and 8-bit-cache GPU tests. Usage: bash scripts/gpu_fp8.sh OUTDIR
+# for llama3-8b and llama2-7b; first the FP8 and 8-bit-cache GPU tests. Bench's stderr goes to /tmp
+# (the device returns at most 8 files). Usage: bash scripts/gpu_fp8.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: gpu_fp8.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
@@ -12,7 +13,7 @@ timeout 120 python -m pytest -q -m gpu tests/test_gpu.py -k "fp8 or 8bit" > "$ou
 run() {
   local name=$1; shift
   timeout 200 python -m llamactl bench "$@" --synthetic-quant none,fp8 --dtype bfloat16 --format json \
-    -o "$out/$name.json" > /dev/null 2> "$out/$name.err" || tail -3 "$out/$name.err"
+    -o "$out/$name.json" > /dev/null 2> "/tmp/$name.err" || tail -3 "/tmp/$name.err"
   python - "$out/$name.json" "$name" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["results"]
