@@ -30,9 +30,9 @@ class RuntimeOptions:
     pins_file: more pinned configs (a file `llamactl bench --tune` wrote) over the packaged ones.
     compile_regions: torch.compile one decoder layer and reuse it (None: no; see decode.compile_regions).
     kv_dtype: what the KV cache stores (KV_DTYPES; runtime.kv_format): auto is the model's dtype.
-    int4_mma: int4 layers multiply 2-64 rows on the tensor-core kernel (kernels.mma_int4), not the
-    skinny / split-K ones (an experiment of issue 51, off until measured: it keeps a second copy
-    of the codes).
+    mma: int4 and int8 layers multiply 2-64 rows on the tensor-core kernel (kernels.mma), not the
+    skinny / split-K / multirow ones (an experiment of issue 51, off until measured: it keeps a
+    second copy of the codes).
     """
 
     kernels: bool = True
@@ -44,7 +44,7 @@ class RuntimeOptions:
     pins_file: str | None = None
     compile_regions: bool | None = None
     kv_dtype: str = "auto"
-    int4_mma: bool = False
+    mma: bool = False
 
     def __post_init__(self):
         if self.quant_inputs not in QUANT_INPUTS:
@@ -82,7 +82,7 @@ class RuntimeOptions:
 
 
 # the variables from_env reads (each has a flag too). swiglu, attn_min_chunk and compile_regions
-# were experiments, decided (docs/bench/README.md), int4_mma is one (scripts/mma_int4_probe.py):
+# were experiments, decided (docs/bench/README.md), mma is one (scripts/mma_probe.py):
 # arguments for library users and tests only.
 VARIABLES = ("LLAMACTL_KERNELS", "LLAMACTL_PDL", "LLAMACTL_QUANT_INPUTS", "LLAMACTL_PIN_CONFIGS", "LLAMACTL_PINS_FILE")
 

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
 from llamactl.layers.gptq import GPTQLinear, unpack_rows
+from llamactl.layers.mma import MmaCodes
 
 INNER_K_TILES = 8
 
@@ -197,7 +199,7 @@ def use_int4_kernels(model, group_size: int, triton: bool) -> int:
     return swapped
 
 
-class TritonInt4Linear(nn.Module, FusedIO):
+class TritonInt4Linear(nn.Module, FusedIO, MmaCodes):
     """y = x W^T with W in 4 bits (groups along the input), in the layout of kernels.gemv.
 
     Single rows run the int4 GEMV (reads 4 bits a weight); a decode batch reads the weights once
@@ -206,12 +208,9 @@ class TritonInt4Linear(nn.Module, FusedIO):
     GEMV's default, the codes on the int8 MMA with x in 16-bit fixed point), else up to
     multirow.int4_rows rows (64 with groups of 128, else 16) on kernels.multirow; more rows (larger
     batches, prefill) dequantize the layer to 16 bits with a Triton kernel and use cuBLAS. With
-    use_mma (RuntimeOptions.int4_mma), 2 to 64 rows of bf16 or fp16 run the tensor-core kernel
-    (kernels.mma_int4) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
+    use_mma (RuntimeOptions.mma), 2 to 64 rows of bf16 or fp16 run the tensor-core kernel
+    (kernels.mma) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
     """
-
-    mma: "tuple[torch.Tensor, torch.Tensor] | None" = None  # the codes in kernels.mma_int4's layout (use_mma)
-    mma_dtype: "torch.dtype | None" = None  # the activations' dtype they were laid out for
 
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None, device: torch.device, in_features: int | None = None):
@@ -237,19 +236,12 @@ class TritonInt4Linear(nn.Module, FusedIO):
         self.inputs = "float"  # what the batch-1 GEMV multiplies the weights with (RuntimeOptions.quant_inputs)
         self._init_fused_io()
 
-    def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
-        """2 to 64 rows of `dtype` (bf16 or fp16) on the tensor-core kernel (codes laid out for it
-        now), where it takes the layer's shape; off: the Triton kernels (the copy freed)."""
-        from llamactl.kernels import mma_int4
+    def _mma_shape(self) -> tuple[int, int, int]:
+        return self.out_features, self.qweight.shape[1] * 8, self.group_size
 
-        n, k = self.out_features, self.qweight.shape[1] * 8
-        if not (on and mma_int4.supported(n, k, self.group_size) and dtype in mma_int4.DTYPES):
-            self.mma = self.mma_dtype = None
-            return
-        if self.mma is None or self.mma_dtype != dtype:
-            codes = unpack_rows(self.qweight.t(), 4).t()  # [N, K]: nibble j of word i is column 8 i + j
-            self.mma = mma_int4.pack(codes, self.zeros.t().float(), self.scales.t().float(), self.group_size, dtype)
-            self.mma_dtype = dtype
+    def _mma_codes(self):
+        codes = unpack_rows(self.qweight.t(), 4).t()  # [N, K]: nibble j of word i is column 8 i + j
+        return codes, self.zeros.t().float(), self.scales.t().float(), self.group_size, 4
 
     def can_fuse(self) -> bool:
         # act-order layers gather x first, a short last group pads it: not fused
@@ -276,7 +268,6 @@ class TritonInt4Linear(nn.Module, FusedIO):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         from llamactl.kernels.gemv_int4 import dequantize_int4, gemv_int4
-        from llamactl.kernels.mma_int4 import MAX_ROWS as MMA_ROWS, mma_int4
         from llamactl.kernels.multirow import int4_rows, multirow_int4
 
         if x.numel() == self._input_width() and self.can_fuse():
@@ -302,8 +293,8 @@ class TritonInt4Linear(nn.Module, FusedIO):
         if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
-        elif self.mma is not None and x2.shape[0] <= MMA_ROWS and x2.dtype == self.mma_dtype:
-            y = mma_int4(x2, *self.mma, self.group_size)  # a decode batch on the tensor cores
+        elif self._mma_takes(x2):
+            y = self._mma(x2)  # a decode batch on the tensor cores
         elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
         else:
@@ -319,7 +310,7 @@ class TritonInt4Linear(nn.Module, FusedIO):
 
         if rows == 1:
             return "int4 GEMV"
-        if self.mma is not None and rows <= 64:
+        if self.mma is not None and rows <= MMA_ROWS:
             return "int4 tensor-core MMA"
         if self._skinny_takes(rows):
             return "int4 skinny int8 MMA" if self.inputs == "int16" else "int4 skinny"

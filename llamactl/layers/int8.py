@@ -4,7 +4,8 @@ Where llamactl's kernels run, batch-1 rows go through its int8 GEMV (kernels.gem
 decode batch of 2 to skinny.LAYER_ROWS 16-bit rows with int16 inputs (the GEMV's default) through
 skinny_int8 (the weights on the integer MMA as they are, x in the GEMV's 16-bit fixed point; the
 norm before, SwiGLU and the residual folded in); other batches of up to 64 rows through the
-multi-row kernel (kernels.multirow).
+multi-row kernel (kernels.multirow). With use_mma (RuntimeOptions.mma), 2 to 64 rows run the
+tensor-core kernel (kernels.mma) on a second copy of the codes in its layout, unfused.
 
 Per-channel int8 layers are repacked at load when activations are bf16: LLM.int8 checkpoints
 (int8 rows, scale SCB / 127) and symmetric 8-bit GPTQ/RTN checkpoints with one group per row
@@ -20,8 +21,10 @@ import torch
 from torch import nn
 
 from llamactl.layers.bnb import Int8Linear
+from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
 from llamactl.layers.gptq import GPTQLinear, unpack_rows
+from llamactl.layers.mma import MmaCodes
 
 
 def available(device_type: str, triton: bool) -> bool:
@@ -41,7 +44,7 @@ def torch_kernel(device_type: str) -> bool:
         return False
 
 
-class Int8Kernel(nn.Module, FusedIO):
+class Int8Kernel(nn.Module, FusedIO, MmaCodes):
     """y = (x W^T) * scale with W int8 [out, in] and scale [out]; bf16 activations."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, triton: bool):
@@ -72,6 +75,16 @@ class Int8Kernel(nn.Module, FusedIO):
     def _skinny_takes(self, rows: int) -> bool:
         return self.inputs == "int16" and super()._skinny_takes(rows)  # skinny_int8's x: the GEMV's int16 inputs
 
+    def _mma_shape(self) -> tuple[int, int, int]:
+        return self.out_features, self.in_features, self.in_features  # one group a row
+
+    def _mma_codes(self):
+        ones = torch.ones(1, self.out_features, device=self.weight.device)
+        return self.weight.to(torch.int32) + 128, ones * 128, self.scales.float()[None], self.in_features, 8
+
+    def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().use_mma(on, torch.bfloat16)  # its products take bf16 activations whatever the model's dtype
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., in] ([..., 2 in] with glu), residual: [..., out] or None -> [..., out]
         if self.triton and x.numel() == self._input_width():
@@ -82,7 +95,7 @@ class Int8Kernel(nn.Module, FusedIO):
                      self.glu_out, self.inputs, self.pdl, self.pins)  # batch-1 decode
             y = y.view(*x.shape[:-1], self._output_width()).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        rows = self._skinny_rows(x)
+        rows = self._skinny_rows(x) if self.mma is None else 0
         if rows:  # a decode batch: the weights read once for all rows, SwiGLU and the residual folded in
             from llamactl.kernels.skinny import skinny_int8
 
@@ -93,7 +106,9 @@ class Int8Kernel(nn.Module, FusedIO):
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS
 
-        if self.triton and x2.shape[0] <= MAX_ROWS:  # a decode batch: the weights read once for all rows
+        if self._mma_takes(x2):
+            y = self._mma(x2)  # a decode batch on the tensor cores
+        elif self.triton and x2.shape[0] <= MAX_ROWS:  # a decode batch: the weights read once for all rows
             from llamactl.kernels.multirow import multirow_mm
 
             y = multirow_mm(x2, self.weight, self.scales)
@@ -113,6 +128,8 @@ class Int8Kernel(nn.Module, FusedIO):
         if self.triton:
             if rows == 1:
                 return "int8 GEMV"
+            if self.mma is not None and rows <= MMA_ROWS:
+                return "int8 tensor-core MMA"
             if self._skinny_takes(rows):
                 return "int8 skinny"
             return "int8 multirow" if rows <= MAX_ROWS else "int8 dequantize + cuBLAS"

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from llamactl.kernels import check, mma_int4, pinned, cpu as kcpu
+from llamactl.kernels import check, mma as kmma, pinned, cpu as kcpu
 from llamactl.kernels.arith import QUANT_INPUT_LABELS
 from llamactl.kernels.device import pdl_supported, runs_on, triton_version
 from llamactl.layers.cpu import CpuLinear, bf16_fast, quant_fast, kernels_load
@@ -22,6 +22,7 @@ from llamactl.layers.fused import FusedIO, GemvLinear, fuse, swap_linear, unfuse
 from llamactl.layers.gptq import GPTQLinear
 from llamactl.layers.int4 import Int4Linear, TritonInt4Linear
 from llamactl.layers.int8 import Int8Kernel
+from llamactl.layers.mma import MmaCodes
 from llamactl.options import RuntimeOptions
 from llamactl.runtime.model import RMSNorm
 
@@ -117,17 +118,17 @@ def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
             "their weights each call (one row reads them as they are)"]
 
 
-def int4_mma_plan(model, want: bool) -> list[str]:
-    """int4 layers' 2-64 row products on the tensor-core kernel where `want` and it runs (bf16 and
-    fp16 models, shapes it takes; laid out for it here, before any graph is captured); the warning
-    where it was asked for and cannot run."""
-    layers = [m for m in model.modules() if isinstance(m, TritonInt4Linear)]
-    why = mma_int4.available() if want and layers else None
-    if want and layers and why is None and model.dtype not in mma_int4.DTYPES:
-        why = f"the int4 MMA kernel multiplies bf16 or fp16 activations, not {str(model.dtype).replace('torch.', '')}"
+def mma_plan(model, want: bool) -> list[str]:
+    """int4 and int8 layers' 2-64 row products on the tensor-core kernel where `want` and it runs
+    (bf16 and fp16 models, shapes it takes; laid out for it here, before any graph is captured);
+    the warning where it was asked for and cannot run."""
+    layers = [m for m in model.modules() if isinstance(m, MmaCodes)]
+    why = kmma.available() if want and layers else None
+    if want and layers and why is None and model.dtype not in kmma.DTYPES:
+        why = f"the low-bit MMA kernel multiplies bf16 or fp16 activations, not {str(model.dtype).replace('torch.', '')}"
     for m in layers:
         m.use_mma(want and why is None, model.dtype)
-    return [f"{why}; int4 decode batches keep the Triton kernels"] if why else []
+    return [f"{why}; low-bit decode batches keep the Triton kernels"] if why else []
 
 
 @torch.no_grad()
@@ -175,7 +176,7 @@ def prepare(model, options: RuntimeOptions | None = None, interpreter: bool = Fa
     warnings += fp8_plan(model, on, pdl)
     if on:
         fuse(model, options.swiglu)
-    warnings += int4_mma_plan(model, on and options.int4_mma)
+    warnings += mma_plan(model, on and options.mma)
     hd, group = model.args.head_dim, model.args.num_attention_heads // model.args.num_key_value_heads
     attn = "rope" if on and hd >= 16 and hd & (hd - 1) == 0 else "cpu" if cpu and cpu_attention_fits(hd, group) else ""
     for layer in model.model.layers:

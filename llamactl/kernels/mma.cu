@@ -1,0 +1,215 @@
+// y[M, N] = x[M, K] . W[N, K]^T for 4-bit or 8-bit W in groups along K, on the tensor cores
+// (mma.m16n8k16, bf16 or fp16 in, fp32 accumulate): the codes are laid out at load so that each
+// lane's 32-bit words hold its B fragments, dequantized in registers (Marlin's magic-number
+// conversions), never through shared memory.
+// Built at first use by nvcc or NVRTC (kernels/mma.py); no headers, PTX by inline assembly.
+//
+// Layouts (kernels/mma.py `pack` writes them), for n-tile n8, 128-column chunk c, lane (g = lane / 4,
+// t = lane % 4):
+//   4 bits: qw uint4 [N / 8][K / 128][32]; word j of the uint4 (columns c * 128 + 32 j ..) holds in
+//       its nibbles 0..7 W[n8 * 8 + g, base + {2t, 2t + 8, 16 + 2t, 16 + 2t + 8, 2t + 1, 2t + 9,
+//       16 + 2t + 1, 16 + 2t + 9}]: b0 and b1 of two k-steps (nibbles 0/4 and 1/5, then 2/6 and 3/7)
+//   8 bits: qw uint4 [N / 8][K / 128][2][32]; word j of uint4 h is k-step s = 4 h + j (columns
+//       c * 128 + 16 s ..), its bytes 0..3 W[n8 * 8 + g, base + {2t, 2t + 1, 2t + 8, 2t + 9}]: b0, b1
+//   sz  uint32 [K / group][N]: the scale in the high half (in x's type), in the low half
+//       -(magic + zero) in x's type (magic 128 for bf16 4-bit codes, 1024 for fp16), or for bf16
+//       8-bit codes the zero point as an integer
+//   x   bf16 or fp16 [M, K] row-major (16-byte aligned); out fp32 [M, N] (added to where split > 1)
+// Grid (N / 128, split), 128 threads: warp w owns columns blockIdx.x * 128 + 32 w .. + 32 (four
+// n-tiles), over the chunks [blockIdx.y * per, ..) of K; the rows in MT tiles of 16.
+
+#define XS_STRIDE 136  // halves a staged row of x: 128 + 8 (rows 4 banks apart: no conflicts)
+
+__device__ __forceinline__ unsigned lop3_and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned d;  // (a & b) | c
+  asm volatile("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+template <bool F16>
+__device__ __forceinline__ unsigned fma_x2(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  if (F16)
+    asm volatile("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  else
+    asm volatile("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;  // bytes of {b, a} picked by the selector's nibbles
+  asm volatile("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// The pair (magic + q0, magic + q1) in x's type -> (q - z) * s in both halves: z exact, one rounding
+template <bool F16>
+__device__ __forceinline__ unsigned scaled(unsigned x, unsigned z) {
+  const unsigned nz2 = (z & 0xffffu) | (z << 16), s2 = (z >> 16) | (z & 0xffff0000u);
+  const unsigned y = fma_x2<F16>(x, F16 ? 0x3c003c00u : 0x3f803f80u, nz2);  // q - z: exact
+  return fma_x2<F16>(y, s2, 0x80008000u);                                   // one rounding of (q - z) * s
+}
+
+// B fragments (b0, b1) of k-step `s` of a word (4 bits: a word holds two k-steps; 8 bits: one),
+// with its group's sz word z
+template <int BITS, bool F16>
+__device__ __forceinline__ void frag_b(unsigned w, int s, unsigned z, unsigned& b0, unsigned& b1) {
+  if (BITS == 4) {  // two nibbles (bits 0-3 and 16-19) -> 128 + q (bf16) / 1024 + q (fp16)
+    const unsigned magic = F16 ? 0x64006400u : 0x43004300u;
+    b0 = scaled<F16>(lop3_and_or(w >> (8 * s), 0x000f000fu, magic), z);
+    b1 = scaled<F16>(lop3_and_or(w >> (8 * s + 4), 0x000f000fu, magic), z);
+  } else if (F16) {  // bytes 0, 1 -> 0x64qq: 1024 + q
+    b0 = scaled<true>(prmt(w, 0x64646464u, 0x4140), z);
+    b1 = scaled<true>(prmt(w, 0x64646464u, 0x4342), z);
+  } else {  // bf16 holds 128 + q only to 127: through fp32 (2^23 + q), q - z exact, bf16 its high half
+    const float cz = __uint_as_float(0x4B000000u | (z & 0xffffu));
+    const unsigned s2 = (z >> 16) | (z & 0xffff0000u);
+    unsigned f[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __float_as_uint(__uint_as_float(prmt(w, 0x4B000000u, 0x7650 + i)) - cz);
+    b0 = fma_x2<false>(prmt(f[0], f[1], 0x7632), s2, 0x80008000u);
+    b1 = fma_x2<false>(prmt(f[2], f[3], 0x7632), s2, 0x80008000u);
+  }
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma_16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {
+  if (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int BITS, int MT, bool F16>
+__device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, const uint4* __restrict__ qw,
+                                              const unsigned* __restrict__ sz, float* __restrict__ out, int M,
+                                              int N, int K, int group, int per, int atomic) {
+  __shared__ __align__(16) unsigned short xs[MT * 16 * XS_STRIDE];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 7;
+  const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
+  const int n0 = blockIdx.x * 128 + warp * 32;  // this warp's first column
+  const int n8_0 = n0 >> 3;
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int m = 0; m < MT; m++)
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
+
+  constexpr int V = BITS / 4;  // uint4 of codes a lane reads per n-tile and chunk
+  uint4 cur[4][V], nxt[4][V];
+  if (c0 < c1) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+      for (int h = 0; h < V; h++) cur[i][h] = __ldg(qw + (((unsigned long long)(n8_0 + i) * chunks + c0) * V + h) * 32 + lane);
+  }
+  for (int c = c0; c < c1; c++) {
+    if (c + 1 < c1) {  // the next chunk's codes on their way while this one computes
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int h = 0; h < V; h++)
+          nxt[i][h] = __ldg(qw + (((unsigned long long)(n8_0 + i) * chunks + c + 1) * V + h) * 32 + lane);
+    }
+    // this chunk's scales and zeros [32-column part][n-tile], loaded before the staging and its
+    // barrier so that their latency hides behind them
+    unsigned zs[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const int grp = (c * 128 + j * 32) / group;
+#pragma unroll
+      for (int i = 0; i < 4; i++) zs[j][i] = __ldg(sz + (unsigned long long)grp * N + n0 + i * 8 + g);
+    }
+    // x[:, c * 128 .. + 128] into shared memory (rows past M: zeros)
+    for (int idx = threadIdx.x; idx < MT * 16 * 16; idx += blockDim.x) {
+      const int row = idx >> 4, col8 = idx & 15;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (row < M) v = __ldg(reinterpret_cast<const uint4*>(x + (unsigned long long)row * K + c * 128 + col8 * 8));
+      *reinterpret_cast<uint4*>(xs + row * XS_STRIDE + col8 * 8) = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < 8; ks++) {  // k-steps of 16 columns
+      unsigned b[4][2];  // [n-tile][b0, b1]
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const uint4 v = cur[i][BITS == 4 ? 0 : ks >> 2];
+        const int j = BITS == 4 ? ks >> 1 : ks & 3;
+        const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+        frag_b<BITS, F16>(w, ks & 1, zs[ks >> 1][i], b[i][0], b[i][1]);
+      }
+      const int kk = ks * 16 + 2 * t;
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        const unsigned short* r0 = xs + (m * 16 + g) * XS_STRIDE + kk;
+        const unsigned short* r1 = r0 + 8 * XS_STRIDE;
+        const unsigned a0 = *reinterpret_cast<const unsigned*>(r0);
+        const unsigned a1 = *reinterpret_cast<const unsigned*>(r1);
+        const unsigned a2 = *reinterpret_cast<const unsigned*>(r0 + 8);
+        const unsigned a3 = *reinterpret_cast<const unsigned*>(r1 + 8);
+#pragma unroll
+        for (int i = 0; i < 4; i++) mma_16<F16>(acc[m][i], a0, a1, a2, a3, b[i][0], b[i][1]);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+      for (int h = 0; h < V; h++) cur[i][h] = nxt[i][h];
+  }
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int col = n0 + i * 8 + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int row = m * 16 + g + 8 * h;
+        if (row < M) {
+          float* o = out + (unsigned long long)row * N + col;
+          if (atomic) {
+            atomicAdd(o, acc[m][i][2 * h]);
+            atomicAdd(o + 1, acc[m][i][2 * h + 1]);
+          } else {
+            o[0] = acc[m][i][2 * h];
+            o[1] = acc[m][i][2 * h + 1];
+          }
+        }
+      }
+    }
+  }
+}
+
+#define MMA(NAME, BITS, MT, F16)                                                                              \
+  extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
+      const unsigned short* x, const uint4* qw, const unsigned* sz, float* out, int M, int N, int K, int group, \
+      int per, int atomic) {                                                                                 \
+    mma_body<BITS, MT, F16>(x, qw, sz, out, M, N, K, group, per, atomic);                                    \
+  }
+
+MMA(mma_int4_bf16_1, 4, 1, false)
+MMA(mma_int4_bf16_2, 4, 2, false)
+MMA(mma_int4_bf16_4, 4, 4, false)
+MMA(mma_int4_f16_1, 4, 1, true)
+MMA(mma_int4_f16_2, 4, 2, true)
+MMA(mma_int4_f16_4, 4, 4, true)
+MMA(mma_int8_bf16_1, 8, 1, false)
+MMA(mma_int8_bf16_2, 8, 2, false)
+MMA(mma_int8_bf16_4, 8, 4, false)
+MMA(mma_int8_f16_1, 8, 1, true)
+MMA(mma_int8_f16_2, 8, 2, true)
+MMA(mma_int8_f16_4, 8, 4, true)

@@ -1,0 +1,215 @@
+"""int4 and int8 x bf16/fp16 products on the tensor cores for decode batches (issue 51): mma.cu,
+Marlin's approach (the codes laid out once at load as the MMA's B fragments, dequantized in
+registers) in a kernel of llamactl's own.
+
+The kernel is built at first use on a GPU machine: by nvcc into a cubin in the user's cache
+(~/.cache/llamactl/cuda-kernels, named by a hash of the source, the compiler and the GPU's
+architecture; written to a temporary name and renamed into place), else by NVRTC (PyTorch's
+`torch.cuda._compile_kernel` machinery). Where neither works, `available()` says why and the
+callers keep the Triton kernels. Not built from anything in a model folder.
+
+Layouts (mma.cu's header comment): `pack` turns GPTQ-style codes [N, K] (0..15 or 0..255, groups
+of consecutive columns), zeros and scales [K / group, N] into the kernel's qw [N / 8, K / 128,
+32 * bits / 4, 4] int32 (its third size says the bits) and sz [K / group, N] int32; `emulate`
+computes what the kernel computes, fragment by fragment, on any device (the tests' check of the
+layout on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from llamactl.errors import first_line
+from llamactl.kernels.cpu import build_once, cache_root, compiler_stamp
+
+SOURCE = Path(__file__).with_name("mma.cu")
+MAX_ROWS = 64  # rows one launch takes (four m16 tiles)
+TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows, each for 4 and 8 bits, bf16 and fp16
+BITS = (4, 8)
+DTYPES = {torch.bfloat16: ("bf16", 128), torch.float16: ("f16", 1024)}  # name, the magic number's value
+BLOCK_N, CHUNK_K = 128, 128  # columns a block owns; columns of K a step of its loop takes
+# 4 bits: nibble p of a lane's word (lane = 4 g + t, word j) holds column 32 j + 2 t + NIBBLE_K[p] of
+# its chunk: b0 and b1 of the first k-step (nibbles 0, 4 and 1, 5), then of the second (2, 6 and 3, 7)
+NIBBLE_K = (0, 8, 16, 24, 1, 9, 17, 25)
+# 8 bits: byte p of word j of a lane's uint4 h holds column 16 (4 h + j) + 2 t + BYTE_K[p]: b0, then b1
+BYTE_K = (0, 1, 8, 9)
+
+
+def supported(n: int, k: int, group: int) -> bool:
+    """Whether the kernel takes a layer of n outputs, k inputs, groups of `group` inputs."""
+    return n % BLOCK_N == 0 and k % CHUNK_K == 0 and group % 32 == 0 and k % group == 0
+
+
+def _bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(dtype).float()
+
+
+def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
+         dtype: torch.dtype = torch.bfloat16, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..2^bits - 1, in group order), zeros/scales [K / group, N] -> (qw [N / 8, K / 128,
+    32 * bits / 4, 4] int32, sz [K / group, N] int32: the scale high, in dtype (the activations'); low,
+    -(magic + zero) in dtype (magic 128 for bf16, 1024 for fp16) or for bf16 8-bit codes the zero)."""
+    n, k = codes.shape
+    if bits not in BITS or not supported(n, k, group) or zeros.shape != (k // group, n) or scales.shape != zeros.shape:
+        raise ValueError(f"mma.pack: {bits}-bit codes {tuple(codes.shape)}, zeros {tuple(zeros.shape)}, group {group}")
+    dev = codes.device
+    t = torch.arange(4, device=dev).view(4, 1, 1)
+    if bits == 4:  # [t, word j, nibble p]: a column of the chunk
+        offs = torch.arange(4, device=dev).view(1, 4, 1) * 32 + 2 * t + torch.tensor(NIBBLE_K, device=dev).view(1, 1, 8)
+    else:  # [t, k-step 4 h + j, byte p]
+        offs = torch.arange(8, device=dev).view(1, 8, 1) * 16 + 2 * t + torch.tensor(BYTE_K, device=dev).view(1, 1, 4)
+    cw = codes.to(torch.int64).view(n // 8, 8, k // CHUNK_K, CHUNK_K)  # [n8, g, c, column]
+    parts = cw[:, :, :, offs]  # [n8, g, c, t, word, part]
+    words = (parts << (bits * torch.arange(parts.shape[-1], device=dev))).sum(-1)  # [n8, g, c, t, word]
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    v = bits // 4  # uint4 a lane reads per n-tile and chunk
+    qw = words.view(n // 8, 8, k // CHUNK_K, 4, v, 4).permute(0, 2, 4, 1, 3, 5)  # [n8, c, h, g, t, j]
+    qw = qw.reshape(n // 8, k // CHUNK_K, 32 * v, 4).contiguous()
+    if bits == 8 and dtype == torch.bfloat16:
+        low = zeros.to(torch.int32)
+    else:
+        low = _bits(-(DTYPES[dtype][1] + zeros.float()), dtype)
+    return qw, ((_bits(scales.float(), dtype) << 16) | low).to(torch.int32).contiguous()
+
+
+def _codes(qw: torch.Tensor) -> torch.Tensor:
+    """The dense codes [N, K] of a packed qw, each read from where the kernel reads it: for lane
+    (g, t), b0 holds rows 2t, 2t + 1 and b1 rows 2t + 8, 2t + 9 of a k-step, column g of the n-tile
+    (the PTX ISA's m16n8k16 fragments). 4 bits: nibbles 0/4 b0 and 1/5 b1 of a word's first k-step,
+    2/6 and 3/7 of its second; 8 bits: bytes 0/1 b0 and 2/3 b1 of word j of uint4 h, k-step 4 h + j."""
+    n8, chunks, lanes = qw.shape[:3]
+    bits = lanes // 8
+    w = (qw.to(torch.int64) & 0xFFFFFFFF).view(n8, chunks, bits // 4, 32, 4)  # [n8, c, h, lane, j]
+    g, t = torch.arange(32) // 4, torch.arange(32) % 4
+    if bits == 4:
+        part = torch.stack([(w >> (4 * p)) & 0xF for p in range(8)], -1)  # [n8, c, h, lane, j, p]
+        step = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1]) + 2 * torch.arange(4).view(4, 1)  # [j, p]
+        row = torch.tensor([0, 8, 0, 8, 1, 9, 1, 9]).expand(4, 8)
+    else:
+        part = torch.stack([(w >> (8 * p)) & 0xFF for p in range(4)], -1)
+        step = torch.arange(4).view(4, 1).expand(4, 4)
+        row = torch.tensor([0, 1, 8, 9]).expand(4, 4)
+    dense = torch.zeros(n8, 8, chunks, CHUNK_K, dtype=torch.int64)
+    for h in range(bits // 4):
+        col = ((step + 4 * h) * 16 + row).view(1, *step.shape) + 2 * t.view(32, 1, 1)  # [lane, j, p]
+        gi = g.view(32, 1, 1).expand(col.shape)
+        for c in range(chunks):
+            dense[:, gi, c, col] = part[:, c, h]
+    return dense.view(n8 * 8, chunks * CHUNK_K)
+
+
+def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] -> [M, N] float32 as the kernel computes it: the codes read as the kernel reads them
+    (`_codes`), (q - z) * s rounded to dtype once, products of x in dtype summed in float32."""
+    q = _codes(qw).float()
+    szw = sz.to(torch.int64).cpu() & 0xFFFFFFFF
+    s = _from_bits(szw >> 16, dtype)  # [G, N]
+    if qw.shape[2] == 64 and dtype == torch.bfloat16:
+        z = (szw & 0xFFFF).float()
+    else:
+        z = -_from_bits(szw & 0xFFFF, dtype) - DTYPES[dtype][1]
+    cols = torch.arange(q.shape[1]) // group
+    wq = ((q - z.t()[:, cols]) * s.t()[:, cols]).to(dtype).float()  # [N, K]
+    return x.to(dtype).float().cpu() @ wq.t()
+
+
+def _arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _cubin(nvcc: str) -> Path:
+    """The kernel's cubin for this GPU, built by nvcc once into the user's cache."""
+    h = hashlib.sha256(SOURCE.read_bytes() + f"{compiler_stamp(nvcc)}:{_arch()}".encode())
+    path = cache_root("cuda-kernels") / f"mma-{h.hexdigest()[:16]}.cubin"
+    failed = build_once(path, lambda out: [nvcc, f"-arch={_arch()}", "-cubin", "-O3", "-o", str(out), str(SOURCE)], 300)
+    if failed:
+        raise RuntimeError(failed)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels() -> "dict[tuple[int, str, int], object] | str":
+    """{(bits, dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
+    if not torch.cuda.is_available():
+        return "the low-bit MMA kernel needs a CUDA GPU"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"the low-bit MMA kernel needs bf16 tensor cores (sm_80+), not {_arch()}"
+    variants = [(b, d, t) for b in BITS for d, _ in DTYPES.values() for t in TILES]
+    names = [f"mma_int{b}_{d}_{t}" for b, d, t in variants]
+    try:
+        from torch.cuda._utils import _cuda_load_module
+    except ImportError:
+        return f"this torch ({torch.__version__}) cannot load CUDA modules (torch.cuda._utils)"
+    why = []
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if nvcc:
+        try:
+            mods = _cuda_load_module(_cubin(nvcc).read_bytes(), names)
+            return {v: mods[name] for v, name in zip(variants, names)}
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            why.append(f"nvcc: {first_line(e)}")
+    try:
+        from torch.cuda._utils import _nvrtc_compile
+
+        ptx, _ = _nvrtc_compile(SOURCE.read_text(), names[0], None, None, None)
+        mods = _cuda_load_module(ptx, names)
+        return {v: mods[name] for v, name in zip(variants, names)}
+    except Exception as e:  # NVRTC missing or failing: the reason, for the plan's line
+        why.append(f"NVRTC: {first_line(e)}")
+    return "the low-bit MMA kernel could not be built (" + "; ".join(why) + ")"
+
+
+def available() -> str | None:
+    """None where the kernel runs here, else why not."""
+    k = _kernels()
+    return k if isinstance(k, str) else None
+
+
+@functools.lru_cache(maxsize=None)
+def split_for(n: int, k: int) -> tuple[int, int]:
+    """(blocks along K, chunks each): about two blocks per SM, at least one chunk each."""
+    blocks, chunks = n // BLOCK_N, k // CHUNK_K
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    split = max(1, min(chunks, -(-2 * sms // blocks)))
+    per = -(-chunks // split)
+    return -(-chunks // per), per
+
+
+@torch.library.custom_op("llamactl::mma", mutates_args=())
+def mma(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] bf16 or fp16 (M <= MAX_ROWS) on the GPU, qw/sz from pack for x's dtype (on the GPU;
+    4 or 8 bits, as qw's shape says) -> [M, N] in x's dtype."""
+    kernels = _kernels()
+    if isinstance(kernels, str):
+        raise RuntimeError(kernels)
+    m, k = x.shape
+    n, bits = qw.shape[0] * 8, qw.shape[2] // 8
+    if not (0 < m <= MAX_ROWS and x.dtype in DTYPES and qw.shape[1] * CHUNK_K == k and bits in BITS):
+        raise ValueError(f"mma: x {tuple(x.shape)} {x.dtype} against qw {tuple(qw.shape)}")
+    x = x.contiguous()
+    if x.data_ptr() % 16:  # a view that starts mid-row of its storage: the kernel loads 16 bytes at a time
+        x = x.clone()
+    tiles = next(t for t in TILES if m <= 16 * t)
+    split, per = split_for(n, k)
+    out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
+    kernels[(bits, DTYPES[x.dtype][0], tiles)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
+                                               args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
+    return out.to(x.dtype)
+
+
+@mma.register_fake
+def _(x, qw, sz, group):
+    return x.new_empty(x.shape[0], qw.shape[0] * 8)

@@ -1,0 +1,43 @@
+"""What an int4 or int8 layer needs to multiply its decode batches on the tensor-core kernel
+(kernels.mma, RuntimeOptions.mma): a second copy of its codes in the kernel's layout, made once
+for the activations' dtype before any graph is captured, and the test of whether a batch takes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llamactl.kernels import mma as kmma
+
+
+class MmaCodes:
+    """Mixed into a low-bit layer that gives `_mma_codes()`: (codes [N, K] in group order, zeros
+    and scales [K / group, N], group, bits)."""
+
+    mma: "tuple[torch.Tensor, torch.Tensor] | None" = None  # (qw, sz) in kernels.mma's layout
+    mma_dtype: "torch.dtype | None" = None  # the activations' dtype they were laid out for
+
+    def _mma_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        raise NotImplementedError
+
+    def _mma_shape(self) -> tuple[int, int, int]:
+        """(N, K, group) of the codes the kernel would read."""
+        raise NotImplementedError
+
+    def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+        """2 to kernels.mma.MAX_ROWS rows of `dtype` (bf16 or fp16) on the tensor-core kernel (the
+        codes laid out for it now) where it takes the layer's shape; off: the copy freed."""
+        if not (on and kmma.supported(*self._mma_shape()) and dtype in kmma.DTYPES):
+            self.mma = self.mma_dtype = None
+            return
+        if self.mma is None or self.mma_dtype != dtype:
+            codes, zeros, scales, group, bits = self._mma_codes()
+            self.mma = kmma.pack(codes, zeros, scales, group, dtype, bits)
+            self.mma_dtype = dtype
+
+    def _mma_takes(self, x2: torch.Tensor) -> bool:
+        """Whether the rows x2 [M, K] run on the kernel."""
+        return self.mma is not None and 1 < x2.shape[0] <= kmma.MAX_ROWS and x2.dtype == self.mma_dtype
+
+    def _mma(self, x2: torch.Tensor) -> torch.Tensor:
+        return kmma.mma(x2, *self.mma, self._mma_shape()[2])

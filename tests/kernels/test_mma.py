@@ -1,0 +1,132 @@
+"""kernels.mma: the tensor-core int4 and int8 products' layouts (on any machine: `emulate` reads the
+packed codes fragment by fragment as the kernel does, against the dense float64 product) and the
+kernels themselves on a GPU, under every row count up to 64 and several group sizes."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from llamactl.kernels import mma as mi
+
+
+def _layer(n: int, k: int, group: int, seed: int = 0, bits: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen)
+    zeros = torch.randint(0, 2**bits, (k // group, n), generator=gen).float()
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16).float()
+    return codes, zeros, scales
+
+
+def _dense(codes, zeros, scales, group) -> torch.Tensor:
+    cols = torch.arange(codes.shape[1]) // group
+    return (codes.double() - zeros.t()[:, cols].double()) * scales.t()[:, cols].double()  # [N, K]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(128, 128, 128), (256, 384, 128), (128, 256, 64), (128, 256, 32), (128, 512, 256)])
+def test_the_packed_layout_read_as_the_kernel_reads_it_is_the_layer(n, k, group, dtype, bits):
+    codes, zeros, scales = _layer(n, k, group, bits=bits)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+    assert qw.shape == (n // 8, k // 128, 8 * bits, 4) and qw.dtype == sz.dtype == torch.int32
+    x = torch.randn(5, k).to(dtype)
+    want = x.double() @ _dense(codes, zeros, scales, group).t()
+    got = mi.emulate(x, qw, sz, group, dtype)
+    # the weights rounded to dtype once ((q - z) * s), the sums in float32
+    assert torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().mean().item())
+    assert (got.double() - want).abs().mean() < 4e-3 * want.abs().mean()
+
+
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (8, torch.float16), (8, torch.bfloat16)])
+def test_one_code_lands_on_its_own_weight(bits, dtype):
+    """A single code among zeros, at each of a chunk's columns for one output: the emulated
+    product with a one-hot x finds it at that column and nowhere else."""
+    n, k, group = 128, 256, 128
+    zeros, scales = torch.zeros(2, n), torch.ones(2, n)
+    for col in (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 127, 128, 201, 255):
+        codes = torch.zeros(n, k, dtype=torch.long)
+        codes[13, col] = 2**bits - 1
+        qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+        y = mi.emulate(torch.eye(k)[col : col + 1], qw, sz, group, dtype)  # [1, N]
+        assert y[0, 13] == 2**bits - 1 and y.abs().sum() == 2**bits - 1, col
+
+
+def test_shapes_the_kernel_does_not_take_are_refused():
+    assert not mi.supported(4096 + 8, 4096, 128) and not mi.supported(4096, 4000, 128)
+    assert not mi.supported(4096, 4096, 16) and mi.supported(11008 // 86 * 86, 11008, 128)
+    with pytest.raises(ValueError, match="mma.pack"):
+        mi.pack(torch.zeros(100, 128, dtype=torch.long), torch.zeros(1, 100), torch.ones(1, 100), 128)
+    with pytest.raises(ValueError, match="mma.pack: 3-bit"):
+        mi.pack(torch.zeros(128, 128, dtype=torch.long), torch.zeros(1, 128), torch.ones(1, 128), 128, bits=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("n,k,group", [(256, 512, 128), (384, 1280, 64), (128, 4096, 128), (256, 1024, 1024)])
+def test_the_kernel_computes_what_the_layout_says(m, n, k, group, dtype, bits):
+    reason = mi.available()
+    assert reason is None, reason
+    codes, zeros, scales = _layer(n, k, group, seed=m, bits=bits)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+    x = torch.randn(m, k).to(dtype)
+    want = mi.emulate(x, qw, sz, group, dtype)
+    got = mi.mma(x.cuda(), qw.cuda(), sz.cuda(), group).float().cpu()
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().mean().item()), (got - want).abs().max()
+
+
+def test_an_int4_layer_lays_its_codes_out_for_the_kernel_as_pack_does():
+    """TritonInt4Linear.use_mma reads its codes back from the GEMV's layout (scales in fp16, zeros
+    in uint8) into the kernel's: the same words as packing the codes directly; off frees them."""
+    from llamactl.layers.int4 import TritonInt4Linear
+
+    codes, zeros, scales = _layer(256, 384, 128, seed=3)
+    lin = TritonInt4Linear(codes, zeros, scales, None, 128, None, torch.device("cpu"))
+    lin.use_mma(True)
+    qw, sz = mi.pack(codes, zeros, scales.half().float(), 128)
+    assert torch.equal(lin.mma[0], qw) and torch.equal(lin.mma[1], sz) and lin.mma_dtype == torch.bfloat16
+    lin.use_mma(True, torch.float16)  # laid out again for fp16 activations: other scale bits
+    assert torch.equal(lin.mma[1], mi.pack(codes, zeros, scales.half().float(), 128, torch.float16)[1])
+    assert lin.product(8) == "int4 tensor-core MMA" and lin.product(1) == "int4 GEMV"
+    lin.use_mma(False)
+    assert lin.mma is None and lin.product(8) != "int4 tensor-core MMA"
+
+
+def test_an_int8_layer_lays_its_rows_out_as_one_group_each():
+    """Int8Kernel's signed per-channel rows: codes + 128 with zero 128 and one group the width, for
+    bf16 activations whatever the model's dtype; the emulated product is the layer's."""
+    from llamactl.layers.int8 import Int8Kernel
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randint(-127, 128, (256, 384), generator=gen, dtype=torch.int8)
+    scales = torch.rand(256, generator=gen) * 0.01 + 0.001
+    lin = Int8Kernel(weight, scales, None, triton=True)
+    lin.use_mma(True, torch.float16)
+    assert lin.mma_dtype == torch.bfloat16 and lin.mma[0].shape == (32, 3, 64, 4)
+    x = torch.randn(3, 384)
+    want = x.double() @ (weight.double() * lin.scales.double()[:, None]).t()
+    got = mi.emulate(x, *lin.mma, 384, torch.bfloat16)
+    assert (got.double() - want).abs().max() < 2e-2 * want.abs().mean()
+    assert lin.product(8) == "int8 tensor-core MMA" and lin.product(1) == "int8 GEMV"
+    lin.use_mma(False)
+    assert lin.mma is None and lin.product(8) == "int8 multirow"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_every_variant_compiles_for_hopper_without_spills(tmp_path):
+    """The CUDA source built as a GPU machine builds it (nvcc, sm_90): every variant the module
+    launches is there, none spills registers to local memory."""
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "mma.cubin"),
+                           str(mi.SOURCE)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = [f"mma_int{b}_{d}_{t}" for b in mi.BITS for d, _ in mi.DTYPES.values() for t in mi.TILES]
+    compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
+    assert sorted(compiled) == sorted(names)
+    assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"] * len(names)
