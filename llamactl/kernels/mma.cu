@@ -20,6 +20,7 @@
 
 #define XS_STRIDE 136  // halves a staged row of x: 128 + 8 (rows 4 banks apart: no conflicts)
 
+#ifndef MMA_HOST  // the host emulation of the tests (tests/kernels/mma_host.cpp) gives its own
 __device__ __forceinline__ unsigned lop3_and_or(unsigned a, unsigned b, unsigned c) {
   unsigned d;  // (a & b) | c
   asm volatile("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -41,6 +42,25 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
   asm volatile("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
+
+template <bool F16>
+__device__ __forceinline__ void mma_16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {
+  if (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#endif
 
 // The pair (magic + q0, magic + q1) in x's type -> (q - z) * s in both halves: z exact, one rounding
 template <bool F16>
@@ -70,23 +90,6 @@ __device__ __forceinline__ void frag_b(unsigned w, int s, unsigned z, unsigned& 
     b0 = fma_x2<false>(prmt(f[0], f[1], 0x7632), s2, 0x80008000u);
     b1 = fma_x2<false>(prmt(f[2], f[3], 0x7632), s2, 0x80008000u);
   }
-}
-
-template <bool F16>
-__device__ __forceinline__ void mma_16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                       unsigned b0, unsigned b1) {
-  if (F16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 template <int BITS, int MT, bool F16>

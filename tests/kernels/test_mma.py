@@ -1,12 +1,16 @@
 """kernels.mma: the tensor-core int4 and int8 products' layouts (on any machine: `emulate` reads the
-packed codes fragment by fragment as the kernel does, against the dense float64 product) and the
-kernels themselves on a GPU, under every row count up to 64 and several group sizes."""
+packed codes fragment by fragment as the kernel does, against the dense float64 product); the CUDA
+source itself on the CPU (tests/kernels/mma_host.cpp emulates its GPU steps from the PTX ISA) and
+compiled by nvcc where one is installed; and the kernels on a GPU, under every row count up to 64
+and several group sizes."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +134,49 @@ def test_every_variant_compiles_for_hopper_without_spills(tmp_path):
     compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
     assert sorted(compiled) == sorted(names)
     assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"] * len(names)
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    """mma.cu built for the CPU with tests/kernels/mma_host.cpp's emulation of its GPU steps."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    lib = tmp_path_factory.mktemp("mma_host") / "mma_host.so"
+    done = subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas", "-o",
+                           str(lib), str(Path(__file__).with_name("mma_host.cpp"))], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _launch_on_host(lib, x, qw, sz, group, split):
+    """mma.mma's launch, run by the host emulation: (out [M, N] float32)."""
+    m, k = x.shape
+    n, bits, chunks = qw.shape[0] * 8, qw.shape[2] // 8, k // mi.CHUNK_K
+    per = -(-chunks // split)
+    split = -(-chunks // per)
+    tiles = next(t for t in mi.TILES if m <= 16 * t)
+    out = torch.zeros(m, n, dtype=torch.float32)
+    x, qw, sz = x.contiguous(), qw.contiguous(), sz.contiguous()
+    name = f"mma_int{bits}_{mi.DTYPES[x.dtype][0]}_{tiles}".encode()
+    rc = lib.launch(name, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(qw.data_ptr()), ctypes.c_void_p(sz.data_ptr()),
+                    ctypes.c_void_p(out.data_ptr()), m, n, k, group, per, int(split > 1), n // mi.BLOCK_N, split)
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("bits,dtype,m,n,k,group,split", [
+    (4, torch.bfloat16, 1, 256, 512, 128, 1), (4, torch.bfloat16, 17, 128, 512, 64, 4),
+    (4, torch.float16, 33, 256, 256, 32, 2), (4, torch.float16, 64, 128, 384, 128, 3),
+    (8, torch.bfloat16, 5, 256, 512, 512, 2), (8, torch.bfloat16, 32, 128, 256, 64, 1),
+    (8, torch.float16, 16, 128, 384, 128, 3), (8, torch.float16, 50, 128, 256, 256, 1)])
+def test_the_cuda_source_run_on_the_host_computes_what_the_layout_says(host_kernel, bits, dtype, m, n, k, group, split):
+    """The kernel's own code (staging, fragments, dequantization, split-K, the output) under the
+    host emulation of its GPU steps, against `emulate`: every row count's tile variant, both types
+    and widths, with and without the split."""
+    codes, zeros, scales = _layer(n, k, group, seed=m, bits=bits)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+    x = torch.randn(m, k).to(dtype)
+    want = mi.emulate(x, qw, sz, group, dtype)
+    got = _launch_on_host(host_kernel, x, qw, sz, group, split)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().mean().item()), (got - want).abs().max()
