@@ -30,9 +30,9 @@ class RuntimeOptions:
     pins_file: more pinned configs (a file `llamactl bench --tune` wrote) over the packaged ones.
     compile_regions: torch.compile one decoder layer and reuse it (None: no; see decode.compile_regions).
     kv_dtype: what the KV cache stores (KV_DTYPES; runtime.kv_format): auto is the model's dtype.
-    mma: int4 and int8 layers multiply 2-64 rows on the tensor-core kernel (kernels.mma), not the
-    skinny / split-K / multirow ones (an experiment of issue 51, off until measured: it keeps a
-    second copy of the codes).
+    mma: int4, int8 and FP8 layers multiply 2-64 rows on the tensor-core kernel (kernels.mma), not
+    the skinny / split-K / multirow kernels or scaled_mm (an experiment of issues 51 and 53, off
+    until measured: it keeps a second copy of the codes).
     """
 
     kernels: bool = True

@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] . W[N, K]^T for 4-bit or 8-bit W in groups along K, on the tensor cores
+// y[M, N] = x[M, K] . W[N, K]^T for 4-bit, 8-bit or FP8 (e4m3) W in groups along K, on the tensor cores
 // (mma.m16n8k16, bf16 or fp16 in, fp32 accumulate): the codes are laid out at load so that each
 // lane's 32-bit words hold its B fragments, dequantized in registers (Marlin's magic-number
 // conversions), never through shared memory.
@@ -9,11 +9,12 @@
 //   4 bits: qw uint4 [N / 8][K / 128][32]; word j of the uint4 (columns c * 128 + 32 j ..) holds in
 //       its nibbles 0..7 W[n8 * 8 + g, base + {2t, 2t + 8, 16 + 2t, 16 + 2t + 8, 2t + 1, 2t + 9,
 //       16 + 2t + 1, 16 + 2t + 9}]: b0 and b1 of two k-steps (nibbles 0/4 and 1/5, then 2/6 and 3/7)
-//   8 bits: qw uint4 [N / 8][K / 128][2][32]; word j of uint4 h is k-step s = 4 h + j (columns
-//       c * 128 + 16 s ..), its bytes 0..3 W[n8 * 8 + g, base + {2t, 2t + 1, 2t + 8, 2t + 9}]: b0, b1
-//   sz  uint32 [K / group][N]: the scale in the high half (in x's type), in the low half
-//       -(magic + zero) in x's type (magic 128 for bf16 4-bit codes, 1024 for fp16), or for bf16
-//       8-bit codes the zero point as an integer
+//   8 bits (int8 and FP8): qw uint4 [N / 8][K / 128][2][32]; word j of uint4 h is k-step s = 4 h + j
+//       (columns c * 128 + 16 s ..), its bytes 0..3 W[n8 * 8 + g, base + {2t, 2t + 1, 2t + 8, 2t + 9}]: b0, b1
+//   sz  uint32 [K / group][N]: the scale in the high half (in x's type; FP8: times 2^120 for bf16,
+//       2^8 for fp16, what the codes' exponents lack), in the low half -(magic + zero) in x's type
+//       (magic 128 for bf16 4-bit codes, 1024 for fp16), for bf16 8-bit codes the zero point as an
+//       integer, for FP8 nothing
 //   x   bf16 or fp16 [M, K] row-major (16-byte aligned); out fp32 [M, N] (added to where split > 1)
 // Grid (N / 128, split), 128 threads: warp w owns columns blockIdx.x * 128 + 32 w .. + 32 (four
 // n-tiles), over the chunks [blockIdx.y * per, ..) of K; the rows in MT tiles of 16.
@@ -70,11 +71,24 @@ __device__ __forceinline__ unsigned scaled(unsigned x, unsigned z) {
   return fma_x2<F16>(y, s2, 0x80008000u);                                   // one rounding of (q - z) * s
 }
 
+enum Codes { INT4, INT8, FP8 };
+
+// An FP8 byte pair placed as (b0 << 8, b1 << 8) -> the same bits in x's type: sign, then exponent
+// and mantissa under it, which is the e4m3 value times 2^-120 (bf16) or 2^-8 (fp16), exactly
+template <bool F16>
+__device__ __forceinline__ unsigned e4m3_x2(unsigned x) {
+  return (x & 0x80008000u) | (F16 ? (x >> 1) & 0x3f803f80u : (x >> 4) & 0x07f007f0u);
+}
+
 // B fragments (b0, b1) of k-step `s` of a word (4 bits: a word holds two k-steps; 8 bits: one),
 // with its group's sz word z
-template <int BITS, bool F16>
+template <int KIND, bool F16>
 __device__ __forceinline__ void frag_b(unsigned w, int s, unsigned z, unsigned& b0, unsigned& b1) {
-  if (BITS == 4) {  // two nibbles (bits 0-3 and 16-19) -> 128 + q (bf16) / 1024 + q (fp16)
+  if (KIND == FP8) {  // then the scale, one rounding
+    const unsigned s2 = (z >> 16) | (z & 0xffff0000u);
+    b0 = fma_x2<F16>(e4m3_x2<F16>(prmt(w, 0u, 0x1404)), s2, 0x80008000u);
+    b1 = fma_x2<F16>(e4m3_x2<F16>(prmt(w, 0u, 0x3424)), s2, 0x80008000u);
+  } else if (KIND == INT4) {  // two nibbles (bits 0-3 and 16-19) -> 128 + q (bf16) / 1024 + q (fp16)
     const unsigned magic = F16 ? 0x64006400u : 0x43004300u;
     b0 = scaled<F16>(lop3_and_or(w >> (8 * s), 0x000f000fu, magic), z);
     b1 = scaled<F16>(lop3_and_or(w >> (8 * s + 4), 0x000f000fu, magic), z);
@@ -92,7 +106,7 @@ __device__ __forceinline__ void frag_b(unsigned w, int s, unsigned z, unsigned& 
   }
 }
 
-template <int BITS, int MT, bool F16>
+template <int KIND, int MT, bool F16>
 __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, const uint4* __restrict__ qw,
                                               const unsigned* __restrict__ sz, float* __restrict__ out, int M,
                                               int N, int K, int group, int per, int atomic) {
@@ -112,7 +126,7 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
 #pragma unroll
       for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
 
-  constexpr int V = BITS / 4;  // uint4 of codes a lane reads per n-tile and chunk
+  constexpr int V = KIND == INT4 ? 1 : 2;  // uint4 of codes a lane reads per n-tile and chunk
   uint4 cur[4][V], nxt[4][V];
   if (c0 < c1) {
 #pragma unroll
@@ -150,10 +164,10 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
       unsigned b[4][2];  // [n-tile][b0, b1]
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const uint4 v = cur[i][BITS == 4 ? 0 : ks >> 2];
-        const int j = BITS == 4 ? ks >> 1 : ks & 3;
+        const uint4 v = cur[i][KIND == INT4 ? 0 : ks >> 2];
+        const int j = KIND == INT4 ? ks >> 1 : ks & 3;
         const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-        frag_b<BITS, F16>(w, ks & 1, zs[ks >> 1][i], b[i][0], b[i][1]);
+        frag_b<KIND, F16>(w, ks & 1, zs[ks >> 1][i], b[i][0], b[i][1]);
       }
       const int kk = ks * 16 + 2 * t;
 #pragma unroll
@@ -197,22 +211,18 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
   }
 }
 
-#define MMA(NAME, BITS, MT, F16)                                                                              \
+#define MMA(NAME, KIND, MT, F16)                                                                              \
   extern "C" __global__ void __launch_bounds__(128) NAME(                                                    \
       const unsigned short* x, const uint4* qw, const unsigned* sz, float* out, int M, int N, int K, int group, \
       int per, int atomic) {                                                                                 \
-    mma_body<BITS, MT, F16>(x, qw, sz, out, M, N, K, group, per, atomic);                                    \
+    mma_body<KIND, MT, F16>(x, qw, sz, out, M, N, K, group, per, atomic);                                    \
   }
+#define MMA_TILES(KIND, NAME, TYPE, F16) \
+  MMA(mma_##NAME##_##TYPE##_1, KIND, 1, F16) MMA(mma_##NAME##_##TYPE##_2, KIND, 2, F16) MMA(mma_##NAME##_##TYPE##_4, KIND, 4, F16)
 
-MMA(mma_int4_bf16_1, 4, 1, false)
-MMA(mma_int4_bf16_2, 4, 2, false)
-MMA(mma_int4_bf16_4, 4, 4, false)
-MMA(mma_int4_f16_1, 4, 1, true)
-MMA(mma_int4_f16_2, 4, 2, true)
-MMA(mma_int4_f16_4, 4, 4, true)
-MMA(mma_int8_bf16_1, 8, 1, false)
-MMA(mma_int8_bf16_2, 8, 2, false)
-MMA(mma_int8_bf16_4, 8, 4, false)
-MMA(mma_int8_f16_1, 8, 1, true)
-MMA(mma_int8_f16_2, 8, 2, true)
-MMA(mma_int8_f16_4, 8, 4, true)
+MMA_TILES(INT4, int4, bf16, false)
+MMA_TILES(INT4, int4, f16, true)
+MMA_TILES(INT8, int8, bf16, false)
+MMA_TILES(INT8, int8, f16, true)
+MMA_TILES(FP8, fp8, bf16, false)
+MMA_TILES(FP8, fp8, f16, true)

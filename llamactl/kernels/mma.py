@@ -1,4 +1,5 @@
-"""int4 and int8 x bf16/fp16 products on the tensor cores for decode batches (issue 51): mma.cu,
+"""int4, int8 and FP8 (e4m3, weight-only) x bf16/fp16 products on the tensor cores for decode
+batches (issues 51 and 53): mma.cu,
 Marlin's approach (the codes laid out once at load as the MMA's B fragments, dequantized in
 registers) in a kernel of llamactl's own.
 
@@ -9,8 +10,8 @@ architecture; written to a temporary name and renamed into place), else by NVRTC
 callers keep the Triton kernels. Not built from anything in a model folder.
 
 Layouts (mma.cu's header comment): `pack` turns GPTQ-style codes [N, K] (0..15 or 0..255, groups
-of consecutive columns), zeros and scales [K / group, N] into the kernel's qw [N / 8, K / 128,
-32 * bits / 4, 4] int32 (its third size says the bits) and sz [K / group, N] int32; `emulate`
+of consecutive columns; FP8: the e4m3 bytes), zeros and scales [K / group, N] into the kernel's qw
+[N / 8, K / 128, 32 * bits / 4, 4] int32 and sz [K / group, N] int32; `emulate`
 computes what the kernel computes, fragment by fragment, on any device (the tests' check of the
 layout on a machine without a GPU).
 """
@@ -31,9 +32,10 @@ from llamactl.kernels.cpu import build_once, cache_root, compiler_stamp
 
 SOURCE = Path(__file__).with_name("mma.cu")
 MAX_ROWS = 64  # rows one launch takes (four m16 tiles)
-TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows, each for 4 and 8 bits, bf16 and fp16
-BITS = (4, 8)
+TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows, each for every kind of code, bf16 and fp16
+KINDS = {"int4": 4, "int8": 8, "fp8": 8}  # the codes the kernel reads: their bits
 DTYPES = {torch.bfloat16: ("bf16", 128), torch.float16: ("f16", 1024)}  # name, the magic number's value
+E4M3_SHIFT = {torch.bfloat16: 120, torch.float16: 8}  # 2^-shift: an e4m3 code's bits read in dtype
 BLOCK_N, CHUNK_K = 128, 128  # columns a block owns; columns of K a step of its loop takes
 # 4 bits: nibble p of a lane's word (lane = 4 g + t, word j) holds column 32 j + 2 t + NIBBLE_K[p] of
 # its chunk: b0 and b1 of the first k-step (nibbles 0, 4 and 1, 5), then of the second (2, 6 and 3, 7)
@@ -55,14 +57,20 @@ def _from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(bits >= 2**15, bits - 2**16, bits).to(torch.int16).view(dtype).float()
 
 
-def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
-         dtype: torch.dtype = torch.bfloat16, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, K] (0..2^bits - 1, in group order), zeros/scales [K / group, N] -> (qw [N / 8, K / 128,
-    32 * bits / 4, 4] int32, sz [K / group, N] int32: the scale high, in dtype (the activations'); low,
-    -(magic + zero) in dtype (magic 128 for bf16, 1024 for fp16) or for bf16 8-bit codes the zero)."""
+def pack(codes: torch.Tensor, zeros: torch.Tensor | None, scales: torch.Tensor, group: int,
+         dtype: torch.dtype = torch.bfloat16, kind: str = "int4") -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (int4 / int8: 0..2^bits - 1, in group order; fp8: float8_e4m3fn or its bytes),
+    zeros (None for fp8) and scales [K / group, N] -> (qw [N / 8, K / 128, 32 * bits / 4, 4] int32,
+    sz [K / group, N] int32: the scale high, in dtype (the activations'; fp8: times 2^E4M3_SHIFT);
+    low, -(magic + zero) in dtype (magic 128 for bf16, 1024 for fp16), for bf16 8-bit codes the
+    zero, for fp8 0)."""
     n, k = codes.shape
-    if bits not in BITS or not supported(n, k, group) or zeros.shape != (k // group, n) or scales.shape != zeros.shape:
-        raise ValueError(f"mma.pack: {bits}-bit codes {tuple(codes.shape)}, zeros {tuple(zeros.shape)}, group {group}")
+    bits = KINDS.get(kind)
+    if bits is None or not supported(n, k, group) or scales.shape != (k // group, n) or (
+            (zeros is None) != (kind == "fp8") or zeros is not None and zeros.shape != scales.shape):
+        raise ValueError(f"mma.pack: {kind} codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, group {group}")
+    if codes.dtype == torch.float8_e4m3fn:
+        codes = codes.view(torch.uint8)
     dev = codes.device
     t = torch.arange(4, device=dev).view(4, 1, 1)
     if bits == 4:  # [t, word j, nibble p]: a column of the chunk
@@ -76,11 +84,13 @@ def pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: 
     v = bits // 4  # uint4 a lane reads per n-tile and chunk
     qw = words.view(n // 8, 8, k // CHUNK_K, 4, v, 4).permute(0, 2, 4, 1, 3, 5)  # [n8, c, h, g, t, j]
     qw = qw.reshape(n // 8, k // CHUNK_K, 32 * v, 4).contiguous()
-    if bits == 8 and dtype == torch.bfloat16:
+    if kind == "fp8":
+        scales, low = scales.double() * 2.0 ** E4M3_SHIFT[dtype], 0
+    elif kind == "int8" and dtype == torch.bfloat16:
         low = zeros.to(torch.int32)
     else:
         low = _bits(-(DTYPES[dtype][1] + zeros.float()), dtype)
-    return qw, ((_bits(scales.float(), dtype) << 16) | low).to(torch.int32).contiguous()
+    return qw, ((_bits(scales, dtype) << 16) | low).to(torch.int32).contiguous()
 
 
 def _codes(qw: torch.Tensor) -> torch.Tensor:
@@ -110,19 +120,24 @@ def _codes(qw: torch.Tensor) -> torch.Tensor:
 
 
 def emulate(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int,
-            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+            dtype: torch.dtype = torch.bfloat16, kind: str = "int4") -> torch.Tensor:
     """x [M, K] -> [M, N] float32 as the kernel computes it: the codes read as the kernel reads them
-    (`_codes`), (q - z) * s rounded to dtype once, products of x in dtype summed in float32."""
-    q = _codes(qw).float()
+    (`_codes`), (q - z) * s (fp8: its value times s) rounded to dtype once, products of x in dtype
+    summed in float32."""
+    q = _codes(qw)
     szw = sz.to(torch.int64).cpu() & 0xFFFFFFFF
-    s = _from_bits(szw >> 16, dtype)  # [G, N]
-    if qw.shape[2] == 64 and dtype == torch.bfloat16:
-        z = (szw & 0xFFFF).float()
-    else:
-        z = -_from_bits(szw & 0xFFFF, dtype) - DTYPES[dtype][1]
+    s = _from_bits(szw >> 16, dtype).double()  # [G, N]
     cols = torch.arange(q.shape[1]) // group
-    wq = ((q - z.t()[:, cols]) * s.t()[:, cols]).to(dtype).float()  # [N, K]
-    return x.to(dtype).float().cpu() @ wq.t()
+    if kind == "fp8":
+        v = q.to(torch.uint8).view(torch.float8_e4m3fn).double()
+        wq = v * s.t()[:, cols] * 2.0 ** -E4M3_SHIFT[dtype]
+    else:
+        if kind == "int8" and dtype == torch.bfloat16:
+            z = (szw & 0xFFFF).double()
+        else:
+            z = -_from_bits(szw & 0xFFFF, dtype).double() - DTYPES[dtype][1]
+        wq = (q.double() - z.t()[:, cols]) * s.t()[:, cols]
+    return x.to(dtype).float().cpu() @ wq.to(dtype).float().t()  # [N, K] rounded once
 
 
 def _arch() -> str:
@@ -142,13 +157,13 @@ def _cubin(nvcc: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _kernels() -> "dict[tuple[int, str, int], object] | str":
-    """{(bits, dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
+    """{(kind, dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
     if not torch.cuda.is_available():
         return "the low-bit MMA kernel needs a CUDA GPU"
     if torch.cuda.get_device_capability() < (8, 0):
         return f"the low-bit MMA kernel needs bf16 tensor cores (sm_80+), not {_arch()}"
-    variants = [(b, d, t) for b in BITS for d, _ in DTYPES.values() for t in TILES]
-    names = [f"mma_int{b}_{d}_{t}" for b, d, t in variants]
+    variants = [(c, d, t) for c in KINDS for d, _ in DTYPES.values() for t in TILES]
+    names = [f"mma_{c}_{d}_{t}" for c, d, t in variants]
     try:
         from torch.cuda._utils import _cuda_load_module
     except ImportError:
@@ -189,27 +204,28 @@ def split_for(n: int, k: int) -> tuple[int, int]:
 
 
 @torch.library.custom_op("llamactl::mma", mutates_args=())
-def mma(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] bf16 or fp16 (M <= MAX_ROWS) on the GPU, qw/sz from pack for x's dtype (on the GPU;
-    4 or 8 bits, as qw's shape says) -> [M, N] in x's dtype."""
+def mma(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int, kind: str) -> torch.Tensor:
+    """x [M, K] bf16 or fp16 (M <= MAX_ROWS) on the GPU, qw/sz from pack for x's dtype and `kind`
+    (on the GPU) -> [M, N] in x's dtype."""
     kernels = _kernels()
     if isinstance(kernels, str):
         raise RuntimeError(kernels)
     m, k = x.shape
-    n, bits = qw.shape[0] * 8, qw.shape[2] // 8
-    if not (0 < m <= MAX_ROWS and x.dtype in DTYPES and qw.shape[1] * CHUNK_K == k and bits in BITS):
-        raise ValueError(f"mma: x {tuple(x.shape)} {x.dtype} against qw {tuple(qw.shape)}")
+    n = qw.shape[0] * 8
+    if not (0 < m <= MAX_ROWS and x.dtype in DTYPES and qw.shape[1] * CHUNK_K == k and kind in KINDS
+            and qw.shape[2] == 8 * KINDS[kind]):
+        raise ValueError(f"mma: x {tuple(x.shape)} {x.dtype} against {kind} qw {tuple(qw.shape)}")
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view that starts mid-row of its storage: the kernel loads 16 bytes at a time
         x = x.clone()
     tiles = next(t for t in TILES if m <= 16 * t)
     split, per = split_for(n, k)
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
-    kernels[(bits, DTYPES[x.dtype][0], tiles)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
+    kernels[(kind, DTYPES[x.dtype][0], tiles)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
                                                args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
     return out.to(x.dtype)
 
 
 @mma.register_fake
-def _(x, qw, sz, group):
+def _(x, qw, sz, group, kind):
     return x.new_empty(x.shape[0], qw.shape[0] * 8)

@@ -5,6 +5,9 @@ them), activations quantized per token when they are multiplied in FP8.
 What multiplies x [rows, in]:
 - one row where llamactl's kernels run: its GEMV (kernels.gemv), which reads the 8-bit weights and
   converts them in registers (the bytes of int8, the scales applied per row);
+- with use_mma (RuntimeOptions.mma, an experiment of issue 53), 2 to 64 rows of bf16 or fp16 on
+  the tensor-core kernel (kernels.mma): the weights read as they are and converted in registers,
+  the activations not rounded (W8, as the one row);
 - more rows on a GPU with FP8 tensor cores (compute capability 8.9: Ada, Hopper): x quantized to
   e4m3 with a scale per row (its largest magnitude over 448; one Triton kernel, kernels.fp8), then
   torch._scaled_mm (cuBLASLt) with the two scale vectors, out in the activations' dtype;
@@ -21,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
+from llamactl.layers.mma import MmaCodes
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
@@ -48,7 +53,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8(x, torch.float32)
 
 
-class FP8Linear(nn.Module, FusedIO):
+class FP8Linear(nn.Module, FusedIO, MmaCodes):
     """y = x (W * scale)^T + bias, W float8_e4m3fn [out, in], weight_scale [out, 1] (the
     checkpoint's names). `gemv` (llamactl's kernels run) and `scaled_mm` (FP8 tensor cores) are
     set by `use_fp8_kernels` once the weights are on their device. The RMSNorm before it and the
@@ -56,6 +61,7 @@ class FP8Linear(nn.Module, FusedIO):
     kernel that quantizes the activations for scaled_mm: no pass of their own over the rows."""
 
     glu_out_ok = False  # SwiGLU on down_proj's input, where the activations' quantization folds it
+    mma_kind = "fp8"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scale_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -82,6 +88,12 @@ class FP8Linear(nn.Module, FusedIO):
             out.bias = nn.Parameter(torch.cat([m.bias for m in mods]), requires_grad=False)
         out.gemv, out.scaled_mm, out.pdl = mods[0].gemv, mods[0].scaled_mm, mods[0].pdl
         return out
+
+    def _mma_shape(self) -> tuple[int, int, int]:
+        return self.out_features, self.in_features, self.in_features  # one scale a row
+
+    def _mma_codes(self):
+        return self.weight, None, self.weight_scale.float().view(1, -1)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W * scale: [out, in] in dtype."""
@@ -110,7 +122,11 @@ class FP8Linear(nn.Module, FusedIO):
                      self.pins).view(*shape[:-1], self._output_width()).to(x.dtype)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y if residual is None or fold else residual + y
-        if self.scaled_mm:
+        if self.mma is not None and 1 < rows <= MMA_ROWS and x.dtype == self.mma_dtype:
+            y = self._mma(self._unfused_input(x).reshape(-1, self.in_features))  # the weights' bytes, once for all rows
+            y = y.view(*shape[:-1], self.out_features)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+        elif self.scaled_mm:
             from llamactl.kernels.fp8 import quantize_rows as quantize_rows_kernel
 
             xq, xs = quantize_rows_kernel(x.reshape(-1, width), *self._norm_args(), glu=self.glu)
@@ -131,6 +147,8 @@ class FP8Linear(nn.Module, FusedIO):
         """What multiplies `rows` rows (bench rows name it)."""
         if self.gemv and rows == 1:
             return "fp8 weights GEMV"
+        if self.mma is not None and 1 < rows <= MMA_ROWS:
+            return "fp8 weights tensor-core MMA"
         if self.scaled_mm:
             return "fp8 scaled_mm (cuBLASLt)"
         return "fp8 dequantized at start" if self.dense is not None else "fp8 dequantized per call"

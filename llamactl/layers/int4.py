@@ -212,6 +212,8 @@ class TritonInt4Linear(nn.Module, FusedIO, MmaCodes):
     (kernels.mma) on a second copy of the codes in its layout, the norm and SwiGLU unfused.
     """
 
+    mma_kind = "int4"
+
     def __init__(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, perm: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None, device: torch.device, in_features: int | None = None):
         """codes: [out, groups * group_size] in group order (whole_groups), zeros/scales: [groups, out],
@@ -241,7 +243,7 @@ class TritonInt4Linear(nn.Module, FusedIO, MmaCodes):
 
     def _mma_codes(self):
         codes = unpack_rows(self.qweight.t(), 4).t()  # [N, K]: nibble j of word i is column 8 i + j
-        return codes, self.zeros.t().float(), self.scales.t().float(), self.group_size, 4
+        return codes, self.zeros.t().float(), self.scales.t().float()
 
     def can_fuse(self) -> bool:
         # act-order layers gather x first, a short last group pads it: not fused

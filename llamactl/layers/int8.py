@@ -47,6 +47,8 @@ def torch_kernel(device_type: str) -> bool:
 class Int8Kernel(nn.Module, FusedIO, MmaCodes):
     """y = (x W^T) * scale with W int8 [out, in] and scale [out]; bf16 activations."""
 
+    mma_kind = "int8"
+
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, triton: bool):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -80,7 +82,7 @@ class Int8Kernel(nn.Module, FusedIO, MmaCodes):
 
     def _mma_codes(self):
         ones = torch.ones(1, self.out_features, device=self.weight.device)
-        return self.weight.to(torch.int32) + 128, ones * 128, self.scales.float()[None], self.in_features, 8
+        return self.weight.to(torch.int32) + 128, ones * 128, self.scales.float()[None]
 
     def use_mma(self, on: bool, dtype: torch.dtype = torch.bfloat16) -> None:
         super().use_mma(on, torch.bfloat16)  # its products take bf16 activations whatever the model's dtype

@@ -1,4 +1,4 @@
-"""What an int4 or int8 layer needs to multiply its decode batches on the tensor-core kernel
+"""What an int4, int8 or FP8 layer needs to multiply its decode batches on the tensor-core kernel
 (kernels.mma, RuntimeOptions.mma): a second copy of its codes in the kernel's layout, made once
 for the activations' dtype before any graph is captured, and the test of whether a batch takes it.
 """
@@ -11,13 +11,14 @@ from llamactl.kernels import mma as kmma
 
 
 class MmaCodes:
-    """Mixed into a low-bit layer that gives `_mma_codes()`: (codes [N, K] in group order, zeros
-    and scales [K / group, N], group, bits)."""
+    """Mixed into a low-bit layer that names its `mma_kind` (kernels.mma.KINDS) and gives
+    `_mma_codes()`: (codes [N, K] in group order, zeros (None for fp8) and scales [K / group, N])."""
 
+    mma_kind = ""
     mma: "tuple[torch.Tensor, torch.Tensor] | None" = None  # (qw, sz) in kernels.mma's layout
     mma_dtype: "torch.dtype | None" = None  # the activations' dtype they were laid out for
 
-    def _mma_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    def _mma_codes(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         raise NotImplementedError
 
     def _mma_shape(self) -> tuple[int, int, int]:
@@ -31,8 +32,7 @@ class MmaCodes:
             self.mma = self.mma_dtype = None
             return
         if self.mma is None or self.mma_dtype != dtype:
-            codes, zeros, scales, group, bits = self._mma_codes()
-            self.mma = kmma.pack(codes, zeros, scales, group, dtype, bits)
+            self.mma = kmma.pack(*self._mma_codes(), self._mma_shape()[2], dtype, self.mma_kind)
             self.mma_dtype = dtype
 
     def _mma_takes(self, x2: torch.Tensor) -> bool:
@@ -40,4 +40,4 @@ class MmaCodes:
         return self.mma is not None and 1 < x2.shape[0] <= kmma.MAX_ROWS and x2.dtype == self.mma_dtype
 
     def _mma(self, x2: torch.Tensor) -> torch.Tensor:
-        return kmma.mma(x2, *self.mma, self._mma_shape()[2])
+        return kmma.mma(x2, *self.mma, self._mma_shape()[2], self.mma_kind)

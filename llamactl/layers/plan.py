@@ -119,7 +119,7 @@ def fp8_plan(model, on: bool, pdl: bool) -> list[str]:
 
 
 def mma_plan(model, want: bool) -> list[str]:
-    """int4 and int8 layers' 2-64 row products on the tensor-core kernel where `want` and it runs
+    """int4, int8 and FP8 layers' 2-64 row products on the tensor-core kernel where `want` and it runs
     (bf16 and fp16 models, shapes it takes; laid out for it here, before any graph is captured);
     the warning where it was asked for and cannot run."""
     layers = [m for m in model.modules() if isinstance(m, MmaCodes)]
@@ -128,7 +128,7 @@ def mma_plan(model, want: bool) -> list[str]:
         why = f"the low-bit MMA kernel multiplies bf16 or fp16 activations, not {str(model.dtype).replace('torch.', '')}"
     for m in layers:
         m.use_mma(want and why is None, model.dtype)
-    return [f"{why}; low-bit decode batches keep the Triton kernels"] if why else []
+    return [f"{why}; low-bit decode batches keep their other kernels"] if why else []
 
 
 @torch.no_grad()

@@ -152,6 +152,8 @@ static const struct {
     {"mma_int4_f16_1", mma_int4_f16_1},   {"mma_int4_f16_2", mma_int4_f16_2},   {"mma_int4_f16_4", mma_int4_f16_4},
     {"mma_int8_bf16_1", mma_int8_bf16_1}, {"mma_int8_bf16_2", mma_int8_bf16_2}, {"mma_int8_bf16_4", mma_int8_bf16_4},
     {"mma_int8_f16_1", mma_int8_f16_1},   {"mma_int8_f16_2", mma_int8_f16_2},   {"mma_int8_f16_4", mma_int8_f16_4},
+    {"mma_fp8_bf16_1", mma_fp8_bf16_1},   {"mma_fp8_bf16_2", mma_fp8_bf16_2},   {"mma_fp8_bf16_4", mma_fp8_bf16_4},
+    {"mma_fp8_f16_1", mma_fp8_f16_1},     {"mma_fp8_f16_2", mma_fp8_f16_2},     {"mma_fp8_f16_4", mma_fp8_f16_4},
 };
 
 // The grid (grid_x, grid_y) of 128-thread blocks, one block at a time; 0, or -1 for an unknown name

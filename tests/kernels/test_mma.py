@@ -1,4 +1,4 @@
-"""kernels.mma: the tensor-core int4 and int8 products' layouts (on any machine: `emulate` reads the
+"""kernels.mma: the tensor-core int4, int8 and FP8 products' layouts (on any machine: `emulate` reads the
 packed codes fragment by fragment as the kernel does, against the dense float64 product); the CUDA
 source itself on the CPU (tests/kernels/mma_host.cpp emulates its GPU steps from the PTX ISA) and
 compiled by nvcc where one is installed; and the kernels on a GPU, under every row count up to 64
@@ -18,46 +18,57 @@ import torch
 from llamactl.kernels import mma as mi
 
 
-def _layer(n: int, k: int, group: int, seed: int = 0, bits: int = 4):
+def _layer(n: int, k: int, group: int, seed: int = 0, kind: str = "int4"):
+    """(codes, zeros, scales) of a random layer: GPTQ-style codes, or FP8's e4m3 weights (every
+    finite value, subnormals among them) with no zeros."""
     gen = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16).float()
+    if kind == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x42  # not the two NaNs
+        return codes.view(torch.float8_e4m3fn), None, scales
+    bits = mi.KINDS[kind]
     codes = torch.randint(0, 2**bits, (n, k), generator=gen)
     zeros = torch.randint(0, 2**bits, (k // group, n), generator=gen).float()
-    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).to(torch.bfloat16).float()
     return codes, zeros, scales
 
 
 def _dense(codes, zeros, scales, group) -> torch.Tensor:
     cols = torch.arange(codes.shape[1]) // group
+    if zeros is None:  # fp8
+        return codes.double() * scales.t()[:, cols].double()
     return (codes.double() - zeros.t()[:, cols].double()) * scales.t()[:, cols].double()  # [N, K]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,group", [(128, 128, 128), (256, 384, 128), (128, 256, 64), (128, 256, 32), (128, 512, 256)])
-def test_the_packed_layout_read_as_the_kernel_reads_it_is_the_layer(n, k, group, dtype, bits):
-    codes, zeros, scales = _layer(n, k, group, bits=bits)
-    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
-    assert qw.shape == (n // 8, k // 128, 8 * bits, 4) and qw.dtype == sz.dtype == torch.int32
+def test_the_packed_layout_read_as_the_kernel_reads_it_is_the_layer(n, k, group, dtype, kind):
+    codes, zeros, scales = _layer(n, k, group, kind=kind)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, kind)
+    assert qw.shape == (n // 8, k // 128, 8 * mi.KINDS[kind], 4) and qw.dtype == sz.dtype == torch.int32
     x = torch.randn(5, k).to(dtype)
     want = x.double() @ _dense(codes, zeros, scales, group).t()
-    got = mi.emulate(x, qw, sz, group, dtype)
+    got = mi.emulate(x, qw, sz, group, dtype, kind)
     # the weights rounded to dtype once ((q - z) * s), the sums in float32
     assert torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().mean().item())
     assert (got.double() - want).abs().mean() < 4e-3 * want.abs().mean()
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (8, torch.float16), (8, torch.bfloat16)])
-def test_one_code_lands_on_its_own_weight(bits, dtype):
+@pytest.mark.parametrize("kind,dtype", [("int4", torch.float16), ("int8", torch.float16), ("int8", torch.bfloat16),
+                                        ("fp8", torch.bfloat16), ("fp8", torch.float16)])
+def test_one_code_lands_on_its_own_weight(kind, dtype):
     """A single code among zeros, at each of a chunk's columns for one output: the emulated
     product with a one-hot x finds it at that column and nowhere else."""
     n, k, group = 128, 256, 128
-    zeros, scales = torch.zeros(2, n), torch.ones(2, n)
+    zeros, scales = (None if kind == "fp8" else torch.zeros(2, n)), torch.ones(2, n)
+    top = 448 if kind == "fp8" else 2 ** mi.KINDS[kind] - 1
     for col in (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 127, 128, 201, 255):
-        codes = torch.zeros(n, k, dtype=torch.long)
-        codes[13, col] = 2**bits - 1
-        qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
-        y = mi.emulate(torch.eye(k)[col : col + 1], qw, sz, group, dtype)  # [1, N]
-        assert y[0, 13] == 2**bits - 1 and y.abs().sum() == 2**bits - 1, col
+        codes = torch.zeros(n, k, dtype=torch.float8_e4m3fn if kind == "fp8" else torch.long)
+        codes[13, col] = top
+        qw, sz = mi.pack(codes, zeros, scales, group, dtype, kind)
+        y = mi.emulate(torch.eye(k)[col : col + 1], qw, sz, group, dtype, kind)  # [1, N]
+        assert y[0, 13] == top and y.abs().sum() == top, col
 
 
 def test_shapes_the_kernel_does_not_take_are_refused():
@@ -65,24 +76,26 @@ def test_shapes_the_kernel_does_not_take_are_refused():
     assert not mi.supported(4096, 4096, 16) and mi.supported(11008 // 86 * 86, 11008, 128)
     with pytest.raises(ValueError, match="mma.pack"):
         mi.pack(torch.zeros(100, 128, dtype=torch.long), torch.zeros(1, 100), torch.ones(1, 100), 128)
-    with pytest.raises(ValueError, match="mma.pack: 3-bit"):
-        mi.pack(torch.zeros(128, 128, dtype=torch.long), torch.zeros(1, 128), torch.ones(1, 128), 128, bits=3)
+    with pytest.raises(ValueError, match="mma.pack: int3"):
+        mi.pack(torch.zeros(128, 128, dtype=torch.long), torch.zeros(1, 128), torch.ones(1, 128), 128, kind="int3")
+    with pytest.raises(ValueError, match="mma.pack: fp8"):  # FP8 has no zero points
+        mi.pack(torch.zeros(128, 128, dtype=torch.long), torch.zeros(1, 128), torch.ones(1, 128), 128, kind="fp8")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("n,k,group", [(256, 512, 128), (384, 1280, 64), (128, 4096, 128), (256, 1024, 1024)])
-def test_the_kernel_computes_what_the_layout_says(m, n, k, group, dtype, bits):
+def test_the_kernel_computes_what_the_layout_says(m, n, k, group, dtype, kind):
     reason = mi.available()
     assert reason is None, reason
-    codes, zeros, scales = _layer(n, k, group, seed=m, bits=bits)
-    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+    codes, zeros, scales = _layer(n, k, group, seed=m, kind=kind)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, kind)
     x = torch.randn(m, k).to(dtype)
-    want = mi.emulate(x, qw, sz, group, dtype)
-    got = mi.mma(x.cuda(), qw.cuda(), sz.cuda(), group).float().cpu()
+    want = mi.emulate(x, qw, sz, group, dtype, kind)
+    got = mi.mma(x.cuda(), qw.cuda(), sz.cuda(), group, kind).float().cpu()
     assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().mean().item()), (got - want).abs().max()
 
 
@@ -116,7 +129,7 @@ def test_an_int8_layer_lays_its_rows_out_as_one_group_each():
     assert lin.mma_dtype == torch.bfloat16 and lin.mma[0].shape == (32, 3, 64, 4)
     x = torch.randn(3, 384)
     want = x.double() @ (weight.double() * lin.scales.double()[:, None]).t()
-    got = mi.emulate(x, *lin.mma, 384, torch.bfloat16)
+    got = mi.emulate(x, *lin.mma, 384, torch.bfloat16, "int8")
     assert (got.double() - want).abs().max() < 2e-2 * want.abs().mean()
     assert lin.product(8) == "int8 tensor-core MMA" and lin.product(1) == "int8 GEMV"
     lin.use_mma(False)
@@ -130,7 +143,7 @@ def test_every_variant_compiles_for_hopper_without_spills(tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "mma.cubin"),
                            str(mi.SOURCE)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    names = [f"mma_int{b}_{d}_{t}" for b in mi.BITS for d, _ in mi.DTYPES.values() for t in mi.TILES]
+    names = [f"mma_{c}_{d}_{t}" for c in mi.KINDS for d, _ in mi.DTYPES.values() for t in mi.TILES]
     compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
     assert sorted(compiled) == sorted(names)
     assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"] * len(names)
@@ -149,34 +162,55 @@ def host_kernel(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-def _launch_on_host(lib, x, qw, sz, group, split):
+def _launch_on_host(lib, x, qw, sz, group, kind, split):
     """mma.mma's launch, run by the host emulation: (out [M, N] float32)."""
     m, k = x.shape
-    n, bits, chunks = qw.shape[0] * 8, qw.shape[2] // 8, k // mi.CHUNK_K
+    n, chunks = qw.shape[0] * 8, k // mi.CHUNK_K
     per = -(-chunks // split)
     split = -(-chunks // per)
     tiles = next(t for t in mi.TILES if m <= 16 * t)
     out = torch.zeros(m, n, dtype=torch.float32)
     x, qw, sz = x.contiguous(), qw.contiguous(), sz.contiguous()
-    name = f"mma_int{bits}_{mi.DTYPES[x.dtype][0]}_{tiles}".encode()
+    name = f"mma_{kind}_{mi.DTYPES[x.dtype][0]}_{tiles}".encode()
     rc = lib.launch(name, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(qw.data_ptr()), ctypes.c_void_p(sz.data_ptr()),
                     ctypes.c_void_p(out.data_ptr()), m, n, k, group, per, int(split > 1), n // mi.BLOCK_N, split)
     assert rc == 0
     return out
 
 
-@pytest.mark.parametrize("bits,dtype,m,n,k,group,split", [
-    (4, torch.bfloat16, 1, 256, 512, 128, 1), (4, torch.bfloat16, 17, 128, 512, 64, 4),
-    (4, torch.float16, 33, 256, 256, 32, 2), (4, torch.float16, 64, 128, 384, 128, 3),
-    (8, torch.bfloat16, 5, 256, 512, 512, 2), (8, torch.bfloat16, 32, 128, 256, 64, 1),
-    (8, torch.float16, 16, 128, 384, 128, 3), (8, torch.float16, 50, 128, 256, 256, 1)])
-def test_the_cuda_source_run_on_the_host_computes_what_the_layout_says(host_kernel, bits, dtype, m, n, k, group, split):
+@pytest.mark.parametrize("kind,dtype,m,n,k,group,split", [
+    ("int4", torch.bfloat16, 1, 256, 512, 128, 1), ("int4", torch.bfloat16, 17, 128, 512, 64, 4),
+    ("int4", torch.float16, 33, 256, 256, 32, 2), ("int4", torch.float16, 64, 128, 384, 128, 3),
+    ("int8", torch.bfloat16, 5, 256, 512, 512, 2), ("int8", torch.bfloat16, 32, 128, 256, 64, 1),
+    ("int8", torch.float16, 16, 128, 384, 128, 3), ("int8", torch.float16, 50, 128, 256, 256, 1),
+    ("fp8", torch.bfloat16, 3, 128, 512, 512, 2), ("fp8", torch.bfloat16, 40, 256, 256, 256, 1),
+    ("fp8", torch.float16, 9, 128, 384, 384, 3), ("fp8", torch.float16, 64, 128, 256, 256, 2)])
+def test_the_cuda_source_run_on_the_host_computes_what_the_layout_says(host_kernel, kind, dtype, m, n, k, group, split):
     """The kernel's own code (staging, fragments, dequantization, split-K, the output) under the
     host emulation of its GPU steps, against `emulate`: every row count's tile variant, both types
-    and widths, with and without the split."""
-    codes, zeros, scales = _layer(n, k, group, seed=m, bits=bits)
-    qw, sz = mi.pack(codes, zeros, scales, group, dtype, bits)
+    and every kind of code, with and without the split."""
+    codes, zeros, scales = _layer(n, k, group, seed=m, kind=kind)
+    qw, sz = mi.pack(codes, zeros, scales, group, dtype, kind)
     x = torch.randn(m, k).to(dtype)
-    want = mi.emulate(x, qw, sz, group, dtype)
-    got = _launch_on_host(host_kernel, x, qw, sz, group, split)
+    want = mi.emulate(x, qw, sz, group, dtype, kind)
+    got = _launch_on_host(host_kernel, x, qw, sz, group, kind, split)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().mean().item()), (got - want).abs().max()
+
+
+def test_an_fp8_layer_lays_its_weights_out_as_they_are():
+    """FP8Linear's e4m3 weights and per-channel scales: one group a row, the emulated product the
+    layer's dequantized one; laid out for the model's dtype."""
+    from llamactl.layers.fp8 import FP8Linear, quantize_fp8
+
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(5)) * 0.02
+    lin = FP8Linear(384, 256, bias=False)
+    lin.weight, lin.weight_scale = quantize_fp8(w)
+    lin.use_mma(True, torch.float16)
+    assert lin.mma_dtype == torch.float16 and lin.mma[0].shape == (32, 3, 64, 4)
+    x = torch.randn(4, 384)
+    want = x.double() @ lin.dequantized(torch.float32).double().t()
+    got = mi.emulate(x, *lin.mma, 384, torch.float16, "fp8")
+    assert (got.double() - want).abs().max() < 1e-2 * want.abs().mean()
+    assert lin.product(8) == "fp8 weights tensor-core MMA"
+    lin.use_mma(False)
+    assert lin.mma is None and lin.product(8) != "fp8 weights tensor-core MMA"
