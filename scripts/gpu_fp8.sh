@@ -3,8 +3,9 @@
 # FP8 copy (--synthetic-quant none,fp8) in one run, so their ratios are of one call.
 #   fp8-SHAPE-b1    batch 1 after a 2,048-token prompt: time to first token, batch-1 decode
 #   fp8-SHAPE-b128  128 rows after 128-token prompts: decode
-# for llama3-8b and llama2-7b; first the FP8 and 8-bit-cache GPU tests. Bench's stderr goes to /tmp
-# (the device returns at most 8 files). Usage: bash scripts/gpu_fp8.sh OUTDIR
+# for each of SHAPES; first the FP8 and 8-bit-cache GPU tests. Bench's stderr goes to /tmp
+# (the device returns at most 8 files).
+# Usage: [SHAPES="llama3-8b llama2-7b"] bash scripts/gpu_fp8.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: gpu_fp8.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"
@@ -26,7 +27,7 @@ for r in rows:
           f"decode {r['decode_tok_s']:8.1f} tok/s ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x)  {r.get('products', '')}")
 PY
 }
-for shape in llama3-8b llama2-7b; do
+for shape in ${SHAPES:-llama3-8b llama2-7b}; do
   run "fp8-$shape-b1" --synthetic "$shape" --batch 1 --prompt-len 2048 --gen-len 128 --warmup 1 --repeat 3
   run "fp8-$shape-b128" --synthetic "$shape" --batch 128 --prompt-len 128 --gen-len 64 --warmup 1 --repeat 2
 done
