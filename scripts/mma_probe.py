@@ -9,7 +9,9 @@ float reference (`emulate`) first. With --steps SHAPE: then whole decode steps o
 each kind (RTN, graphs mode) at each row count with today's kernels and with the tensor-core
 kernel (RuntimeOptions.mma), alternating, and bf16's. Writes OUT.json as it goes.
 
-Usage: python scripts/mma_probe.py OUT.json [--kinds int4,int8,fp8] [--rows 1,2,4,8,16,32,64] [--shapes llama2-7b,llama3-8b] [--triton] [--steps llama2-7b]
+With --splits F,..: instead of the products, the kernel's at each split-K factor beside its default.
+
+Usage: python scripts/mma_probe.py OUT.json [--kinds int4,int8,fp8] [--rows 1,2,4,8,16,32,64] [--shapes llama2-7b,llama3-8b] [--triton] [--steps llama2-7b] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -56,16 +58,21 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama2-7b,llama3-8b")
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--steps", default=None, help="a synthetic shape whose whole decode steps to time")
+    ap.add_argument("--splits", default=None, help="split-K factors to time the kernel's products at (1,2,4,...)")
     a = ap.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kernel": mi.available() or "built",
               "rows": {}, "check": {}}
     rows, kinds = [int(r) for r in a.rows.split(",")], a.kinds.split(",")
     for shape in a.shapes.split(","):
         for kind in kinds:
-            products(result, f"{shape} {kind}", [_layer(n, k, kind, a.triton) for _, n, k in SHAPES[shape]], rows)
+            layers = [_layer(n, k, kind, a.triton) for _, n, k in SHAPES[shape]]
+            if a.splits:
+                split_sweep(result, f"{shape} {kind}", layers, rows, [int(v) for v in a.splits.split(",")])
+            else:
+                products(result, f"{shape} {kind}", layers, rows)
             _write(a.out, result)
     if a.steps:
-        result["steps"] = decode_steps(a.steps, rows, kinds, lambda: _write(a.out, result))
+        decode_steps(a.steps, rows, kinds, result.setdefault("steps", {}), lambda: _write(a.out, result))
         _write(a.out, result)
 
 
@@ -135,15 +142,14 @@ def step_ms(dec, tok: torch.Tensor) -> tuple[float, tuple]:
     return (time.perf_counter() - t0) / REPS * 1e3, dec.plan.warnings
 
 
-def decode_steps(shape: str, rows: list[int], kinds: list[str], save) -> dict:
-    """ms a decode step of the synthetic shape at each row count: bf16, each kind on today's
-    kernels and on the tensor-core kernel (twice each, alternating)."""
+def decode_steps(shape: str, rows: list[int], kinds: list[str], out: dict, save) -> None:
+    """ms a decode step of the synthetic shape at each row count into `out` (saved after each):
+    bf16, each kind on today's kernels and on the tensor-core kernel (twice each, alternating)."""
     from llamactl.bench.targets import load_targets
     from llamactl.options import RuntimeOptions
     from llamactl.runtime.step import Decoder
 
     dev = torch.device("cuda")
-    out: dict = {}
     for quant in ["none"] + kinds:
         model = load_targets([], shape, dev, "bfloat16", quant)[0].model
         for m in rows:
@@ -156,7 +162,28 @@ def decode_steps(shape: str, rows: list[int], kinds: list[str], save) -> dict:
                 save()
         del model
         torch.cuda.empty_cache()
-    return out
+
+
+def split_sweep(result: dict, name: str, layers: list[tuple], rows: list[int], splits: list[int]) -> None:
+    """us one decoder layer's kernel products at each split-K factor (blocks along K, each at
+    least one chunk) beside the default (split_for's)."""
+    default = mi.split_for
+    per = result.setdefault("splits", {}).setdefault(name, {})
+    for m in rows:
+        x = {k: torch.randn(m, k, device="cuda").to(torch.bfloat16) for k, *_ in layers}
+        row = {"default": sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)}
+        for split in splits:
+            def forced(n, k, split=split):
+                chunks = k // mi.CHUNK_K
+                each = -(-chunks // min(split, chunks))
+                return -(-chunks // each), each
+            mi.split_for = forced
+            try:
+                row[str(split)] = sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)
+            finally:
+                mi.split_for = default
+        per[m] = row
+        print(name, m, "splits", {k: round(v, 1) for k, v in row.items()}, flush=True)
 
 
 if __name__ == "__main__":
