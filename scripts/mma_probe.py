@@ -10,6 +10,7 @@ each kind (RTN, graphs mode) at each row count with today's kernels and with the
 kernel (RuntimeOptions.mma), alternating, and bf16's. Writes OUT.json as it goes.
 
 With --splits F,..: instead of the products, the kernel's at each split-K factor beside its default.
+With --source PATH: that mma.cu (e.g. `git show COMMIT:llamactl/kernels/mma.cu`) instead of this tree's.
 
 Usage: python scripts/mma_probe.py OUT.json [--kinds int4,int8,fp8] [--rows 1,2,4,8,16,32,64] [--shapes llama2-7b,llama3-8b] [--triton] [--steps llama2-7b] [--splits 1,2,4,8]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,7 +61,10 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--steps", default=None, help="a synthetic shape whose whole decode steps to time")
     ap.add_argument("--splits", default=None, help="split-K factors to time the kernel's products at (1,2,4,...)")
+    ap.add_argument("--source", default=None, help="another mma.cu to build and time instead (an older tree's)")
     a = ap.parse_args()
+    if a.source:
+        mi.SOURCE = Path(a.source)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kernel": mi.available() or "built",
               "rows": {}, "check": {}}
     rows, kinds = [int(r) for r in a.rows.split(",")], a.kinds.split(",")

@@ -106,17 +106,59 @@ __device__ __forceinline__ void frag_b(unsigned w, int s, unsigned z, unsigned& 
   }
 }
 
+// Everything a chunk needs that is loaded ahead of it, into registers: the warp's codes, their
+// scales and zeros [32-column part][n-tile], and this thread's share of x's 128 columns
+template <int V, int XL>
+struct Ahead {
+  uint4 codes[4][V];
+  unsigned zs[4][4];
+  uint4 x[XL];
+};
+
+template <int KIND, int MT, bool F16, int V, int XL>
+__device__ __forceinline__ void load_ahead(Ahead<V, XL>& a, const unsigned short* __restrict__ x,
+                                           const uint4* __restrict__ qw, const unsigned* __restrict__ sz, int c,
+                                           int chunks, int n0, int lane, int g, int M, int N, int K, int group) {
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+#pragma unroll
+    for (int h = 0; h < V; h++)
+      a.codes[i][h] = __ldg(qw + ((((unsigned long long)(n0 >> 3) + i) * chunks + c) * V + h) * 32 + lane);
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    const int grp = (c * 128 + j * 32) / group;
+#pragma unroll
+    for (int i = 0; i < 4; i++) a.zs[j][i] = __ldg(sz + (unsigned long long)grp * N + n0 + i * 8 + g);
+  }
+#pragma unroll
+  for (int e = 0; e < XL; e++) {  // rows past M: zeros
+    const int idx = threadIdx.x + e * 128, row = idx >> 4, col8 = idx & 15;
+    a.x[e] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < M) a.x[e] = __ldg(reinterpret_cast<const uint4*>(x + (unsigned long long)row * K + c * 128 + col8 * 8));
+  }
+}
+
+template <int XL>
+__device__ __forceinline__ void stage_x(unsigned short* xs, const uint4 (&v)[XL]) {
+#pragma unroll
+  for (int e = 0; e < XL; e++) {
+    const int idx = threadIdx.x + e * 128;
+    *reinterpret_cast<uint4*>(xs + (idx >> 4) * XS_STRIDE + (idx & 15) * 8) = v[e];
+  }
+}
+
 template <int KIND, int MT, bool F16>
 __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, const uint4* __restrict__ qw,
-                                              const unsigned* __restrict__ sz, float* __restrict__ out, int M,
-                                              int N, int K, int group, int per, int atomic) {
-  __shared__ __align__(16) unsigned short xs[MT * 16 * XS_STRIDE];
+                                         const unsigned* __restrict__ sz, float* __restrict__ out, int M, int N,
+                                         int K, int group, int per, int atomic) {
+  constexpr int V = KIND == INT4 ? 1 : 2;  // uint4 of codes a lane reads per n-tile and chunk
+  constexpr int XL = MT * 16 * 16 / 128;   // uint4 of x a thread stages per chunk
+  __shared__ __align__(16) unsigned short xs[2][MT * 16 * XS_STRIDE];  // x's chunk, two buffers
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = K >> 7;
   const int c0 = blockIdx.y * per, c1 = min(chunks, c0 + per);
   const int n0 = blockIdx.x * 128 + warp * 32;  // this warp's first column
-  const int n8_0 = n0 >> 3;
 
   float acc[MT][4][4];
 #pragma unroll
@@ -126,53 +168,30 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
 #pragma unroll
       for (int e = 0; e < 4; e++) acc[m][i][e] = 0.f;
 
-  constexpr int V = KIND == INT4 ? 1 : 2;  // uint4 of codes a lane reads per n-tile and chunk
-  uint4 cur[4][V], nxt[4][V];
+  Ahead<V, XL> cur, nxt;
   if (c0 < c1) {
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-      for (int h = 0; h < V; h++) cur[i][h] = __ldg(qw + (((unsigned long long)(n8_0 + i) * chunks + c0) * V + h) * 32 + lane);
+    load_ahead<KIND, MT, F16>(cur, x, qw, sz, c0, chunks, n0, lane, g, M, N, K, group);
+    stage_x(xs[0], cur.x);
   }
+  __syncthreads();
   for (int c = c0; c < c1; c++) {
-    if (c + 1 < c1) {  // the next chunk's codes on their way while this one computes
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int h = 0; h < V; h++)
-          nxt[i][h] = __ldg(qw + (((unsigned long long)(n8_0 + i) * chunks + c + 1) * V + h) * 32 + lane);
-    }
-    // this chunk's scales and zeros [32-column part][n-tile], loaded before the staging and its
-    // barrier so that their latency hides behind them
-    unsigned zs[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const int grp = (c * 128 + j * 32) / group;
-#pragma unroll
-      for (int i = 0; i < 4; i++) zs[j][i] = __ldg(sz + (unsigned long long)grp * N + n0 + i * 8 + g);
-    }
-    // x[:, c * 128 .. + 128] into shared memory (rows past M: zeros)
-    for (int idx = threadIdx.x; idx < MT * 16 * 16; idx += blockDim.x) {
-      const int row = idx >> 4, col8 = idx & 15;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (row < M) v = __ldg(reinterpret_cast<const uint4*>(x + (unsigned long long)row * K + c * 128 + col8 * 8));
-      *reinterpret_cast<uint4*>(xs + row * XS_STRIDE + col8 * 8) = v;
-    }
-    __syncthreads();
+    const int buf = (c - c0) & 1;
+    // the next chunk on its way while this one computes; staged after it, one barrier a chunk
+    if (c + 1 < c1) load_ahead<KIND, MT, F16>(nxt, x, qw, sz, c + 1, chunks, n0, lane, g, M, N, K, group);
 #pragma unroll
     for (int ks = 0; ks < 8; ks++) {  // k-steps of 16 columns
       unsigned b[4][2];  // [n-tile][b0, b1]
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        const uint4 v = cur[i][KIND == INT4 ? 0 : ks >> 2];
+        const uint4 v = cur.codes[i][KIND == INT4 ? 0 : ks >> 2];
         const int j = KIND == INT4 ? ks >> 1 : ks & 3;
         const unsigned w = j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-        frag_b<KIND, F16>(w, ks & 1, zs[ks >> 1][i], b[i][0], b[i][1]);
+        frag_b<KIND, F16>(w, ks & 1, cur.zs[ks >> 1][i], b[i][0], b[i][1]);
       }
       const int kk = ks * 16 + 2 * t;
 #pragma unroll
       for (int m = 0; m < MT; m++) {
-        const unsigned short* r0 = xs + (m * 16 + g) * XS_STRIDE + kk;
+        const unsigned short* r0 = xs[buf] + (m * 16 + g) * XS_STRIDE + kk;
         const unsigned short* r1 = r0 + 8 * XS_STRIDE;
         const unsigned a0 = *reinterpret_cast<const unsigned*>(r0);
         const unsigned a1 = *reinterpret_cast<const unsigned*>(r1);
@@ -182,11 +201,11 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
         for (int i = 0; i < 4; i++) mma_16<F16>(acc[m][i], a0, a1, a2, a3, b[i][0], b[i][1]);
       }
     }
+    if (c + 1 < c1) {
+      stage_x(xs[buf ^ 1], nxt.x);  // (the other buffer: every thread read it before the last barrier)
+      cur = nxt;
+    }
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-      for (int h = 0; h < V; h++) cur[i][h] = nxt[i][h];
   }
 #pragma unroll
   for (int m = 0; m < MT; m++) {
