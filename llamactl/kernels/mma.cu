@@ -115,7 +115,7 @@ struct Ahead {
   uint4 x[XL];
 };
 
-template <int KIND, int MT, bool F16, int V, int XL>
+template <int V, int XL>
 __device__ __forceinline__ void load_ahead(Ahead<V, XL>& a, const unsigned short* __restrict__ x,
                                            const uint4* __restrict__ qw, const unsigned* __restrict__ sz, int c,
                                            int chunks, int n0, int lane, int g, int M, int N, int K, int group) {
@@ -170,14 +170,14 @@ __device__ __forceinline__ void mma_body(const unsigned short* __restrict__ x, c
 
   Ahead<V, XL> cur, nxt;
   if (c0 < c1) {
-    load_ahead<KIND, MT, F16>(cur, x, qw, sz, c0, chunks, n0, lane, g, M, N, K, group);
+    load_ahead(cur, x, qw, sz, c0, chunks, n0, lane, g, M, N, K, group);
     stage_x(xs[0], cur.x);
   }
   __syncthreads();
   for (int c = c0; c < c1; c++) {
     const int buf = (c - c0) & 1;
     // the next chunk on its way while this one computes; staged after it, one barrier a chunk
-    if (c + 1 < c1) load_ahead<KIND, MT, F16>(nxt, x, qw, sz, c + 1, chunks, n0, lane, g, M, N, K, group);
+    if (c + 1 < c1) load_ahead(nxt, x, qw, sz, c + 1, chunks, n0, lane, g, M, N, K, group);
 #pragma unroll
     for (int ks = 0; ks < 8; ks++) {  // k-steps of 16 columns
       unsigned b[4][2];  // [n-tile][b0, b1]
