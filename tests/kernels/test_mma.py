@@ -214,3 +214,19 @@ def test_an_fp8_layer_lays_its_weights_out_as_they_are():
     assert lin.product(8) == "fp8 weights tensor-core MMA"
     lin.use_mma(False)
     assert lin.mma is None and lin.product(8) != "fp8 weights tensor-core MMA"
+
+
+@pytest.mark.parametrize("quant,layer", [("int4", "TritonInt4Linear"), ("int8", "Int8Kernel"), ("fp8", "FP8Linear")])
+def test_asking_for_the_kernel_where_it_cannot_run_warns_and_keeps_the_other_kernels(quant, layer):
+    """RuntimeOptions.mma on a machine without a GPU (the Triton interpreter standing in for the
+    kernels): the plan says why in one line and no layer lays out a second copy of its codes."""
+    from llamactl.layers.plan import prepare
+    from llamactl.options import RuntimeOptions
+    from llamactl.runtime.synthetic import synthetic_model
+
+    _, model = synthetic_model("tiny", quant, torch.device("cpu"), torch.bfloat16, "triton")
+    plan = prepare(model, RuntimeOptions(mma=True), interpreter=True)
+    layers = [m for m in model.modules() if type(m).__name__ == layer]
+    assert layers and all(m.mma is None for m in layers)
+    assert any("needs a CUDA GPU; low-bit decode batches keep their other kernels" in w for w in plan.warnings)
+    assert not any("MMA" in w for w in prepare(model, RuntimeOptions(), interpreter=True).warnings)
