@@ -107,6 +107,11 @@ def _layer(n: int, k: int, kind: str, triton: bool) -> tuple:
     return (k, w, today, *mi.pack(codes, zeros, scales, group, torch.bfloat16, kind), group, kind)
 
 
+def _kernel_us(layers: list[tuple], x: dict) -> float:
+    """us the kernel's products of `layers` (as _layer gives them) take on x ({K: rows [M, K]})."""
+    return sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)
+
+
 def products(result: dict, name: str, layers: list[tuple], rows: list[int]) -> None:
     """us one decoder layer's products at each row count: bf16, the Triton layer, the kernel."""
     if result["kernel"] == "built":  # the kernel's sums against its reference (the o projection)
@@ -124,7 +129,7 @@ def products(result: dict, name: str, layers: list[tuple], rows: list[int]) -> N
             row["today"] = sum(timed(lambda: tri(x[k])) for k, _, tri, *_ in layers)
             row["today_vs_bf16"] = row["bf16"] / row["today"]
         if result["kernel"] == "built" and m <= mi.MAX_ROWS:
-            row["mma"] = sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)
+            row["mma"] = _kernel_us(layers, x)
             row["mma_vs_bf16"] = row["bf16"] / row["mma"]
         per[m] = row
         print(name, m, {k: round(v, 2) for k, v in row.items()}, flush=True)
@@ -176,15 +181,11 @@ def split_sweep(result: dict, name: str, layers: list[tuple], rows: list[int], s
     per = result.setdefault("splits", {}).setdefault(name, {})
     for m in rows:
         x = {k: torch.randn(m, k, device="cuda").to(torch.bfloat16) for k, *_ in layers}
-        row = {"default": sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)}
+        row = {"default": _kernel_us(layers, x)}
         for split in splits:
-            def forced(n, k, split=split):
-                chunks = k // mi.CHUNK_K
-                each = -(-chunks // min(split, chunks))
-                return -(-chunks // each), each
-            mi.split_for = forced
+            mi.split_for = lambda n, k, split=split: mi.spread(k // mi.CHUNK_K, split)
             try:
-                row[str(split)] = sum(timed(lambda: mi.mma(x[k], qw, sz, g, c)) for k, _, _, qw, sz, g, c in layers)
+                row[str(split)] = _kernel_us(layers, x)
             finally:
                 mi.split_for = default
         per[m] = row

@@ -36,6 +36,7 @@ TILES = (1, 2, 4)  # the kernel's variants: m16 tiles of rows, each for every ki
 KINDS = {"int4": 4, "int8": 8, "fp8": 8}  # the codes the kernel reads: their bits
 DTYPES = {torch.bfloat16: ("bf16", 128), torch.float16: ("f16", 1024)}  # name, the magic number's value
 E4M3_SHIFT = {torch.bfloat16: 120, torch.float16: 8}  # 2^-shift: an e4m3 code's bits read in dtype
+VARIANTS = [f"mma_{c}_{d}_{t}" for c in KINDS for d, _ in DTYPES.values() for t in TILES]  # mma.cu's kernels
 BLOCK_N, CHUNK_K = 128, 128  # columns a block owns; columns of K a step of its loop takes
 # 4 bits: nibble p of a lane's word (lane = 4 g + t, word j) holds column 32 j + 2 t + NIBBLE_K[p] of
 # its chunk: b0 and b1 of the first k-step (nibbles 0, 4 and 1, 5), then of the second (2, 6 and 3, 7)
@@ -156,14 +157,12 @@ def _cubin(nvcc: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels() -> "dict[tuple[int, str, int], object] | str":
-    """{(kind, dtype name, m16 tiles): the launchable kernel}, built at first use; or why not (one line)."""
+def _kernels() -> "dict[str, object] | str":
+    """{a name of VARIANTS: the launchable kernel}, built at first use; or why not (one line)."""
     if not torch.cuda.is_available():
         return "the low-bit MMA kernel needs a CUDA GPU"
     if torch.cuda.get_device_capability() < (8, 0):
         return f"the low-bit MMA kernel needs bf16 tensor cores (sm_80+), not {_arch()}"
-    variants = [(c, d, t) for c in KINDS for d, _ in DTYPES.values() for t in TILES]
-    names = [f"mma_{c}_{d}_{t}" for c, d, t in variants]
     try:
         from torch.cuda._utils import _cuda_load_module
     except ImportError:
@@ -172,16 +171,14 @@ def _kernels() -> "dict[tuple[int, str, int], object] | str":
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
     if nvcc:
         try:
-            mods = _cuda_load_module(_cubin(nvcc).read_bytes(), names)
-            return {v: mods[name] for v, name in zip(variants, names)}
+            return _cuda_load_module(_cubin(nvcc).read_bytes(), VARIANTS)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             why.append(f"nvcc: {first_line(e)}")
     try:
         from torch.cuda._utils import _nvrtc_compile
 
-        ptx, _ = _nvrtc_compile(SOURCE.read_text(), names[0], None, None, None)
-        mods = _cuda_load_module(ptx, names)
-        return {v: mods[name] for v, name in zip(variants, names)}
+        ptx, _ = _nvrtc_compile(SOURCE.read_text(), VARIANTS[0], None, None, None)
+        return _cuda_load_module(ptx, VARIANTS)
     except Exception as e:  # NVRTC missing or failing: the reason, for the plan's line
         why.append(f"NVRTC: {first_line(e)}")
     return "the low-bit MMA kernel could not be built (" + "; ".join(why) + ")"
@@ -193,14 +190,22 @@ def available() -> str | None:
     return k if isinstance(k, str) else None
 
 
+def variant(kind: str, dtype: torch.dtype, rows: int) -> str:
+    """The kernel of VARIANTS that multiplies `rows` rows of dtype by `kind` codes."""
+    return f"mma_{kind}_{DTYPES[dtype][0]}_{next(t for t in TILES if rows <= 16 * t)}"
+
+
+def spread(chunks: int, split: int) -> tuple[int, int]:
+    """(blocks along K, chunks each) for about `split` blocks over `chunks` chunks, none empty."""
+    per = -(-chunks // max(1, min(chunks, split)))
+    return -(-chunks // per), per
+
+
 @functools.lru_cache(maxsize=None)
 def split_for(n: int, k: int) -> tuple[int, int]:
     """(blocks along K, chunks each): about two blocks per SM, at least one chunk each."""
-    blocks, chunks = n // BLOCK_N, k // CHUNK_K
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    split = max(1, min(chunks, -(-2 * sms // blocks)))
-    per = -(-chunks // split)
-    return -(-chunks // per), per
+    return spread(k // CHUNK_K, -(-2 * sms // (n // BLOCK_N)))
 
 
 @torch.library.custom_op("llamactl::mma", mutates_args=())
@@ -218,11 +223,10 @@ def mma(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor, group: int, kind: s
     x = x.contiguous()
     if x.data_ptr() % 16:  # a view that starts mid-row of its storage: the kernel loads 16 bytes at a time
         x = x.clone()
-    tiles = next(t for t in TILES if m <= 16 * t)
     split, per = split_for(n, k)
     out = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
-    kernels[(kind, DTYPES[x.dtype][0], tiles)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
-                                               args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
+    kernels[variant(kind, x.dtype, m)](grid=(n // BLOCK_N, split, 1), block=(128, 1, 1),
+                                       args=[x, qw, sz, out, m, n, k, group, per, int(split > 1)])
     return out.to(x.dtype)
 
 

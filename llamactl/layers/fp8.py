@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
 from llamactl.layers.mma import MmaCodes
 
@@ -122,7 +121,7 @@ class FP8Linear(nn.Module, FusedIO, MmaCodes):
                      self.pins).view(*shape[:-1], self._output_width()).to(x.dtype)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y if residual is None or fold else residual + y
-        if self.mma is not None and 1 < rows <= MMA_ROWS and x.dtype == self.mma_dtype:
+        if self._mma_takes(rows, x.dtype):
             y = self._mma(self._unfused_input(x).reshape(-1, self.in_features))  # the weights' bytes, once for all rows
             y = y.view(*shape[:-1], self.out_features)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
@@ -147,7 +146,7 @@ class FP8Linear(nn.Module, FusedIO, MmaCodes):
         """What multiplies `rows` rows (bench rows name it)."""
         if self.gemv and rows == 1:
             return "fp8 weights GEMV"
-        if self.mma is not None and 1 < rows <= MMA_ROWS:
+        if self._mma_takes(rows):
             return "fp8 weights tensor-core MMA"
         if self.scaled_mm:
             return "fp8 scaled_mm (cuBLASLt)"

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
 from llamactl.layers.gptq import GPTQLinear, unpack_rows
 from llamactl.layers.mma import MmaCodes
@@ -295,7 +294,7 @@ class TritonInt4Linear(nn.Module, FusedIO, MmaCodes):
         if x2.shape[0] == 1:  # an act-order row or a short last group
             y = gemv_int4(x2[0].contiguous(), self.qweight, self.scales, self.zeros, self.group_size,
                           inputs=self.inputs, pdl=self.pdl, pins=self.pins)[None]
-        elif self._mma_takes(x2):
+        elif self._mma_takes(x2.shape[0], x2.dtype):
             y = self._mma(x2)  # a decode batch on the tensor cores
         elif x2.shape[0] <= int4_rows(self.group_size):  # a small decode batch: every weight read once for all rows
             y = multirow_int4(x2, self.qweight, self.scales, self.zeros, self.group_size)
@@ -312,7 +311,7 @@ class TritonInt4Linear(nn.Module, FusedIO, MmaCodes):
 
         if rows == 1:
             return "int4 GEMV"
-        if self.mma is not None and rows <= MMA_ROWS:
+        if self._mma_takes(rows):
             return "int4 tensor-core MMA"
         if self._skinny_takes(rows):
             return "int4 skinny int8 MMA" if self.inputs == "int16" else "int4 skinny"

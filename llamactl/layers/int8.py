@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from llamactl.layers.bnb import Int8Linear
-from llamactl.kernels.mma import MAX_ROWS as MMA_ROWS
 from llamactl.layers.fused import FusedIO
 from llamactl.layers.gptq import GPTQLinear, unpack_rows
 from llamactl.layers.mma import MmaCodes
@@ -108,7 +107,7 @@ class Int8Kernel(nn.Module, FusedIO, MmaCodes):
         x2 = self._unfused_input(x).reshape(-1, self.in_features).to(torch.bfloat16)
         from llamactl.kernels.multirow import MAX_ROWS
 
-        if self._mma_takes(x2):
+        if self._mma_takes(x2.shape[0], x2.dtype):
             y = self._mma(x2)  # a decode batch on the tensor cores
         elif self.triton and x2.shape[0] <= MAX_ROWS:  # a decode batch: the weights read once for all rows
             from llamactl.kernels.multirow import multirow_mm
@@ -130,7 +129,7 @@ class Int8Kernel(nn.Module, FusedIO, MmaCodes):
         if self.triton:
             if rows == 1:
                 return "int8 GEMV"
-            if self.mma is not None and rows <= MMA_ROWS:
+            if self._mma_takes(rows):
                 return "int8 tensor-core MMA"
             if self._skinny_takes(rows):
                 return "int8 skinny"

@@ -35,9 +35,9 @@ class MmaCodes:
             self.mma = kmma.pack(*self._mma_codes(), self._mma_shape()[2], dtype, self.mma_kind)
             self.mma_dtype = dtype
 
-    def _mma_takes(self, x2: torch.Tensor) -> bool:
-        """Whether the rows x2 [M, K] run on the kernel."""
-        return self.mma is not None and 1 < x2.shape[0] <= kmma.MAX_ROWS and x2.dtype == self.mma_dtype
+    def _mma_takes(self, rows: int, dtype: torch.dtype | None = None) -> bool:
+        """Whether `rows` rows (of dtype, where given) run on the kernel."""
+        return self.mma is not None and 1 < rows <= kmma.MAX_ROWS and dtype in (None, self.mma_dtype)
 
     def _mma(self, x2: torch.Tensor) -> torch.Tensor:
         return kmma.mma(x2, *self.mma, self._mma_shape()[2], self.mma_kind)

@@ -143,10 +143,9 @@ def test_every_variant_compiles_for_hopper_without_spills(tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(tmp_path / "mma.cubin"),
                            str(mi.SOURCE)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    names = [f"mma_{c}_{d}_{t}" for c in mi.KINDS for d, _ in mi.DTYPES.values() for t in mi.TILES]
     compiled = re.findall(r"Compiling entry function '(\w+)'", done.stderr)
-    assert sorted(compiled) == sorted(names)
-    assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"] * len(names)
+    assert sorted(compiled) == sorted(mi.VARIANTS) and len(mi.VARIANTS) == 18
+    assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"] * len(mi.VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +164,11 @@ def host_kernel(tmp_path_factory):
 def _launch_on_host(lib, x, qw, sz, group, kind, split):
     """mma.mma's launch, run by the host emulation: (out [M, N] float32)."""
     m, k = x.shape
-    n, chunks = qw.shape[0] * 8, k // mi.CHUNK_K
-    per = -(-chunks // split)
-    split = -(-chunks // per)
-    tiles = next(t for t in mi.TILES if m <= 16 * t)
+    n = qw.shape[0] * 8
+    split, per = mi.spread(k // mi.CHUNK_K, split)
     out = torch.zeros(m, n, dtype=torch.float32)
     x, qw, sz = x.contiguous(), qw.contiguous(), sz.contiguous()
-    name = f"mma_{kind}_{mi.DTYPES[x.dtype][0]}_{tiles}".encode()
+    name = mi.variant(kind, x.dtype, m).encode()
     rc = lib.launch(name, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(qw.data_ptr()), ctypes.c_void_p(sz.data_ptr()),
                     ctypes.c_void_p(out.data_ptr()), m, n, k, group, per, int(split > 1), n // mi.BLOCK_N, split)
     assert rc == 0
