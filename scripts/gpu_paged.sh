@@ -20,7 +20,8 @@
 #   chat-fp8        chat with FP8 weights and activations (--synthetic-quant fp8; against chat-new)
 #   plain32         32 streams, prompts 64:256 words, answers of 256 tokens (the structured-output baseline)
 #   json32          the same, every request held to a JSON schema (needs the carried xgrammar wheel)
-# Usage: [RUNS="..."] [PART=name] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
+# A run named NAME.N is NAME again under its own name. REQUESTS32: plain32's and json32's requests (96).
+# Usage: [RUNS="..."] [PART=name] [REQUESTS32=96] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
 set -uo pipefail
 out=${1:?usage: gpu_paged.sh OUTDIR OLD_COMMIT}; old=${2:?old commit}
 . "$(dirname "$0")/device_env.sh"
@@ -35,7 +36,7 @@ mkdir -p /tmp/runs
 python scripts/gpu_rates.py > /tmp/runs/rates.json && cat /tmp/runs/rates.json
 CHAT=(--prompt-len 64:1024 --gen-len 64:512 --concurrency 256 --requests 512)
 PREFIX=(--shared-prefix 1536 --prompt-len 64:256 --gen-len 32:256 --concurrency 64 --requests 128)
-JSON32=(--prompt-len 64:256 --gen-len 256 --concurrency 32 --requests 96)
+JSON32=(--prompt-len 64:256 --gen-len 256 --concurrency 32 --requests "${REQUESTS32:-96}")
 # a schema whose documents run long (an array of at least 64 records, 15+ tokens each): answers end by
 # length, not by the grammar (with "maxItems" random weights closed most arrays early: 76 tokens a request)
 SCHEMA='{"response_format": {"type": "json_schema", "json_schema": {"name": "rows", "schema": {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"], "additionalProperties": false}}}}}'
@@ -60,7 +61,7 @@ load() {
 stop() { kill -TERM $pid; wait $pid; tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300; }
 
 for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
-  case $run in
+  case ${run%.*} in  # (NAME.2: NAME again, kept apart: an A/B in both orders)
     chat-new) start "$run" "$new"; load "$run" "${CHAT[@]}" ;;
     prefix-new) start "$run" "$new"; load "$run" "${PREFIX[@]}" ;;
     prefix-noprefix) start "$run" "$new" --no-prefix-cache; load "$run" "${PREFIX[@]}" ;;

@@ -31,6 +31,11 @@ MIN_CHUNK = 64  # short caches: more, shorter programs (launch latency, not byte
 # and elsewhere; summing in registers instead of tensor-core dots was 1.3-3.9x slower
 # (scripts/attention_probe.py, docs/bench/README.md, 2026-12-04)
 STAGES = 2
+# An 8-bit cache's tiles are half the bytes: a third stage keeps as many in flight. 3 read int8 K/V
+# 4-6% faster than 2 (llama2-7b at 1 row and 16K positions: 65.7 against 69.5 us; llama3-8b at 32
+# rows and 4K: 118.4 against 123.3; wider tiles and 8 warps slower), H100,
+# docs/bench/runs/2026-12-07-kv8-h100
+KV8_STAGES = 3
 
 
 @triton.jit
@@ -246,16 +251,18 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
             rope: tuple[torch.Tensor, ...] | None, min_chunk: int = MIN_CHUNK, block_s: int = 64,
-            warps: int = 4, pdl: bool = False, stages: int = STAGES, table: torch.Tensor | None = None,
+            warps: int = 4, pdl: bool = False, stages: int | None = None, table: torch.Tensor | None = None,
             scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
     """Launch the split and merge kernels (the split kernel alone where the plan has one split);
     rope: (k_new, v_new, cos, sin) to fold RoPE and the cache write in, or None. q, k_new and v_new
     are read where they are when each row of them is contiguous (slices of the fused qkv output),
     else copied; cos and sin must be contiguous; the caches are used in place. min_chunk (a chunk at least as long
     as the cache means one split: one kernel a layer, no merge), block_s (positions a tile) and
-    warps and stages (the loop's software pipelining): the launch plan; pdl: programmatic dependent
-    launch; scales: an 8-bit cache's (k_scale, v_scale), the caches' shape less D (runtime.kv_format)."""
+    warps and stages (the loop's software pipelining; None: STAGES, KV8_STAGES for an 8-bit cache):
+    the launch plan; pdl: programmatic dependent launch; scales: an 8-bit cache's (k_scale, v_scale),
+    the caches' shape less D (runtime.kv_format)."""
     b, hkv, r, d = q.shape
+    stages = stages or (STAGES if scales[0] is None else KV8_STAGES)
     s = k_cache.shape[2] if table is None else table.shape[1] * k_cache.shape[1]  # positions a row may hold
     _check_head_dim(d)
     bh = b * hkv
