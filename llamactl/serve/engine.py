@@ -407,14 +407,19 @@ class Engine:
             self.times.decode_s += now - max(step.launched, self._last_read)
             self.times.decode_steps += 1
         self._last_read = now
+        follow: list = []
         for r, row in zip(step.rows, step.at):
             if not r.finished:
                 self.times.decode_rows += 1
                 self.times.mixed_rows += step.mixed
-                self._emit(r, tokens[row], now, lps[row] if lps is not None else None)
+                self._emit(r, tokens[row], now, lps[row] if lps is not None else None, follow)
+        if follow:
+            self._follow(follow)
         self.times.emit_s += time.perf_counter() - now
 
-    def _emit(self, r: Request, token: int, now: float, lp: tuple | None = None) -> None:
+    def _emit(self, r: Request, token: int, now: float, lp: tuple | None = None, follow: list | None = None) -> None:
+        """Hand r its token (or end it); follow: where a list, a grammar's row leaves its matcher's
+        step to _follow (one call for the step's rows) instead of taking it here."""
         if r.params.prompt_logprobs is not None and r.generated == 0:  # the prompt's, before its first token
             self._send(r, Event("prompt", time=now, prompt=tuple(r.prompt_scores)))
         if (token in self.eos_ids and not r.params.ignore_eos) or token in r.params.stop_ids:
@@ -425,11 +430,28 @@ class Engine:
         logprob = None if k is None or lp is None else (lp[0], tuple(lp[1][:k]))
         self._send(r, Event("token", token=token, time=now, logprob=logprob))
         m = self._matchers.get(r.id)
+        if m is not None and follow is not None:
+            follow.append((r, m, token))
+            return
         if m is not None:
             m.accept(token)
-            if m.done:  # its grammar has ended (a stop token accepted: with ignore_eos too)
-                self._release(r, "stop")
-                return
+        self._ended(r, m)
+
+    def _follow(self, follow: list[tuple[Request, Matcher, int]]) -> None:
+        """A step's grammar rows' tokens into their matchers in one call, then each row ended or its
+        next mask due."""
+        Matcher.accept_many([m for _, m, _ in follow], [t for _, _, t in follow])
+        for r, m, _ in follow:
+            if not r.finished:
+                self._ended(r, m)
+
+    def _ended(self, r: Request, m: Matcher | None) -> None:
+        """r's end after a token: its grammar's (a stop token accepted: with ignore_eos too) or its
+        length; else, where it follows a grammar, its next mask is due."""
+        if m is not None and m.done:
+            self._release(r, "stop")
+            return
+        if m is not None:
             self._masks[r.id] = (r, m)
         if r.generated >= r.params.max_tokens:
             self._release(r, "length")

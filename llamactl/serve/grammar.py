@@ -110,6 +110,14 @@ class Matcher:
         """Follow a drawn token; False where the grammar refuses it (it cannot: the mask allowed it)."""
         return bool(self._m.accept_token(token))
 
+    @staticmethod
+    def accept_many(matchers: list["Matcher"], tokens: list[int]) -> None:
+        """Each matcher (distinct) follows its token, in one call where there are several."""
+        if len(matchers) == 1:
+            matchers[0].accept(tokens[0])
+        elif matchers:
+            _batch().batch_accept_token([m._m for m in matchers], tokens)
+
     @property
     def done(self) -> bool:
         """The grammar has ended (what follows can only be a stop token)."""
