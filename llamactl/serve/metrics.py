@@ -44,7 +44,9 @@ class Metrics:
                              ("spec_accepted", "Of those, tokens kept (the acceptance rate: accepted / proposed)."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
-                             ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed).")):
+                             ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed)."),
+                             ("kernel_first_uses", "Kernel variants compiled or loaded after the warm-up (a step "
+                                                   "waited for each: a shape the warm-up did not run).")):
             name = "llamactl_engine_" + field.removesuffix("_s") + ("_seconds" if field.endswith("_s") else "")
             Gauge(name, help_, registry=r).set_function(lambda f=field: getattr(engine.times, f))
         pool, cache = engine.scheduler.pool, engine.runner.cache

@@ -105,6 +105,23 @@ def _warm_up(engine) -> None:
                          "serve with --mode graphs, the default on CUDA") from e
 
 
+def _watch_first_uses(engine, log: Callable[[str], None]) -> None:
+    """Count (engine.times, /metrics) each kernel variant first used after the warm-up, and name each
+    kernel the first time: a step waited for its compile."""
+    from llamactl.kernels.compiles import watch
+
+    named: set[str] = set()
+
+    def first_use(name: str, variant: str) -> None:
+        engine.times.kernel_first_uses += 1
+        if name not in named:
+            named.add(name)
+            log(f"note: kernel {name} compiled while serving (the warm-up did not run this variant; the step "
+                f"waited for it): {variant}")
+
+    watch(first_use)
+
+
 def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options: RuntimeOptions,
         serve: ServeOptions, log: Callable[[str], None], warn: Callable[[str], None],
         synthetic: str | None = None, synthetic_quant: str | None = None, world=None) -> tuple[str | None, int]:
@@ -156,6 +173,8 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         warm_s = time.perf_counter() - started
         for (rows, width), why in engine.decoder.verify_failed.items():
             warn(f"verify steps of {rows} rows x {width} tokens run eagerly: their CUDA graph failed ({why})")
+        if m.device.type == "cuda":
+            _watch_first_uses(engine, log)
         if not leader:
             import signal
 

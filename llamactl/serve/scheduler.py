@@ -51,6 +51,7 @@ class EngineTimes:
     spec_proposed: int = 0  # proposals checked
     spec_accepted: int = 0  # of them, kept
     preemptions: int = 0  # requests whose blocks were taken back mid-generation (recomputed later)
+    kernel_first_uses: int = 0  # kernel variants compiled or loaded after the warm-up (a step waited for each)
 
     def prefilled(self, seconds: float, tokens: int) -> None:
         self.prefill_s += seconds
