@@ -173,7 +173,7 @@ def run(model: str | None, device: str, dtype: str, allow_pickle: bool, options:
         warm_s = time.perf_counter() - started
         for (rows, width), why in engine.decoder.verify_failed.items():
             warn(f"verify steps of {rows} rows x {width} tokens run eagerly: their CUDA graph failed ({why})")
-        if m.device.type == "cuda":
+        if leader and m.device.type == "cuda":
             _watch_first_uses(engine, log)
         if not leader:
             import signal
