@@ -58,7 +58,12 @@ load() {
     2> "/tmp/runs/$name.err" || tail -3 "/tmp/runs/$name.err"
   python scripts/gpu_paged_summary.py /tmp/runs "$out/paged-$part.json" "$name"
 }
-stop() { kill -TERM $pid; wait $pid; tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300; }
+# stop NAME: the server down, its last lines and the kernels it compiled while serving (after its warm-up)
+stop() {
+  kill -TERM $pid; wait $pid
+  grep -h "compiled while serving" "/tmp/runs/srv-$1.err" | cut -c1-300
+  tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300
+}
 
 for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
   case ${run%.*} in  # (NAME.2: NAME again, kept apart: an A/B in both orders)
