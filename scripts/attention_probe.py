@@ -54,8 +54,7 @@ def inputs(b: int, hkv: int, rep: int, max_seq: int, ctx: int, fmt: kv_format.KV
     ctx - 16 .. ctx (rows at their own lengths)."""
     dev, bf16 = torch.device("cuda"), torch.bfloat16
     q = torch.randn(b, hkv, rep, D, device=dev, dtype=bf16)
-    per = fmt.bytes_per_head(D) if fmt.quantized else 2 * D
-    copies = max(2, int(1.2e9 // (2 * b * hkv * max_seq * per)))
+    copies = max(2, int(1.2e9 // (2 * b * hkv * max_seq * fmt.bytes_per_head(D))))
     caches = []
     for _ in range(copies):
         k, v = (torch.randn(b, hkv, max_seq, D, device=dev, dtype=bf16) for _ in range(2))
@@ -99,8 +98,7 @@ def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str, fmt: kv_format.
     q, caches, pos = inputs(b, hkv, rep, max_seq, ctx, fmt)
     k0, v0, sc0 = caches[0]
     ref = reference(q, k0, v0, pos, sc0.get("scales"))
-    per = fmt.bytes_per_head(D) if fmt.quantized else 2 * D
-    gb = sum(2 * hkv * (p + 1) * per for p in pos.tolist()) / 1e9
+    gb = sum(2 * hkv * (p + 1) * fmt.bytes_per_head(D) for p in pos.tolist()) / 1e9
     rows = []
     for name, kw in variants(kind):
         try:

@@ -3,8 +3,9 @@
 # and the int8 and fp8 ones in one run (--kv-dtype auto,int8,fp8), so their ratios are of one call.
 #   kv8-7b-16k    llama2-7b-32k shape, int4 weights (RTN), batch 1 after a 16,384-token prompt
 #   kv8-8b-32x4k  llama3-8b bf16, 32 rows after 4,096-token prompts
-# Bench's stderr goes to /tmp (the device returns at most 8 files). First the kernels' tests on the GPU (tests/kernels/test_kv8.py). The capacity goal is
-# scripts/gpu_paged.sh's chat-kv16-new and chat-kv8-half. Usage: bash scripts/gpu_kv8.sh OUTDIR
+# First the kernels' tests on the GPU (tests/kernels/test_kv8.py); bench's stderr goes to /tmp (the
+# device returns at most 8 files). The capacity goal is scripts/gpu_paged.sh's chat-kv16-new and
+# chat-kv8-half. Usage: bash scripts/gpu_kv8.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: gpu_kv8.sh OUTDIR}
 . "$(dirname "$0")/device_env.sh"

@@ -10,6 +10,7 @@ every matcher moves as in a server. Usage: python scripts/grammar_gil_probe.py O
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
@@ -42,14 +43,17 @@ def _matchers(rows: int) -> list[Matcher]:
     return [Matcher(_compiled(), VOCAB) for _ in range(rows)]
 
 
-_CODE = []
-
-
+@functools.lru_cache(maxsize=None)
 def _compiled():
-    if not _CODE:
-        _, model, tok, _ = load(None, "cpu", "float32")
-        _CODE.append(Grammars(tok, VOCAB, {2}).compile(("json", json.dumps(SCHEMA), "probe")))
-    return _CODE[0]
+    """SCHEMA compiled once for the embedded model's tokenizer."""
+    _, _, tok, _ = load(None, "cpu", "float32")
+    return Grammars(tok, VOCAB, {2}).compile(("json", json.dumps(SCHEMA), "probe"))
+
+
+def _spin(stop: threading.Event) -> None:
+    """Python without pause (the HTTP thread at its busiest) until stop is set."""
+    while not stop.is_set():
+        pass
 
 
 def timed(kind: str, toks: list[list[int]]) -> float:
@@ -84,11 +88,11 @@ def main() -> None:
     result = {"rows": a.rows, "steps": a.steps, "alone": {k: timed(k, toks) for k in kinds}, "busy": {}}
     for interval in (float(x) for x in a.intervals.split(",")):
         sys.setswitchinterval(interval)
-        stop = []
-        t = threading.Thread(target=lambda: [None for _ in iter(lambda: bool(stop), True)], daemon=True)
+        stop = threading.Event()
+        t = threading.Thread(target=_spin, args=(stop,), daemon=True)
         t.start()
         result["busy"][str(interval)] = {k: timed(k, toks) for k in kinds}
-        stop.append(1)
+        stop.set()
         t.join()
     for where, row in [("alone", result["alone"])] + [(f"busy, interval {i}", r) for i, r in result["busy"].items()]:
         print(f"{where:24}" + "  ".join(f"{k} {v:9.1f} us" for k, v in row.items()))

@@ -34,7 +34,7 @@ STAGES = 2
 # An 8-bit cache's tiles are half the bytes: a third stage keeps as many in flight. 3 read int8 K/V
 # 4-6% faster than 2 (llama2-7b at 1 row and 16K positions: 65.7 against 69.5 us; llama3-8b at 32
 # rows and 4K: 118.4 against 123.3; wider tiles and 8 warps slower), H100,
-# docs/bench/runs/2026-12-07-kv8-h100
+# docs/bench/runs/2026-12-07-kv8-fp8-json-h100
 KV8_STAGES = 3
 
 
