@@ -6,12 +6,13 @@ over enough cache copies that L2 cannot serve them, checked against float64, and
 default plan: GB/s counts the K/V bytes read (an 8-bit cache's scales included).
 
 Usage: python scripts/attention_probe.py OUT.json [--batch 1,8,32] [--ctx 256] [--max-seq 320]
-       [--variants tiles|wide|splits] [--kv-dtype bf16|int8|fp8] [--shapes llama2-7b,llama3-8b]
+       [--variants tiles|wide|splits|kv8] [--kv-dtype bf16|int8|fp8] [--shapes llama2-7b,llama3-8b]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 
@@ -79,18 +80,42 @@ def reference(q, k, v, pos, scales=None) -> torch.Tensor:
 
 
 def variants(kind: str):
-    """(name, _attend keyword arguments): the default first; kind "tiles": each tile, warps and
-    pipelining depth; "wide": the longer tiles an 8-bit cache may want (64-256 positions, 4 or 8
-    warps, 2 or 3 stages); "splits": each smallest chunk of the cache (fewer, longer splits, down to one
-    split and no merge kernel)."""
-    yield "default", {}
+    """(name, _attend keyword arguments, kernels.attention settings for the call): the default
+    first; kind "tiles": each tile, warps and pipelining depth; "wide": the longer tiles an 8-bit
+    cache may want (64-256 positions, 4 or 8 warps, 2 or 3 stages); "splits": each smallest chunk of
+    the cache (fewer, longer splits, down to one split and no merge kernel); "kv8": an 8-bit cache's
+    choices (Triton's own conversions instead of KV8_ASM's, 2-4 stages, twice and half the
+    programs an SM, longer chunks)."""
+    yield "default", {}, {}
+    if kind == "kv8":
+        yield "triton's conversions", {}, {"KV8_ASM": False}
+        for stages in (2, 4):
+            yield f"stages {stages}", {"stages": stages}, {}
+        for fill in (2, 8):
+            yield f"{fill} programs an SM", {}, {"FILL_PER_SM": fill}
+        for chunk in (256, 1024):
+            yield f"min chunk {chunk}", {"min_chunk": chunk}, {}
+        return
     if kind == "splits":
         for chunk in (128, 256, 512, 1024):
-            yield f"min chunk {chunk}", {"min_chunk": chunk}
+            yield f"min chunk {chunk}", {"min_chunk": chunk}, {}
         return
     sizes = ((64, 128, 256), (4, 8), (2, 3)) if kind == "wide" else ((32, 64, 128), (4, 8), (1, 2, 3, 4))
     for block_s, warps, stages in itertools.product(*sizes):
-        yield f"tile {block_s} warps {warps} stages {stages}", {"block_s": block_s, "warps": warps, "stages": stages}
+        yield f"tile {block_s} warps {warps} stages {stages}", {"block_s": block_s, "warps": warps, "stages": stages}, {}
+
+
+@contextlib.contextmanager
+def settings(values: dict):
+    """kernels.attention's module settings set to values for the block, restored after."""
+    old = {k: getattr(attention, k) for k in values}
+    for k, v in values.items():
+        setattr(attention, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(attention, k, v)
 
 
 def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str, fmt: kv_format.KVFormat) -> dict:
@@ -100,17 +125,18 @@ def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str, fmt: kv_format.
     ref = reference(q, k0, v0, pos, sc0.get("scales"))
     gb = sum(2 * hkv * (p + 1) * fmt.bytes_per_head(D) for p in pos.tolist()) / 1e9
     rows = []
-    for name, kw in variants(kind):
+    for name, kw, values in variants(kind):
         try:
-            err = rel(attention._attend(q, k0, v0, pos, None, **kw, **sc0), ref)
-            t = graph_time([lambda k=k, v=v, sc=sc, kw=kw: attention._attend(q, k, v, pos, None, **kw, **sc)
-                            for k, v, sc in caches])
+            with settings(values):
+                err = rel(attention._attend(q, k0, v0, pos, None, **kw, **sc0), ref)
+                t = graph_time([lambda k=k, v=v, sc=sc, kw=kw: attention._attend(q, k, v, pos, None, **kw, **sc)
+                                for k, v, sc in caches])
+                splits = attention.plan(max_seq, kw.get("min_chunk", attention.MIN_CHUNK), b * hkv,
+                                        attention._fill(q.device))[0]
         except Exception as e:  # a plan this GPU cannot run (shared memory, registers): say so, go on
             rows.append({"variant": name, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
-        rows.append({"variant": name, "us": t * 1e6, "gbs": gb / t, "rel_err": err,
-                     "splits": attention.plan(max_seq, kw.get("min_chunk", attention.MIN_CHUNK), b * hkv,
-                                                attention._fill(q.device))[0]})
+        rows.append({"variant": name, "us": t * 1e6, "gbs": gb / t, "rel_err": err, "splits": splits})
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     base = rows[0]
     print(f"{shape} {fmt.name} batch {b} ctx {ctx} cache {max_seq}: default {base.get('us', float('nan')):7.1f} us "
@@ -127,7 +153,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--max-seq", type=int, default=320)
-    ap.add_argument("--variants", choices=("tiles", "wide", "splits"), default="tiles")
+    ap.add_argument("--variants", choices=("tiles", "wide", "splits", "kv8"), default="tiles")
     ap.add_argument("--kv-dtype", default="bf16", help="the cache's values: bf16, int8 or fp8 (scaled, runtime.kv_format)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     a = ap.parse_args()

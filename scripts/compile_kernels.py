@@ -110,12 +110,15 @@ def cases():
                dict(R=4, SPLITS=splits, CHUNK=64 if splits > 1 else 512, D=128, BLOCK_R=16, BLOCK_S=64, ROPE=rope,
                     PRECISION="tf32", HKV=8, ROW_POS=True, PAGED=True, BS=16, ROW_CHUNKS=row_chunks))
     # an 8-bit cache (int8, fp8 e4m3) with float16 scales: static and paged, with the quantizing write and without
-    for (kv, int8), rope, paged in itertools.product([("*i8", True), ("*fp8e4nv", False)], [False, True], [False, True]):
-        yield (f"decode attention {kv[1:]} cache rope={rope} paged={paged}", attention._split_kernel,
-               dict(ATTN, k_ptr=kv, v_ptr=kv, ks_ptr="*fp16", vs_ptr="*fp16",
-                    **({"table_ptr": "*i32", "T_ROW": "i32"} if paged else {})),
-               dict(R=4, SPLITS=4, CHUNK=64, D=128, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32", HKV=8,
-                    ROW_POS=True, PAGED=paged, BS=16, KV8=True, INT8=int8, QMAX=127.0 if int8 else 448.0))
+    # (ASM: the values converted by inline PTX, as on a GPU; without: Triton's conversions)
+    for (kv, int8), rope, paged, asm in itertools.product([("*i8", True), ("*fp8e4nv", False)], [False, True],
+                                                          [False, True], [True, False]):
+        if asm or not (rope or paged):
+            yield (f"decode attention {kv[1:]} cache rope={rope} paged={paged} asm={asm}", attention._split_kernel,
+                   dict(ATTN, k_ptr=kv, v_ptr=kv, ks_ptr="*fp16", vs_ptr="*fp16",
+                        **({"table_ptr": "*i32", "T_ROW": "i32"} if paged else {})),
+                   dict(R=4, SPLITS=4, CHUNK=64, D=128, BLOCK_R=16, BLOCK_S=64, ROPE=rope, PRECISION="tf32", HKV=8,
+                        ROW_POS=True, PAGED=paged, BS=16, KV8=True, INT8=int8, QMAX=127.0 if int8 else 448.0, ASM=asm))
     ragged = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "table_ptr": "*i32", "T_ROW": "i32",
               "tile_seq_ptr": "*i32", "tile_m_ptr": "*i32", "q_start_ptr": "*i32", "q_len_ptr": "*i32", "ctx_ptr": "*i32",
               "row_ptr": "*i32", "scale": "fp32", "q_tok": "i32", "q_head": "i32"}
@@ -123,7 +126,7 @@ def cases():
         yield (f"packed prefill attention {kv[1:]} cache", prefill_attention._ragged_kernel,
                dict(ragged, k_ptr=kv, v_ptr=kv, **({"ks_ptr": "*fp16", "vs_ptr": "*fp16"} if kv != "*bf16" else {})),
                dict(H=32, HKV=8, D=128, BS=16, BLOCK_M=64, BLOCK_N=prefill_attention.BLOCK_N, PRECISION="tf32",
-                    KV8=kv != "*bf16", INT8=kv == "*i8"))
+                    KV8=kv != "*bf16", INT8=kv == "*i8", ASM=kv != "*bf16"))
     rows = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*u8", "y_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32"}
     for kind, w_type, s_type in ((multirow.W16, "*bf16", "*bf16"), (multirow.W8, "*i8", "*bf16"),

@@ -5,11 +5,30 @@
 #   kv8-8b-32x4k  llama3-8b bf16, 32 rows after 4,096-token prompts
 # First the kernels' tests on the GPU (tests/kernels/test_kv8.py); bench's stderr goes to /tmp (the
 # device returns at most 8 files). The capacity goal is scripts/gpu_paged.sh's chat-kv16-new and
-# chat-kv8-half. Usage: bash scripts/gpu_kv8.sh OUTDIR
+# chat-kv8-half. Then the int8 decode kernel alone (scripts/attention_probe.py --variants kv8) at
+# both cases' shapes, to attn-int8-7b.json and attn-int8-8b.json; given OLD (a `git archive`
+# tarball of another tree), that tree's probe too, in the same call (its lines in the output).
+# Usage: bash scripts/gpu_kv8.sh OUTDIR [OLD.tar]
 set -uo pipefail
-out=${1:?usage: gpu_kv8.sh OUTDIR}
+out=${1:?usage: gpu_kv8.sh OUTDIR [OLD.tar]}
+old=${2:-}
 . "$(dirname "$0")/device_env.sh"
 timeout 100 python -m pytest -q -x tests/kernels/test_kv8.py > "$out/kv8-tests.log" 2>&1; tail -1 "$out/kv8-tests.log"
+CASES=("llama2-7b 1 16384 16512 7b" "llama3-8b 32 4096 4160 8b")  # shape, rows, context, cache, file tag
+for c in "${CASES[@]}"; do
+  read -r shape rows ctx cache tag <<< "$c"
+  timeout 90 python scripts/attention_probe.py "$out/attn-int8-$tag.json" --shapes "$shape" --batch "$rows" \
+    --ctx "$ctx" --max-seq "$cache" --variants kv8 --kv-dtype int8 2>&1 | tail -8
+done
+if [ -n "$old" ]; then
+  rm -rf /tmp/old-tree && mkdir -p /tmp/old-tree && tar xf "$old" -C /tmp/old-tree
+  for c in "${CASES[@]}"; do
+    read -r shape rows ctx cache tag <<< "$c"
+    echo "old tree ($old):"
+    (cd /tmp/old-tree && PYTHONPATH=/tmp/old-tree timeout 60 python scripts/attention_probe.py "/tmp/old-$tag.json" \
+      --shapes "$shape" --batch "$rows" --ctx "$ctx" --max-seq "$cache" --variants splits --kv-dtype int8 2>&1 | tail -6)
+  done
+fi
 # NAME BENCH_ARGS...: bench's JSON to OUTDIR/NAME.json, and each row's decode rate against the first's
 run() {
   local name=$1; shift

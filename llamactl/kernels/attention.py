@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.device import index, pdl_launch
+from llamactl.kernels.device import index, interpreted, pdl_launch
 from llamactl.kernels.fp8 import e4m3_round, round_half_even
 from llamactl.kernels.gdc import wait_for_previous
 
@@ -36,6 +36,10 @@ STAGES = 2
 # rows and 4K: 118.4 against 123.3; wider tiles and 8 warps slower), H100,
 # docs/bench/runs/2026-12-07-kv8-fp8-json-h100
 KV8_STAGES = 3
+# An 8-bit cache's values converted to float16 four from a 32-bit word by inline PTX (Triton's own
+# conversion to bf16 takes 8 instructions a word, and its dot converts after the shared-memory
+# read, byte by byte for the values' transposed operand)
+KV8_ASM = True
 
 
 @triton.jit
@@ -47,28 +51,94 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
     return x * cos[None, :] + sign[None, :] * partner * sin[None, :]
 
 
+# An 8-bit cache's values to float16, four from one 32-bit word: int8 q + 128 under fp16's
+# 1024 (0x64qq: 1024 + 128 + q), less 1152; e4m3 by the hardware's pair conversion
+_I8_F16 = tl.constexpr("""{
+.reg .b32 u, c;
+xor.b32 u, $2, 0x80808080;
+mov.b32 c, 0x64806480;
+prmt.b32 $0, u, 0x64646464, 0x4140;
+prmt.b32 $1, u, 0x64646464, 0x4342;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}""")
+_E4M3_F16 = tl.constexpr("""{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+
+
 @triton.jit
-def kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION: tl.constexpr, KV8: tl.constexpr):
-    """q [BR, D] against the keys at offsets at [BS] (ok: the ones to read): scaled scores [BR, BS],
-    float32. KV8: the keys are 8-bit, each position's scale at ks_ptr + at // D, multiplied into
-    its scores (one conversion a key value, exact: 8-bit values are 16-bit numbers)."""
+def kv8_as(x, dtype: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
+    """8-bit cache values (int8 or e4m3: exact in every float type of 16 bits or more) in dtype;
+    float16 with ASM four a 32-bit word by inline PTX (not in Triton's interpreter)."""
+    if ASM and dtype == tl.float16:
+        if INT8:
+            y = tl.inline_asm_elementwise(_I8_F16, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            y = tl.inline_asm_elementwise(_E4M3_F16, "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def kv8_query(q, KV8: tl.constexpr):
+    """(the query the kernels' dots take, the factor its scores owe): for an 8-bit cache a 16-bit
+    query in float16 (the 8-bit values' dot type: their conversion to it is four values from one
+    word), scaled by a power of two that keeps its largest magnitude in float16's range (1 for any
+    real model's); otherwise q as it is (float32 stays float32)."""
+    if KV8 and q.dtype != tl.float32:
+        amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        f = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax / 16384.0, 1.0))))  # a power of two >= 1
+        q16 = (q.to(tl.float32) / f).to(tl.float16)
+    else:
+        f = 1.0
+        q16 = q
+    return q16, f
+
+
+@triton.jit
+def kv8_scales(ks_ptr, vs_ptr, at, ok, D: tl.constexpr, KV8: tl.constexpr):
+    """The scales (float32 [BS]) of an 8-bit cache's keys and values at offsets at [BS] (ok: the
+    ones to read; at ks_ptr/vs_ptr + at // D); (1, 1) for a 16-bit cache. The loops load a tile's
+    scales a tile ahead: a load of a few bytes a thread is not pipelined by Triton, and one issued
+    in the tile that uses it stalls the tile for the memory's latency."""
+    if KV8:
+        ks = tl.load(ks_ptr + at // D, mask=ok, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + at // D, mask=ok, other=0.0).to(tl.float32)
+    else:
+        ks = 1.0
+        vs = 1.0
+    return ks, vs
+
+
+@triton.jit
+def kv_scores(q, k_ptr, ks, at, d, ok, scale, PRECISION: tl.constexpr, KV8: tl.constexpr, INT8: tl.constexpr,
+              ASM: tl.constexpr):
+    """q [BR, D] (kv8_query's) against the keys at offsets at [BS] (ok: the ones to read): scaled
+    scores [BR, BS], float32 (scale includes kv8_query's factor). KV8: the keys are 8-bit (INT8:
+    int8, else e4m3), their scales ks [BS] (kv8_scales) multiplied into the scores."""
     k = tl.load(k_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
     if KV8:  # (one return after both branches: Triton compiles what follows a constexpr branch's return)
-        ks = tl.load(ks_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (ks[None, :] * scale)
+        s = tl.dot(q, tl.trans(kv8_as(k, q.dtype, INT8, ASM)), input_precision=PRECISION) * (ks[None, :] * scale)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     return s
 
 
 @triton.jit
-def kv_weighted(p, v_ptr, vs_ptr, at, d, ok, dtype, PRECISION: tl.constexpr, KV8: tl.constexpr):
+def kv_weighted(p, v_ptr, vs, at, d, ok, dtype, PRECISION: tl.constexpr, KV8: tl.constexpr, INT8: tl.constexpr,
+                ASM: tl.constexpr):
     """p [BR, BS] (float32 softmax weights) times the values at offsets at [BS]: [BR, D] float32.
-    KV8: 8-bit values, each position's scale (vs_ptr + at // D) folded into its weights."""
+    KV8: 8-bit values, their scales vs [BS] (kv8_scales) folded into the weights, the dot in dtype
+    (kv8_query's)."""
     v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
     if KV8:
-        vs = tl.load(vs_ptr + at // d.shape[0], mask=ok, other=0.0).to(tl.float32)  # [BS]
-        o = tl.dot((p * vs[None, :]).to(dtype), v.to(dtype), input_precision=PRECISION)
+        o = tl.dot((p * vs[None, :]).to(dtype), kv8_as(v, dtype, INT8, ASM), input_precision=PRECISION)
     else:
         o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return o
@@ -111,7 +181,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
                   HKV: tl.constexpr = 1, ROW_POS: tl.constexpr = False, PDL: tl.constexpr = False,
                   table_ptr=None, T_ROW=0, PAGED: tl.constexpr = False, BS: tl.constexpr = 16,
                   ROW_CHUNKS: tl.constexpr = False, ks_ptr=None, vs_ptr=None, KV8: tl.constexpr = False,
-                  INT8: tl.constexpr = False, QMAX: tl.constexpr = 127.0):
+                  INT8: tl.constexpr = False, QMAX: tl.constexpr = 127.0, ASM: tl.constexpr = False):
     # q: [B, HKV, R, D] with q_row elements from one row b to the next (a slice of the fused qkv
     # projection's output: no copy), k/v: [BH, S, D], pos: [1], or [B] with ROW_POS (row b = bh // HKV
     # at its own; cos/sin then [B, D]); acc: [BH, SPLITS, BLOCK_R, D] fp32, ml: [BH, SPLITS, 2, BLOCK_R];
@@ -128,7 +198,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     # KV8: the caches hold 8-bit values (INT8: int8, else fp8 e4m3; QMAX their largest magnitude)
     # with a float16 scale per position and head (ks/vs: [BH, S] or [blocks, BS, HKV], the
     # element at a value's offset // D); the new key and value are written so (kernels read both
-    # alike, runtime.kv_format)
+    # alike, runtime.kv_format), read in float16 dots (kv8_query; ASM: converted by inline PTX)
     wait_for_previous(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -166,21 +236,29 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
             tl.debug_barrier()  # the writes above are visible to the whole program before the loop reads them
     else:
         q = tl.load(q_at + r[:, None] * D + d[None, :], mask=(r < R)[:, None], other=0.0)  # [BR, D]
+    q, q_factor = kv8_query(q, KV8)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
+    s = start + tl.arange(0, BLOCK_S)  # [BS] the first tile's positions
+    ks, vs = kv8_scales(ks_ptr, vs_ptr, kv_base + _at(s, s < end, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED), s < end,
+                        D, KV8)
     for s0 in range(start, end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         at = kv_base + _at(s, ok, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED)  # [BS] row offsets
-        scores = kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION, KV8)  # [BR, BS]
+        sn = s + BLOCK_S  # the next tile's scales, loaded now
+        ks_next, vs_next = kv8_scales(ks_ptr, vs_ptr, kv_base + _at(sn, sn < end, b, h, table_ptr, T_ROW, D, HKV, BS,
+                                                                    PAGED), sn < end, D, KV8)
+        scores = kv_scores(q, k_ptr, ks, at, d, ok, scale * q_factor, PRECISION, KV8, INT8, ASM)  # [BR, BS]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs_ptr, at, d, ok, q.dtype, PRECISION, KV8)
+        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
         m = m_new
+        ks, vs = ks_next, vs_next
     if SPLITS == 1:  # position 0 is in this chunk: l > 0
         tl.store(o_ptr + (bh * R + r[:, None]) * D + d[None, :], (acc / l[:, None]).to(o_ptr.dtype.element_ty),
                  mask=(r < R)[:, None])
@@ -217,7 +295,8 @@ def kv8_args(cache: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tenso
         return {}
     int8 = cache.dtype == torch.int8
     qmax = float(torch.iinfo(cache.dtype).max if int8 else torch.finfo(cache.dtype).max)  # 127, 448 (e4m3)
-    return {"ks_ptr": scales[0], "vs_ptr": scales[1], "KV8": True, "INT8": int8, "QMAX": qmax}
+    return {"ks_ptr": scales[0], "vs_ptr": scales[1], "KV8": True, "INT8": int8, "QMAX": qmax,
+            "ASM": KV8_ASM and not interpreted()}
 
 
 def label(min_chunk: int = MIN_CHUNK) -> str:

@@ -20,9 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.attention import kv_scores, kv_weighted, kv8_args
+from llamactl.kernels.attention import kv8_args, kv8_query, kv8_scales, kv_scores, kv_weighted
 
 BLOCK_N = 64  # keys a loop iteration
+
+
+@triton.jit
+def _pool_at(table_ptr, row, T_ROW, s, ok, hk, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    """Offsets [BN] of positions s (ok: the ones to read) of the sequence at table row `row`, KV
+    head hk, in pools [blocks, BS, HKV, D]."""
+    blk = tl.load(table_ptr + row * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
+    return ((blk * BS + s % BS) * HKV + hk) * D
 
 
 @triton.jit
@@ -30,12 +38,13 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
                    ctx_ptr, row_ptr, scale, q_tok, q_head, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    ks_ptr=None, vs_ptr=None, KV8: tl.constexpr = False, INT8: tl.constexpr = False,
-                   QMAX: tl.constexpr = 127.0):
+                   QMAX: tl.constexpr = 127.0, ASM: tl.constexpr = False):
     # q: [T, H, D] with q_tok / q_head elements between tokens / heads; o: [T, H, D] contiguous;
     # pools [blocks, BS, HKV, D]; table [rows, T_ROW] int32; per tile: its sequence and first query
     # token (within the sequence); per sequence: its first token in T, its token count, the
     # positions cached before them, its table row; KV8: 8-bit pools with float16 scales
-    # [blocks, BS, HKV] (kernels.attention.kv8_args; INT8 and QMAX unused: nothing is written here)
+    # [blocks, BS, HKV] (kernels.attention.kv8_args; QMAX unused: nothing is written here), read in
+    # float16 dots (ASM: converted by inline PTX)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
@@ -49,24 +58,30 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
     ok_m = m < n
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (qs + m)[:, None] * q_tok + h * q_head + d[None, :], mask=ok_m[:, None], other=0.0)
+    q, q_factor = kv8_query(q, KV8)
     qpos = c0 + m  # [BM] their positions
     end = c0 + tl.minimum(m0 + BLOCK_M, n)  # keys 0..end-1: the tile's last query's
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    s = tl.arange(0, BLOCK_N)  # the first block's positions
+    ks, vs = kv8_scales(ks_ptr, vs_ptr, _pool_at(table_ptr, row, T_ROW, s, s < end, hk, HKV, BS, D), s < end, D, KV8)
     for s0 in range(0, end, BLOCK_N):
         s = s0 + tl.arange(0, BLOCK_N)  # [BN]
         ok = s < end
-        blk = tl.load(table_ptr + row * T_ROW + s // BS, mask=ok, other=0).to(tl.int64)
-        at = ((blk * BS + s % BS) * HKV + hk) * D  # [BN]
-        scores = kv_scores(q, k_ptr, ks_ptr, at, d, ok, scale, PRECISION, KV8)  # [BM, BN]
+        at = _pool_at(table_ptr, row, T_ROW, s, ok, hk, HKV, BS, D)  # [BN]
+        sn = s + BLOCK_N  # the next block's scales, loaded now (kv8_scales)
+        ks_next, vs_next = kv8_scales(ks_ptr, vs_ptr, _pool_at(table_ptr, row, T_ROW, sn, sn < end, hk, HKV, BS, D),
+                                      sn < end, D, KV8)
+        scores = kv_scores(q, k_ptr, ks, at, d, ok, scale * q_factor, PRECISION, KV8, INT8, ASM)  # [BM, BN]
         scores = tl.where(ok[None, :] & (s[None, :] <= qpos[:, None]), scores, float("-inf"))
         m_new = tl.maximum(mx, tl.max(scores, axis=1))  # finite: key 0 is in the first block
         alpha = tl.exp(mx - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs_ptr, at, d, ok, q.dtype, PRECISION, KV8)
+        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
         mx = m_new
+        ks, vs = ks_next, vs_next
     out = o_ptr + ((qs + m)[:, None] * H + h) * D + d[None, :]
     tl.store(out, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=ok_m[:, None])
 

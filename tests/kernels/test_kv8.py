@@ -93,6 +93,26 @@ def test_decode_attention_reads_an_8bit_cache_as_its_dequantized_values(name, pa
 
 
 @pytest.mark.parametrize("name", EIGHT)
+def test_a_query_too_large_for_float16_dots_is_read_scaled(name):
+    """An 8-bit cache is read in float16 dots: a query whose largest value is past what they hold
+    (past 16,384: here 3e4 in float16, 1e6 in bfloat16) is divided by a power of two first and
+    its scores multiplied back."""
+    fmt = resolve(name, ATTN_DTYPE)
+    torch.manual_seed(5)
+    b, kv, rep, d, s = 2, 2, 2, 64, 200
+    top = 3e4 if ATTN_DTYPE == torch.float16 else 1e6
+    q = (torch.randn(b, kv, rep, d, device=DEV) * top / 3).clamp(-top, top).to(ATTN_DTYPE)
+    k, v = (torch.randn(b, kv, s, d, device=DEV) * 1e-3 for _ in range(2))
+    (qk, sk), (qv, sv) = quantize(k, fmt), quantize(v, fmt)
+    pos = torch.tensor([130, s - 1], device=DEV)
+    out = attention.decode_attention(q, qk, qv, pos, 64, False, sk, sv)
+    dk, dv = dequantize(qk, sk, torch.float64), dequantize(qv, sv, torch.float64)
+    assert torch.isfinite(out).all()
+    for i, p in enumerate(pos.tolist()):
+        assert rel(out[i].cpu(), _softmax_ref(q[i], dk[i, :, : p + 1], dv[i, :, : p + 1]).cpu()) < 5e-3, p
+
+
+@pytest.mark.parametrize("name", EIGHT)
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
 def test_the_decode_kernel_quantizes_what_it_writes_as_the_cache_does(name, paged):
     """RoPE and the cache write folded into the decode kernel: the new key (rotated) and value go
