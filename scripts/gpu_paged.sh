@@ -20,6 +20,7 @@
 #   chat-fp8        chat with FP8 weights and activations (--synthetic-quant fp8; against chat-new)
 #   plain32         32 streams, prompts 64:256 words, answers of 256 tokens (the structured-output baseline)
 #   json32          the same, every request held to a JSON schema (needs the carried xgrammar wheel)
+#   json32-gil100   json32 with the server's GIL switch interval at 0.1 ms (serve's is 0.5 ms)
 # A run named NAME.N is NAME again under its own name. REQUESTS32: plain32's and json32's requests (96).
 # Usage: [RUNS="..."] [PART=name] [REQUESTS32=96] bash scripts/gpu_paged.sh OUTDIR OLD_COMMIT|OLD.tar
 set -uo pipefail
@@ -42,11 +43,14 @@ JSON32=(--prompt-len 64:256 --gen-len 256 --concurrency 32 --requests "${REQUEST
 SCHEMA='{"response_format": {"type": "json_schema", "json_schema": {"name": "rows", "schema": {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"], "additionalProperties": false}}}}}'
 
 
-# start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url)
+# start NAME TREE SERVE_ARGS...: a server in the background ($pid, $url); GIL_S set: the server's
+# GIL switch interval (serve.run.GIL_SWITCH_S) set to it
 start() {
   local name=$1 dir=$2; shift 2
-  (cd "$dir" && PYTHONPATH=$site:$dir exec python -m llamactl serve --synthetic llama3-8b --dtype bfloat16 \
-     --port 0 "$@") > /dev/null 2> "/tmp/runs/srv-$name.err" &
+  (cd "$dir" && PYTHONPATH=$site:$dir exec python -c "import runpy, sys; import llamactl.serve.run as r
+if '${GIL_S:-}': r.GIL_SWITCH_S = float('${GIL_S:-0}')
+sys.argv = ['llamactl'] + sys.argv[1:]; runpy.run_module('llamactl', run_name='__main__')" \
+     serve --synthetic llama3-8b --dtype bfloat16 --port 0 "$@") > /dev/null 2> "/tmp/runs/srv-$name.err" &
   pid=$!
   url=$(served_url "/tmp/runs/srv-$name.err" $pid)
   grep -h "serving\|warm\|error" "/tmp/runs/srv-$name.err" | cut -c1-400
@@ -80,6 +84,7 @@ for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
     chat-fp8) start "$run" "$new" --synthetic-quant fp8; load "$run" "${CHAT[@]}" ;;
     plain32) start "$run" "$new"; load "$run" "${JSON32[@]}" ;;
     json32) start "$run" "$new"; load "$run" "${JSON32[@]}" --request-json "$SCHEMA" ;;
+    json32-gil100) GIL_S=1e-4 start "$run" "$new"; load "$run" "${JSON32[@]}" --request-json "$SCHEMA" ;;
     *) echo "unknown run $run"; continue ;;
   esac
   stop "$run"

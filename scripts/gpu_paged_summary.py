@@ -29,6 +29,11 @@ if row.get("prompt_tokens_mean") and row.get("output_tokens_mean"):
         ms = 1000 * eng["decode_seconds"] / eng["decode_steps"]
         ceiling_ms = 1000 * (2 * PARAMS + rows * (prompt + out / 2) * KV_TOKEN) / rates["copy_bytes_s"]
         row["decode_step"] = {"rows_mean": rows, "ms_mean": ms, "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / ms}
+        # the engine thread's time a decode step: handing out tokens, grammars (wall, and its CPU),
+        # and its CPU in all (the rest of a step's wall time: waiting for the device or the GIL)
+        row["loop_ms_per_step"] = {k: 1000 * eng.get(f, 0.0) / eng["decode_steps"] for k, f in (
+            ("emit", "emit_seconds"), ("grammar", "grammar_seconds"), ("grammar_cpu", "grammar_cpu_seconds"),
+            ("engine_cpu", "thread_cpu_seconds"))}
     if eng.get("prefill_seconds"):  # the server's prefill forwards: tokens a second, and of the GEMM rate
         rate = eng["prefill_tokens"] / eng["prefill_seconds"]
         row["prefill"] = {"tok_s": rate, "of_gemm_rate": rate * 2 * PARAMS / rates["bf16_flop_s"],
@@ -41,4 +46,4 @@ tmp.write_text(json.dumps(data, indent=1))
 tmp.replace(summary)
 keys = ("error_examples", "output_tok_s", "ttft_ms_p50", "ttft_ms_p95", "bound_output_tok_s", "of_bound", "errors", "prompt_tokens_mean")
 print(name, {k: round(row[k], 3) if isinstance(row.get(k), float) else row.get(k) for k in keys},
-      row.get("decode_step"), row.get("prefill"), row.get("server"))
+      row.get("decode_step"), row.get("loop_ms_per_step"), row.get("prefill"), row.get("server"))

@@ -21,6 +21,7 @@ each request's `on_event`, called on the engine's thread.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -144,6 +145,7 @@ class Engine:
         self._last_read = 0.0
         self.failure: str | None = None  # set when a step failed: the engine then takes nothing
         self._thread = threading.Thread(target=self.run, name="llamactl-engine", daemon=True)
+        self._loop_thread: int | None = None  # the step loop's thread (thread_cpu_s)
 
     # -- for callers (any thread) --------------------------------------------------------------
 
@@ -214,9 +216,21 @@ class Engine:
 
     # -- the step loop (the engine's thread) ----------------------------------------------------
 
+    def thread_cpu_s(self) -> float:
+        """CPU seconds of the engine's thread so far, from any thread (0 before it starts or where
+        the platform has no per-thread clocks)."""
+        ident = self._loop_thread
+        if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:  # the thread has ended
+            return 0.0
+
     def run(self) -> None:
         """The step loop on this thread, until stop() (from another thread) ends it; a failed
         step ends it too, after every request in it got the error (the engine then takes none)."""
+        self._loop_thread = threading.get_ident()  # (the main thread of `serve`, or start()'s)
         try:
             with torch.inference_mode():
                 while self._iteration():
@@ -328,7 +342,9 @@ class Engine:
             rows = [(r.slot, m) for r, m in live if m is not None]
             self.runner.set_masks(clear, None)
             if rows:
-                self.runner.set_masks([s for s, _ in rows], Matcher.masks([m for _, m in rows]))
+                with self._grammar_time():
+                    masks = Matcher.masks([m for _, m in rows])
+                self.runner.set_masks([s for s, _ in rows], masks)
 
     def _speculate(self) -> None:
         """One verify step of the running rows, each with its proposals (a plain decode step where
@@ -440,10 +456,21 @@ class Engine:
     def _follow(self, follow: list[tuple[Request, Matcher, int]]) -> None:
         """A step's grammar rows' tokens into their matchers in one call, then each row ended or its
         next mask due."""
-        Matcher.accept_many([m for _, m, _ in follow], [t for _, _, t in follow])
+        with self._grammar_time():
+            Matcher.accept_many([m for _, m, _ in follow], [t for _, _, t in follow])
         for r, m, _ in follow:
             if not r.finished:
                 self._ended(r, m)
+
+    @contextlib.contextmanager
+    def _grammar_time(self):
+        """The block's wall and CPU time into times.grammar_s and grammar_cpu_s."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.times.grammar_s += time.perf_counter() - t0
+            self.times.grammar_cpu_s += time.thread_time() - c0
 
     def _ended(self, r: Request, m: Matcher | None) -> None:
         """r's end after a token: its grammar's (a stop token accepted: with ignore_eos too) or its

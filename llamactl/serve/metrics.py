@@ -43,6 +43,10 @@ class Metrics:
                              ("spec_proposed", "Proposed tokens the verify steps checked."),
                              ("spec_accepted", "Of those, tokens kept (the acceptance rate: accepted / proposed)."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
+                             ("grammar_s", "Seconds in grammars' matchers on the engine's thread (following "
+                                           "tokens, making masks)."),
+                             ("grammar_cpu_s", "Of those, the engine thread's CPU seconds (the rest: waiting "
+                                               "for the GIL, and for the mask fill's threads)."),
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
                              ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed)."),
                              ("kernel_first_uses", "Kernel variants compiled or loaded after the warm-up (a step "
@@ -69,6 +73,8 @@ class Metrics:
         # routing, detokenizing and writing every request's events (the engine's thread is apart)
         Gauge("llamactl_http_thread_cpu_seconds", "CPU seconds of the thread serving HTTP (uvicorn's event loop).",
               registry=r).set_function(time.thread_time)
+        Gauge("llamactl_engine_thread_cpu_seconds", "CPU seconds of the engine's thread (its step loop).",
+              registry=r).set_function(engine.thread_cpu_s)
         self.e2e = Histogram("llamactl_request_latency_seconds", "Arrival to the last token.", buckets=_LATENCY,
                              registry=r)
 

@@ -44,6 +44,8 @@ class EngineTimes:
     decode_steps: int = 0
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
+    grammar_s: float = 0.0  # in grammars' matchers (following tokens, making masks), wall time on this thread
+    grammar_cpu_s: float = 0.0  # of it, this thread's CPU (the rest: waiting for the GIL, the fill's threads)
     gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Scheduler._gather)
     mixed_rows: int = 0  # of decode_rows, those a prefill forward carried (a mixed step: no decode step of its own)
     verify_steps: int = 0  # speculative steps (a row's last token and its proposals in one forward)

@@ -108,6 +108,9 @@ def test_structured_output_follows_the_schema_streamed_and_whole(server):
     a schema that does not compile and two asks at once are 400s naming the field."""
     pytest.importorskip("xgrammar")
     c = server.client
+    grammar_s = lambda: float(next(line.split()[1] for line in c.get("/metrics").text.splitlines()  # noqa: E731
+                                   if line.startswith("llamactl_engine_grammar_seconds ")))
+    before = grammar_s()
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     chat = {"messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 80, "response_format": fmt}
     for body in (chat | {"temperature": 0}, chat | {"temperature": 1.0, "seed": 5, "n": 2}):
@@ -116,6 +119,7 @@ def test_structured_output_follows_the_schema_streamed_and_whole(server):
             assert choice["finish_reason"] == "stop" and _is_person(choice["message"]["content"]), choice
     _, text = stream_events(c, "/v1/chat/completions", chat | {"temperature": 0.7, "seed": 2})
     assert _is_person(text)
+    assert grammar_s() > before  # the matchers' time on the engine's thread (/metrics)
     r = c.post("/v1/completions", json={"prompt": "Data:", "max_tokens": 60, "temperature": 0.9, "seed": 1,
                                         "response_format": {"type": "json_object"}}).json()
     assert isinstance(json.loads(r["choices"][0]["text"]), dict)

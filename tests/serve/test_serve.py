@@ -181,13 +181,15 @@ def test_metrics_are_prometheus_text(server):
                  "llamactl_time_to_first_token_seconds_bucket", "llamactl_inter_token_latency_seconds_count",
                  'llamactl_requests_finished_total{finish_reason="length"}', 'llamactl_requests_rejected_total{status="400"}'):
         assert name in text, name
-    # the HTTP thread's CPU seconds: more after it has answered more requests
-    cpu = lambda text: float(next(line.split()[1] for line in text.splitlines()  # noqa: E731
-                                  if line.startswith("llamactl_http_thread_cpu_seconds ")))
-    before = cpu(text)
+    # the HTTP thread's and the engine thread's CPU seconds: more after they have served more requests
+    cpu = lambda text, name: float(next(line.split()[1] for line in text.splitlines()  # noqa: E731
+                                        if line.startswith(name + " ")))
+    names = ("llamactl_http_thread_cpu_seconds", "llamactl_engine_thread_cpu_seconds")
+    before = [cpu(text, n) for n in names]
     for _ in range(3):
         server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
-    assert cpu(server.client.get("/metrics").text) > before > 0
+    after = server.client.get("/metrics").text
+    assert all(cpu(after, n) > b > 0 for n, b in zip(names, before)), (before, after)
     assert 'llamactl_kv_cache_tokens{dtype="float32"}' in text  # the cache's tokens by what it stores
 
 
