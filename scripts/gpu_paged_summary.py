@@ -34,6 +34,8 @@ if row.get("prompt_tokens_mean") and row.get("output_tokens_mean"):
         row["loop_ms_per_step"] = {k: 1000 * eng.get(f, 0.0) / eng["decode_steps"] for k, f in (
             ("emit", "emit_seconds"), ("grammar", "grammar_seconds"), ("grammar_cpu", "grammar_cpu_seconds"),
             ("engine_cpu", "thread_cpu_seconds"))}
+        if eng.get("masked_steps"):  # a constrained step's host part, forward launch to draw launch
+            row["loop_ms_per_step"]["masked_host"] = 1000 * eng["masked_host_seconds"] / eng["masked_steps"]
     if eng.get("prefill_seconds"):  # the server's prefill forwards: tokens a second, and of the GEMM rate
         rate = eng["prefill_tokens"] / eng["prefill_seconds"]
         row["prefill"] = {"tok_s": rate, "of_gemm_rate": rate * 2 * PARAMS / rates["bf16_flop_s"],

@@ -283,6 +283,9 @@ class Engine:
             launched_at = self.runner.launch_forward(step) if step is not None else 0.0
             self._collect(self._inflight)
             self._send_masks()
+            if step is not None:
+                self.times.masked_steps += 1
+                self.times.masked_host_s += time.perf_counter() - launched_at
             self._inflight = self.runner.launch_draw(step, launched_at) if step is not None else None
             return True
         if constrained:  # a prefill's draws (and a mixed step's rows) need the masks of every token so far

@@ -47,6 +47,9 @@ class Metrics:
                                            "tokens, making masks)."),
                              ("grammar_cpu_s", "Of those, the engine thread's CPU seconds (the rest: waiting "
                                                "for the GIL, and for the mask fill's threads)."),
+                             ("masked_steps", "Decode steps launched in two parts for grammars' rows (forward, "
+                                              "then the draw once the masks are made)."),
+                             ("masked_host_s", "Their host part, seconds: from the forward's launch to the draw's."),
                              ("gather_s", "Seconds waiting, from idle, for a burst's other requests."),
                              ("preemptions", "Requests whose KV blocks were taken back mid-generation (recomputed)."),
                              ("kernel_first_uses", "Kernel variants compiled or loaded after the warm-up (a step "

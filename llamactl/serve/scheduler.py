@@ -46,6 +46,9 @@ class EngineTimes:
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
     grammar_s: float = 0.0  # in grammars' matchers (following tokens, making masks), wall time on this thread
     grammar_cpu_s: float = 0.0  # of it, this thread's CPU (the rest: waiting for the GIL, the fill's threads)
+    masked_steps: int = 0  # decode steps launched in two parts (a grammar's rows: forward, then the draw)
+    masked_host_s: float = 0.0  # their host part: from the forward's launch to the draw's (the last
+    # step's tokens read and handed out, the matchers followed, the masks made and sent)
     gather_s: float = 0.0  # waiting, from idle, for a burst's other requests (Scheduler._gather)
     mixed_rows: int = 0  # of decode_rows, those a prefill forward carried (a mixed step: no decode step of its own)
     verify_steps: int = 0  # speculative steps (a row's last token and its proposals in one forward)
