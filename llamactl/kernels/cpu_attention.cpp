@@ -5,9 +5,13 @@
 // decode_attention(q [B, H_kv, R, D], k/v [B', H_kv, S, D] (B' >= B: cache rows 0..B-1 are used),
 // pos [B] or [1] int64, scale, k_scale, v_scale) -> [B, H_kv, R, D]: row b attends to cache
 // positions 0..pos[b] (pos[0] for every row when pos has one element). q, k, v: bfloat16 or float32
-// alike, sums and the softmax in float32; or k, v int8 with float16 scales k_scale, v_scale
-// [B', H_kv, S] (an 8-bit cache, runtime.kv_format: a position's key is k * k_scale), each
-// position's scale multiplied into its score and its weight.
+// alike, sums and the softmax in float32; or k, v int8 or float8_e4m3fn with float16 scales
+// k_scale, v_scale [B', H_kv, S] (an 8-bit cache, runtime.kv_format: a position's key is
+// k * k_scale), each position's scale multiplied into its score and its weight.
+//
+// kv_quantize(x [..., D] float32 or bfloat16, int8) -> (values [..., D] int8 or float8_e4m3fn,
+// scales [...] float16): runtime.kv_format.quantize's rounding in one pass (a cache write's
+// dozen PyTorch operators a layer and step, one here).
 //
 // Work is split over (row, KV head, chunk of 32-256 positions), as flash-decoding does, so that a
 // long cache keeps every thread busy when B x H_kv is small; each chunk keeps its running max and
@@ -18,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -32,6 +37,8 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,6 +51,7 @@ constexpr int64_t MAX_D = 256;  // head width (kernels/cpu.py ATTN_MAX_HEAD_DIM)
 
 inline float as_float(float v) { return v; }
 inline float as_float(int8_t v) { return static_cast<float>(v); }
+inline float as_float(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
 inline float as_float(c10::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;
   float f;
@@ -124,6 +132,17 @@ inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float: the bits sh
 inline __m512 load16(const int8_t* p) {  // 16 int8 -> float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m512 load16(const c10::Float8_e4m3fn* p) {  // 16 e4m3 -> float: exponent and mantissa under
+  // float's (e4m3's value times 2^-120), times 2^120; subnormals (exponent 0: mantissa x 2^-9) apart,
+  // so a flush-to-zero mode cannot lose them; the sign put back
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), _mm512_set1_ps(0x1p120f));
+  const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 f = _mm512_mask_mul_ps(normal, sub, _mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
 
 // e^x of 16 lanes, x <= 0 (exp_neg's polynomial, vectorized)
 inline __m512 exp_neg16(__m512 x) {
@@ -184,7 +203,7 @@ const auto& avx512_kernels(std::integer_sequence<int, I...>) {
 }
 #endif
 
-// T: q's and out's type; K: the cache's (T, or int8_t with scales ks, vs)
+// T: q's and out's type; K: the cache's (T, or int8_t / Float8_e4m3fn with scales ks, vs)
 template <typename T, typename K = T>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::Half* ks, const c10::Half* vs,
          const int64_t* pos, bool per_row, float scale, at::Tensor& out) {
@@ -257,11 +276,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-d");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "decode_attention: contiguous tensors");
-  const bool int8 = k.scalar_type() == at::kChar;
-  TORCH_CHECK((int8 || q.scalar_type() == k.scalar_type()) && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q, k, v of one dtype, or k, v int8");
-  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "decode_attention: scales with an int8 cache alone");
-  if (int8) {
+  const bool int8 = k.scalar_type() == at::kChar, fp8 = k.scalar_type() == at::kFloat8_e4m3fn, eight = int8 || fp8;
+  TORCH_CHECK((eight || q.scalar_type() == k.scalar_type()) && k.scalar_type() == v.scalar_type(),
+              "decode_attention: q, k, v of one dtype, or k, v int8 or float8_e4m3fn");
+  TORCH_CHECK(eight == (k_scale.has_value() && v_scale.has_value()),
+              "decode_attention: scales with an 8-bit cache alone");
+  if (eight) {
     for (const at::Tensor* sc : {&*k_scale, &*v_scale})
       TORCH_CHECK(sc->scalar_type() == at::kHalf && sc->is_contiguous() && sc->dim() == 3 &&
                       sc->sizes() == k.sizes().slice(0, 3),
@@ -278,12 +298,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty(q.sizes(), q.options());
   const bool per_row = pos.numel() == q.size(0) && q.size(0) > 1;
   const float sc = static_cast<float>(scale);
-  const c10::Half* ks = int8 ? k_scale->data_ptr<c10::Half>() : nullptr;
-  const c10::Half* vs = int8 ? v_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* ks = eight ? k_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs = eight ? v_scale->data_ptr<c10::Half>() : nullptr;
   if (q.scalar_type() == at::kBFloat16 && int8)
     run<c10::BFloat16, int8_t>(q, k, v, ks, vs, pp, per_row, sc, out);
   else if (q.scalar_type() == at::kFloat && int8)
     run<float, int8_t>(q, k, v, ks, vs, pp, per_row, sc, out);
+  else if (q.scalar_type() == at::kBFloat16 && fp8)
+    run<c10::BFloat16, c10::Float8_e4m3fn>(q, k, v, ks, vs, pp, per_row, sc, out);
+  else if (q.scalar_type() == at::kFloat && fp8)
+    run<float, c10::Float8_e4m3fn>(q, k, v, ks, vs, pp, per_row, sc, out);
   else if (q.scalar_type() == at::kBFloat16)
     run<c10::BFloat16>(q, k, v, nullptr, nullptr, pp, per_row, sc, out);
   else if (q.scalar_type() == at::kFloat)
@@ -293,11 +317,64 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// One row of D values: its scale (largest magnitude / qmax, clamped to float16's range, rounded
+// to float16) and its values divided by it, rounded to the format (int8: to nearest, ties to
+// even, within +-127; e4m3: within +-448, then the format's own rounding), as kv_format.quantize
+template <typename T, typename Q>
+void quantize_row(const T* x, int64_t d, Q* q, c10::Half* scale) {
+  constexpr bool INT8 = std::is_same_v<Q, int8_t>;
+  constexpr float QMAX = INT8 ? 127.0f : 448.0f;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(as_float(x[i])));
+  const c10::Half s(std::clamp(amax / QMAX, 0x1p-24f, 65504.0f));
+  const float sf = static_cast<float>(s);
+  *scale = s;
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = as_float(x[i]) / sf;
+    if constexpr (INT8)
+      q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f));
+    else
+      q[i] = static_cast<c10::Float8_e4m3fn>(std::clamp(y, -QMAX, QMAX));
+  }
+}
+
+template <typename T, typename Q>
+void quantize_rows(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
+  const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
+  const T* xp = x.data_ptr<T>();
+  Q* qp = q.data_ptr<Q>();
+  c10::Half* sp = scale.data_ptr<c10::Half>();
+  at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) quantize_row(xp + i * d, d, qp + i * d, sp + i);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> kv_quantize(const at::Tensor& x, bool int8) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "kv_quantize: x [..., D], contiguous");
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(int8 ? at::kChar : at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kHalf));
+  if (x.scalar_type() == at::kFloat && int8)
+    quantize_rows<float, int8_t>(x, q, scale);
+  else if (x.scalar_type() == at::kFloat)
+    quantize_rows<float, c10::Float8_e4m3fn>(x, q, scale);
+  else if (x.scalar_type() == at::kBFloat16 && int8)
+    quantize_rows<c10::BFloat16, int8_t>(x, q, scale);
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows<c10::BFloat16, c10::Float8_e4m3fn>(x, q, scale);
+  else
+    TORCH_CHECK(false, "kv_quantize: float32 or bfloat16, not ", x.scalar_type());
+  return {q, scale};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llamactl_cpu, lib) {
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor pos, float scale, Tensor? k_scale=None, "
           "Tensor? v_scale=None) -> Tensor");
+  lib.def("kv_quantize(Tensor x, bool int8) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(llamactl_cpu, CPU, lib) { lib.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(llamactl_cpu, CPU, lib) {
+  lib.impl("decode_attention", decode_attention);
+  lib.impl("kv_quantize", kv_quantize);
+}

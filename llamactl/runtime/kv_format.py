@@ -70,13 +70,28 @@ def resolve(kv_dtype: str, compute: torch.dtype, device: torch.device | str = "c
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (8-bit values [..., D] in fmt.storage, scales [...] float16): x ~ q * scale."""
+    """x [..., D] -> (8-bit values [..., D] in fmt.storage, scales [...] float16): x ~ q * scale.
+    On the CPU, once llamactl's CPU kernels are loaded, in one pass of theirs (the same numbers)."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _cpu_kernels():
+        return torch.ops.llamactl_cpu.kv_quantize(x.detach().contiguous(), fmt.storage == torch.int8)
+    return quantize_reference(x, fmt)
+
+
+def quantize_reference(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize in PyTorch's operators (any device; what the kernels' own quantization matches)."""
     amax = x.detach().abs().amax(-1).float()  # [...]
     scale = (amax / fmt.qmax).clamp(min=2.0**-24, max=65504.0).to(SCALE_DTYPE)
     y = x.float() / scale.float()[..., None]
     if fmt.storage == torch.int8:
         return y.round().clamp(-127, 127).to(torch.int8), scale
     return y.clamp(-fmt.qmax, fmt.qmax).to(fmt.storage), scale
+
+
+def _cpu_kernels() -> bool:
+    """Whether llamactl's CPU kernels are loaded (a model's plan loads them; nothing is built here)."""
+    from llamactl.kernels import cpu
+
+    return cpu.load.cache_info().currsize > 0 and cpu.load() is None
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

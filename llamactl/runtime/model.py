@@ -179,7 +179,7 @@ class Attention(nn.Module):
                                  self.attn_min_chunk, self.pdl, *cache.first_scales(b))  # [B, H_kv, rep, D]
             return add_linear(self.o_proj, y.reshape(b, 1, self.n_heads * self.head_dim), residual, self.tp_group)
         if (kernel and self.decode_kernel == "cpu" and not paged and q.dtype == cache.dtype
-                and cache.fmt.storage in (q.dtype, torch.int8)):  # reads positions 0..input_pos alone, int8 ones too
+                and cache.fmt.storage in (q.dtype, torch.int8, torch.float8_e4m3fn)):  # positions 0..input_pos alone, 8-bit ones too
             cache.write(input_pos, k, v)
             y = torch.ops.llamactl_cpu.decode_attention.default(
                 q.reshape(b, self.n_kv_heads, rep, self.head_dim).contiguous(), *cache.first(b), input_pos.reshape(-1),

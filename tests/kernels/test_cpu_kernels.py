@@ -187,17 +187,22 @@ def test_decode_attention_matches_float64(dtype, b, h, r, d, s, pos):
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,h,r,d,s,pos", [(3, 2, 4, 64, 600, [0, 300, 599]), (1, 2, 2, 128, 300, [299])])
-def test_decode_attention_reads_an_int8_cache_with_its_scales(dtype, b, h, r, d, s, pos):
-    """An 8-bit cache (runtime.kv_format): int8 K/V and a float16 scale per position and head,
-    against float64 attention over the dequantized cache; scales past a row's position (NaN here)
-    are never read."""
+@pytest.mark.parametrize("b,h,r,d,s,pos", [(3, 2, 4, 64, 600, [0, 300, 599]), (1, 2, 2, 128, 300, [299]),
+                                           (1, 1, 2, 72, 100, [99])])
+def test_decode_attention_reads_an_8bit_cache_with_its_scales(name, dtype, b, h, r, d, s, pos):
+    """An 8-bit cache (runtime.kv_format): int8 or e4m3 K/V (its small values subnormal) and a
+    float16 scale per position and head, against float64 attention over the dequantized cache
+    (the vector path, and the plain loop at a head width of 72); scales past a row's position (NaN
+    here) are never read."""
     from llamactl.runtime.kv_format import dequantize, quantize, resolve
 
     g = torch.Generator().manual_seed(b * 100 + s)
     q = torch.randn(b, h, r, d, generator=g).to(dtype)
-    (k, ks), (v, vs) = (quantize(torch.randn(b + 1, h, s, d, generator=g) * 3, resolve("int8", dtype)) for _ in range(2))
+    (k, ks), (v, vs) = (quantize(torch.randn(b + 1, h, s, d, generator=g) * 3, resolve(name, dtype)) for _ in range(2))
+    if name == "fp8":
+        assert ((k.view(torch.uint8) & 0x78) == 0).any()  # e4m3 subnormals among the values read
     p = torch.tensor(pos)
     ref = attention_reference(q, dequantize(k, ks, torch.float64), dequantize(v, vs, torch.float64), p)
     for sc in (ks, vs):
@@ -207,8 +212,46 @@ def test_decode_attention_reads_an_int8_cache_with_its_scales(dtype, b, h, r, d,
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-    with pytest.raises(RuntimeError, match="scales with an int8 cache alone"):
+    with pytest.raises(RuntimeError, match="scales with an 8-bit cache alone"):
         torch.ops.llamactl_cpu.decode_attention(q, k, v, p, d**-0.5)
+
+
+@pytest.mark.parametrize("d", [64, 72])
+def test_e4m3_subnormal_values_are_read_as_theirs(d):
+    """Values of an fp8 cache in e4m3's subnormal range (exponent 0: the mantissa times 2^-9) and
+    its smallest normals, read by the vector path (D = 64) and the plain loop (D = 72: not whole
+    vectors)."""
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(1, 2, 2, d, generator=g)
+    codes = lambda: (torch.randint(0, 16, (2, 2, 50, d), generator=g, dtype=torch.uint8)  # noqa: E731
+                     | (torch.randint(0, 2, (2, 2, 50, d), generator=g, dtype=torch.uint8) << 7))
+    k, v = (codes().view(torch.float8_e4m3fn) for _ in range(2))
+    assert ((v.view(torch.uint8) & 0x78) == 0).float().mean() > 0.4  # about half subnormal
+    ones = torch.ones(2, 2, 50, dtype=torch.float16)
+    p = torch.tensor([49])
+    got = torch.ops.llamactl_cpu.decode_attention(q, k, v, p, d**-0.5, ones, ones)
+    ref = attention_reference(q, k.double(), v.double(), p)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_quantize_gives_the_cache_writes_numbers(name, dtype):
+    """The CPU kernels' one-pass quantization equals kv_format's PyTorch path bit for bit (scales
+    and values; rows from 1e-6 to 1e3 in magnitude, an all-zero row), and the cache's writes use it
+    once the kernels are loaded."""
+    from llamactl.runtime import kv_format
+
+    fmt = kv_format.resolve(name, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 4, 40, 64, generator=g) * torch.logspace(-6, 3, 40)[None, None, :, None]).to(dtype)
+    x[0, 0, 0] = 0
+    got = torch.ops.llamactl_cpu.kv_quantize(x, name == "int8")
+    want = kv_format.quantize_reference(x, fmt)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert got[0].dtype == fmt.storage and got[1].dtype == kv_format.SCALE_DTYPE
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)
+                           if b.dtype.itemsize == 1 else b) for a, b in zip(kv_format.quantize(x, fmt), got))
 
 
 def test_decode_attention_refuses_a_position_outside_the_cache():
@@ -266,8 +309,9 @@ def test_decode_attention_is_planned_where_it_fits(tmp_path, heads, kv_heads, wa
     assert runs[True][0] == runs[False][0]
 
 
-def test_a_decode_step_over_an_int8_cache_runs_the_cpu_attention_on_the_int8_values(tiny_gqa, monkeypatch):
-    """The model's CPU decode path with an int8 cache hands the kernel the cache's int8 rows and
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_a_decode_step_over_an_8bit_cache_runs_the_cpu_attention_on_the_8bit_values(tiny_gqa, monkeypatch, name):
+    """The model's CPU decode path with an 8-bit cache hands the kernel the cache's 8-bit rows and
     scales (no dequantized copy), and gives the logits SDPA gives over the dequantized cache."""
     from llamactl.folder.artifact import open_artifact
     from llamactl.runtime.kv_cache import StaticCache
@@ -277,7 +321,8 @@ def test_a_decode_step_over_an_int8_cache_runs_the_cpu_attention_on_the_int8_val
     from test_attention_kernels import rows_step
 
     model = load_model(open_artifact(tiny_gqa), torch.device("cpu"), torch.float32)
-    rows = rows_step(model, resolve("int8", torch.float32), "cpu")
+    fmt = resolve(name, torch.float32)
+    rows = rows_step(model, fmt, "cpu")
 
     def step(kernel: str):
         for layer in model.model.layers:
@@ -291,5 +336,5 @@ def test_a_decode_step_over_an_int8_cache_runs_the_cpu_attention_on_the_int8_val
         monkeypatch.setattr(torch.ops.llamactl_cpu.decode_attention, "default",
                             lambda q, k, v, *a: seen.append(k.dtype) or op(q, k, v, *a))
         got = step("cpu")
-    assert seen == [torch.int8] * len(model.model.layers)
+    assert seen == [fmt.storage] * len(model.model.layers)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
