@@ -51,8 +51,10 @@ def _rope(ptr, rows, d, cos, sin, mask, D: tl.constexpr):
     return x * cos[None, :] + sign[None, :] * partner * sin[None, :]
 
 
-# An 8-bit cache's values to float16, four from one 32-bit word: int8 q + 128 under fp16's
-# 1024 (0x64qq: 1024 + 128 + q), less 1152; e4m3 by the hardware's pair conversion
+# An 8-bit cache's values to float16 by inline PTX. Four from one 32-bit word (the keys): int8 q
+# biased under fp16's 1024 (0x64qq: 1024 + 128 + q), less 1152; e4m3 by the hardware's pair
+# conversion. The values are read as 16-bit words of two neighbouring columns (kv_accumulate): from
+# two words (two positions), their low bytes (even columns) and their high bytes (odd columns).
 _I8_F16 = tl.constexpr("""{
 .reg .b32 u, c;
 xor.b32 u, $2, 0x80808080;
@@ -65,6 +67,23 @@ sub.f16x2 $1, $1, c;
 _E4M3_F16 = tl.constexpr("""{
 .reg .b16 lo, hi;
 mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}""")
+_I8_F16_SPLIT = tl.constexpr("""{
+.reg .b32 u, c;
+xor.b32 u, $2, 0x80808080;
+mov.b32 c, 0x64806480;
+prmt.b32 $0, u, 0x64646464, 0x4240;
+prmt.b32 $1, u, 0x64646464, 0x4341;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}""")
+_E4M3_F16_SPLIT = tl.constexpr("""{
+.reg .b32 t;
+.reg .b16 lo, hi;
+prmt.b32 t, $2, 0, 0x3120;
+mov.b32 {lo, hi}, t;
 cvt.rn.f16x2.e4m3x2 $0, lo;
 cvt.rn.f16x2.e4m3x2 $1, hi;
 }""")
@@ -83,6 +102,26 @@ def kv8_as(x, dtype: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def kv8_split(w, INT8: tl.constexpr, ASM: tl.constexpr):
+    """16-bit words w [..] of an 8-bit cache (each two neighbouring columns' values: the low byte
+    the even column's) -> (the even columns', the odd columns') values in float16, each [..]."""
+    if ASM:
+        if INT8:
+            even, odd = tl.inline_asm_elementwise(_I8_F16_SPLIT, "=r,=r,r", [w], dtype=(tl.float16, tl.float16),
+                                                  is_pure=True, pack=2)
+        else:
+            even, odd = tl.inline_asm_elementwise(_E4M3_F16_SPLIT, "=r,=r,r", [w], dtype=(tl.float16, tl.float16),
+                                                  is_pure=True, pack=2)
+    elif INT8:  # the bytes sign-extended
+        even = ((w << 8) >> 8).to(tl.float16)
+        odd = (w >> 8).to(tl.float16)
+    else:
+        even = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
 
 
 @triton.jit
@@ -131,17 +170,50 @@ def kv_scores(q, k_ptr, ks, at, d, ok, scale, PRECISION: tl.constexpr, KV8: tl.c
 
 
 @triton.jit
-def kv_weighted(p, v_ptr, vs, at, d, ok, dtype, PRECISION: tl.constexpr, KV8: tl.constexpr, INT8: tl.constexpr,
-                ASM: tl.constexpr):
-    """p [BR, BS] (float32 softmax weights) times the values at offsets at [BS]: [BR, D] float32.
-    KV8: 8-bit values, their scales vs [BS] (kv8_scales) folded into the weights, the dot in dtype
-    (kv8_query's)."""
-    v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
-    if KV8:
-        o = tl.dot((p * vs[None, :]).to(dtype), kv8_as(v, dtype, INT8, ASM), input_precision=PRECISION)
+def kv_acc(BR: tl.constexpr, D: tl.constexpr, KV8: tl.constexpr):
+    """The attention output's accumulators for kv_accumulate: (acc [BR, D], unused) float32 zeros;
+    for an 8-bit cache of D >= 32 (the even columns' [BR, D / 2], the odd columns')."""
+    if KV8 and D >= 32:
+        acc = tl.zeros([BR, D // 2], tl.float32)
+        odd = tl.zeros([BR, D // 2], tl.float32)
     else:
-        o = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return o
+        acc = tl.zeros([BR, D], tl.float32)
+        odd = tl.zeros([BR, 1], tl.float32)
+    return acc, odd
+
+
+@triton.jit
+def kv_accumulate(acc, odd, alpha, p, v_ptr, vs, at, d, ok, dtype, PRECISION: tl.constexpr, KV8: tl.constexpr,
+                  INT8: tl.constexpr, ASM: tl.constexpr):
+    """(acc, odd) (kv_acc's) times alpha [BR] plus p [BR, BS] (float32 softmax weights) times the
+    values at offsets at [BS]. KV8: 8-bit values, their scales vs [BS] (kv8_scales) folded into
+    the weights, the dots in dtype (kv8_query's). At D >= 32 they are read as 16-bit words of two
+    columns, so the dot's operand (positions innermost) comes from shared memory a word pair at a
+    time, not a byte at a time: one dot for the even columns, one for the odd."""
+    if KV8 and d.shape[0] >= 32:
+        j = tl.arange(0, d.shape[0] // 2)
+        words = v_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        w = tl.load(words + (at // 2)[:, None] + j[None, :], mask=ok[:, None], other=0)  # [BS, D / 2]
+        even, odd_v = kv8_split(w, INT8, ASM)
+        pv = (p * vs[None, :]).to(dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, even, input_precision=PRECISION)
+        odd = odd * alpha[:, None] + tl.dot(pv, odd_v, input_precision=PRECISION)
+    elif KV8:
+        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+        acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(dtype), kv8_as(v, dtype, INT8, ASM),
+                                            input_precision=PRECISION)
+    else:
+        v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, odd
+
+
+@triton.jit
+def kv_output(acc, odd, D: tl.constexpr, KV8: tl.constexpr):
+    """kv_accumulate's accumulators as the output [BR, D] (an 8-bit cache's columns interleaved)."""
+    if KV8 and D >= 32:
+        acc = tl.reshape(tl.join(acc, odd), (acc.shape[0], D))
+    return acc
 
 
 @triton.jit
@@ -239,7 +311,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
     q, q_factor = kv8_query(q, KV8)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    acc, odd = kv_acc(BLOCK_R, D, KV8)
     s = start + tl.arange(0, BLOCK_S)  # [BS] the first tile's positions
     ks, vs = kv8_scales(ks_ptr, vs_ptr, kv_base + _at(s, s < end, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED), s < end,
                         D, KV8)
@@ -256,9 +328,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])  # [BR, BS]
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
+        acc, odd = kv_accumulate(acc, odd, alpha, p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
         m = m_new
         ks, vs = ks_next, vs_next
+    acc = kv_output(acc, odd, D, KV8)  # [BR, D]
     if SPLITS == 1:  # position 0 is in this chunk: l > 0
         tl.store(o_ptr + (bh * R + r[:, None]) * D + d[None, :], (acc / l[:, None]).to(o_ptr.dtype.element_ty),
                  mask=(r < R)[:, None])

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.attention import kv8_args, kv8_query, kv8_scales, kv_scores, kv_weighted
+from llamactl.kernels.attention import kv8_args, kv8_query, kv8_scales, kv_acc, kv_accumulate, kv_output, kv_scores
 
 BLOCK_N = 64  # keys a loop iteration
 
@@ -63,7 +63,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
     end = c0 + tl.minimum(m0 + BLOCK_M, n)  # keys 0..end-1: the tile's last query's
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc, odd = kv_acc(BLOCK_M, D, KV8)
     s = tl.arange(0, BLOCK_N)  # the first block's positions
     ks, vs = kv8_scales(ks_ptr, vs_ptr, _pool_at(table_ptr, row, T_ROW, s, s < end, hk, HKV, BS, D), s < end, D, KV8)
     for s0 in range(0, end, BLOCK_N):
@@ -79,9 +79,10 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
         alpha = tl.exp(mx - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + kv_weighted(p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
+        acc, odd = kv_accumulate(acc, odd, alpha, p, v_ptr, vs, at, d, ok, q.dtype, PRECISION, KV8, INT8, ASM)
         mx = m_new
         ks, vs = ks_next, vs_next
+    acc = kv_output(acc, odd, D, KV8)  # [BM, D]
     out = o_ptr + ((qs + m)[:, None] * H + h) * D + d[None, :]
     tl.store(out, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=ok_m[:, None])
 
