@@ -84,13 +84,15 @@ def variants(kind: str):
     first; kind "tiles": each tile, warps and pipelining depth; "wide": the longer tiles an 8-bit
     cache may want (64-256 positions, 4 or 8 warps, 2 or 3 stages); "splits": each smallest chunk of
     the cache (fewer, longer splits, down to one split and no merge kernel); "kv8": an 8-bit cache's
-    choices (Triton's own conversions instead of KV8_ASM's, 2-4 stages, twice and half the
-    programs an SM, longer chunks)."""
+    choices (Triton's own conversions instead of KV8_ASM's, 2-4 stages, 32- and 128-position tiles,
+    twice and half the programs an SM, longer chunks)."""
     yield "default", {}, {}
     if kind == "kv8":
         yield "triton's conversions", {}, {"KV8_ASM": False}
         for stages in (2, 4):
             yield f"stages {stages}", {"stages": stages}, {}
+        for block_s, warps in ((128, 4), (128, 8), (32, 4)):
+            yield f"tile {block_s} warps {warps}", {"block_s": block_s, "warps": warps}, {}
         for fill in (2, 8):
             yield f"{fill} programs an SM", {}, {"FILL_PER_SM": fill}
         for chunk in (256, 1024):

@@ -17,7 +17,7 @@ timeout 100 python -m pytest -q -x tests/kernels/test_kv8.py > "$out/kv8-tests.l
 CASES=("llama2-7b 1 16384 16512 7b" "llama3-8b 32 4096 4160 8b")  # shape, rows, context, cache, file tag
 for c in "${CASES[@]}"; do
   read -r shape rows ctx cache tag <<< "$c"
-  timeout 90 python scripts/attention_probe.py "$out/attn-int8-$tag.json" --shapes "$shape" --batch "$rows" \
+  timeout 120 python scripts/attention_probe.py "$out/attn-int8-$tag.json" --shapes "$shape" --batch "$rows" \
     --ctx "$ctx" --max-seq "$cache" --variants kv8 --kv-dtype int8 2>&1 | tail -8
 done
 if [ -n "$old" ]; then
