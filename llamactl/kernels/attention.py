@@ -194,10 +194,10 @@ def kv_accumulate(acc, odd, alpha, p, v_ptr, vs, at, d, ok, dtype, PRECISION: tl
         j = tl.arange(0, d.shape[0] // 2)
         words = v_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
         w = tl.load(words + (at // 2)[:, None] + j[None, :], mask=ok[:, None], other=0)  # [BS, D / 2]
-        even, odd_v = kv8_split(w, INT8, ASM)
+        even, odd_v = kv8_split(w, INT8, ASM and dtype == tl.float16)
         pv = (p * vs[None, :]).to(dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, even, input_precision=PRECISION)
-        odd = odd * alpha[:, None] + tl.dot(pv, odd_v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(pv, even.to(dtype), input_precision=PRECISION)
+        odd = odd * alpha[:, None] + tl.dot(pv, odd_v.to(dtype), input_precision=PRECISION)
     elif KV8:
         v = tl.load(v_ptr + at[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BS, D]
         acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(dtype), kv8_as(v, dtype, INT8, ASM),

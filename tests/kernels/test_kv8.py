@@ -67,15 +67,16 @@ def test_an_8bit_pool_holds_nearly_twice_the_tokens_in_the_same_bytes():
 
 @pytest.mark.parametrize("name", EIGHT)
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-def test_decode_attention_reads_an_8bit_cache_as_its_dequantized_values(name, paged):
-    fmt = resolve(name, ATTN_DTYPE)
+@pytest.mark.parametrize("dtype", [ATTN_DTYPE, torch.float32], ids=["16-bit", "float32"])
+def test_decode_attention_reads_an_8bit_cache_as_its_dequantized_values(name, paged, dtype):
+    fmt = resolve(name, dtype)
     torch.manual_seed(1)
     b, kv, rep, d, s = 3, 2, 4, 64, 256
-    q = torch.randn(b, kv, rep, d, device=DEV, dtype=ATTN_DTYPE)
+    q = torch.randn(b, kv, rep, d, device=DEV, dtype=dtype)
     k, v = (torch.randn(b, kv, s, d, device=DEV) * 3 for _ in range(2))
     pos = torch.tensor([0, 77, s - 1], device=DEV)
     if paged:  # each row's blocks shuffled over the pool
-        cache = PagedCache(1, b, 3 * 16 + 1, 16, s, kv, d, ATTN_DTYPE, DEV, fmt)
+        cache = PagedCache(1, b, 3 * 16 + 1, 16, s, kv, d, dtype, DEV, fmt)
         cache.set_rows(list(range(b)), (torch.randperm(3 * 16) + 1).view(b, 16).tolist())
         layer = cache.layers[0]
         layer.write(torch.arange(s, device=DEV), k, v)
