@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from llamactl.kernels import attention
+from llamactl.kernels import attention, kv_tile
 from llamactl.runtime import kv_format
 
 SHAPES = {"llama2-7b": (32, 1), "llama3-8b": (8, 4)}  # KV heads, query rows a KV head
@@ -109,15 +109,17 @@ def variants(kind: str):
 
 @contextlib.contextmanager
 def settings(values: dict):
-    """kernels.attention's module settings set to values for the block, restored after."""
-    old = {k: getattr(attention, k) for k in values}
+    """Module settings of kernels.attention and kernels.kv_tile (whichever has each) set to values
+    for the block, restored after."""
+    mods = {k: attention if hasattr(attention, k) else kv_tile for k in values}
+    old = {k: getattr(mods[k], k) for k in values}
     for k, v in values.items():
-        setattr(attention, k, v)
+        setattr(mods[k], k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(attention, k, v)
+            setattr(mods[k], k, v)
 
 
 def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str, fmt: kv_format.KVFormat) -> dict:

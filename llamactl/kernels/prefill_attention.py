@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llamactl.kernels.attention import kv8_args, kv8_query, kv8_scales, kv_acc, kv_accumulate, kv_output, kv_scores
+from llamactl.kernels.kv_tile import kv8_args, kv8_query, kv8_scales, kv_acc, kv_accumulate, kv_output, kv_scores
 
 BLOCK_N = 64  # keys a loop iteration
 
@@ -43,7 +43,7 @@ def _ragged_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, T_ROW, tile_seq_ptr, t
     # pools [blocks, BS, HKV, D]; table [rows, T_ROW] int32; per tile: its sequence and first query
     # token (within the sequence); per sequence: its first token in T, its token count, the
     # positions cached before them, its table row; KV8: 8-bit pools with float16 scales
-    # [blocks, BS, HKV] (kernels.attention.kv8_args; QMAX unused: nothing is written here), read in
+    # [blocks, BS, HKV] (kernels.kv_tile.kv8_args; QMAX unused: nothing is written here), read in
     # float16 dots (ASM: converted by inline PTX)
     tile = tl.program_id(0)
     h = tl.program_id(1)
