@@ -212,8 +212,21 @@ class Decoder:
     @torch.inference_mode()
     def draw(self, logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The draw of a step_logits forward at positions pos [B]: each row's next token [B] with
-        the rows' settings and masks as they are now (eager)."""
-        return self._draw(logits, pos.view(-1, 1))
+        the rows' settings and masks as they are now. Where steps are graphs, a graph too (per
+        batch bucket, the sampler's flags and the forward's logits buffer, captured at first use):
+        a grammar's step waits for its draw's launch, and each eager operator would let go of the
+        GIL and wait for it again (docs/decisions/2026-12-07-api.md)."""
+        if not self.use_graph:
+            return self._draw(logits, pos.view(-1, 1))
+        flags = (() if self.rows is None else
+                 (self.rows.greedy, self.rows.logprobs, self.rows.adjusted, self.rows.masked))
+        kind = ("draw", logits.shape[0], logits.data_ptr(), *flags)
+        if kind not in self._graphs:
+            self._capture(kind, pos.view(-1, 1), pos.view(-1, 1), lambda _tok, at: self._draw(logits, at))
+        _, static_pos, graph, out = self._graphs[kind]
+        static_pos.copy_(pos.view(-1, 1))
+        graph.replay()
+        return out
 
     @property
     def aot_cached(self) -> bool | None:
