@@ -20,29 +20,10 @@ import torch
 
 from llamactl.kernels import attention, kv_tile
 from llamactl.runtime import kv_format
+from llamactl.runtime.graphs import replay_seconds
 
 SHAPES = {"llama2-7b": (32, 1), "llama3-8b": (8, 4)}  # KV heads, query rows a KV head
 D = 128
-
-
-def graph_time(fns) -> float:
-    """Median seconds of one call, replaying a CUDA graph of all fns (one a cache copy) 12 times."""
-    for f in fns:  # (compiled and warm before the capture)
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 def rel(y, ref) -> float:
@@ -133,7 +114,7 @@ def probe(shape: str, b: int, ctx: int, max_seq: int, kind: str, fmt: kv_format.
         try:
             with settings(values):
                 err = rel(attention._attend(q, k0, v0, pos, None, **kw, **sc0), ref)
-                t = graph_time([lambda k=k, v=v, sc=sc, kw=kw: attention._attend(q, k, v, pos, None, **kw, **sc)
+                t = replay_seconds([lambda k=k, v=v, sc=sc, kw=kw: attention._attend(q, k, v, pos, None, **kw, **sc)
                                 for k, v, sc in caches])
                 splits = attention.plan(max_seq, kw.get("min_chunk", attention.MIN_CHUNK), b * hkv,
                                         attention._fill(q.device))[0]

@@ -17,32 +17,13 @@ import json
 import torch
 
 from llamactl.kernels import fp8 as fp8_kernels
+from llamactl.runtime.graphs import replay_seconds
 
 SHAPES = {  # (name, in, out) of a decoder layer's products, the fused ones as llamactl runs them
     "llama3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)],
     "llama2-7b": [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate_up", 4096, 22016), ("down", 11008, 4096)],
 }
 E4M3 = torch.float8_e4m3fn
-
-
-def graph_time(fns) -> float:
-    """Median seconds of one call, replaying a CUDA graph of all fns (one a weight copy) 12 times."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 def per_row(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +69,7 @@ def probe(shape: str, rows: list[int]) -> list[dict]:
             base = None
             for vname, fns, ref in variants(x, ws):
                 try:
-                    t = graph_time(fns)
+                    t = replay_seconds(fns)
                     err = None
                     if ref is not None:
                         y = fns[0]().float()

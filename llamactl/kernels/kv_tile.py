@@ -24,42 +24,28 @@ from llamactl.kernels.device import interpreted
 KV8_ASM = True
 
 
-# An 8-bit cache's values to float16 by inline PTX. Four from one 32-bit word (the keys): int8 q
-# biased under fp16's 1024 (0x64qq: 1024 + 128 + q), less 1152; e4m3 by the hardware's pair
-# conversion. The values are read as 16-bit words of two neighbouring columns (kv_accumulate): from
-# two words (two positions), their low bytes (even columns) and their high bytes (odd columns).
-_I8_F16 = tl.constexpr("""{
-.reg .b32 u, c;
-xor.b32 u, $2, 0x80808080;
-mov.b32 c, 0x64806480;
-prmt.b32 $0, u, 0x64646464, 0x4140;
-prmt.b32 $1, u, 0x64646464, 0x4342;
-sub.f16x2 $0, $0, c;
-sub.f16x2 $1, $1, c;
-}""")
-_E4M3_F16 = tl.constexpr("""{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
-_I8_F16_SPLIT = tl.constexpr("""{
-.reg .b32 u, c;
-xor.b32 u, $2, 0x80808080;
-mov.b32 c, 0x64806480;
-prmt.b32 $0, u, 0x64646464, 0x4240;
-prmt.b32 $1, u, 0x64646464, 0x4341;
-sub.f16x2 $0, $0, c;
-sub.f16x2 $1, $1, c;
-}""")
-_E4M3_F16_SPLIT = tl.constexpr("""{
-.reg .b32 t;
-.reg .b16 lo, hi;
-prmt.b32 t, $2, 0, 0x3120;
-mov.b32 {lo, hi}, t;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}""")
+def _to_f16(int8: bool, pairs: tuple[str, str]) -> tl.constexpr:
+    """Inline PTX taking a 32-bit word of four 8-bit values ($2) to two float16 pairs ($0, $1):
+    pairs names the bytes of each (prmt selectors). int8: q biased under fp16's 1024 (0x64qq is
+    1024 + 128 + q), less 1152; e4m3: the hardware's pair conversion of the bytes gathered."""
+    if int8:
+        body = (".reg .b32 u, c;\nxor.b32 u, $2, 0x80808080;\nmov.b32 c, 0x64806480;\n"
+                f"prmt.b32 $0, u, 0x64646464, {pairs[0]};\nprmt.b32 $1, u, 0x64646464, {pairs[1]};\n"
+                "sub.f16x2 $0, $0, c;\nsub.f16x2 $1, $1, c;\n")
+    else:  # the first pair's bytes to the low half, the second's to the high one (the selectors'
+        # nibbles 0 and 2 name a pair's bytes); in order, no permute
+        sel = "0x" + pairs[1][-3] + pairs[1][-1] + pairs[0][-3] + pairs[0][-1]
+        gather = "mov.b32 t, $2;\n" if sel == "0x3210" else f"prmt.b32 t, $2, 0, {sel};\n"
+        body = (".reg .b32 t;\n.reg .b16 lo, hi;\n" + gather + "mov.b32 {lo, hi}, t;\n"
+                "cvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n")
+    return tl.constexpr("{\n" + body + "}")
+
+
+# Four values from a word in order (the keys: bytes 0, 1 and 2, 3); the values are read as 16-bit
+# words of two neighbouring columns (kv_accumulate): from two words (two positions), their low
+# bytes (bytes 0, 2: the even columns) and their high bytes (1, 3: the odd columns)
+_I8_F16, _E4M3_F16 = _to_f16(True, ("0x4140", "0x4342")), _to_f16(False, ("0x4140", "0x4342"))
+_I8_F16_SPLIT, _E4M3_F16_SPLIT = _to_f16(True, ("0x4240", "0x4341")), _to_f16(False, ("0x4240", "0x4341"))
 
 
 @triton.jit

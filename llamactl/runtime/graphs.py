@@ -55,6 +55,28 @@ def capture(fn: Callable[..., object], args: tuple, pool=None) -> tuple[torch.cu
     return graph, out
 
 
+def replay_seconds(fns: list[Callable[[], object]], replays: int = 12) -> float:
+    """Median seconds of one call of fns, all captured in one CUDA graph (after a warm call of
+    each) and the graph replayed `replays` times: what the probes time (scripts/*_probe.py), each
+    fn one copy of the inputs, so that enough copies keep L2 from serving them."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
 class PrefillGraphs:
     """Graphs of forward(ids [K, S], slots [K], valid [K]) -> (tokens [K], finite []) for K rows of
     whole prompts (at positions 0..S-1) written into cache rows `slots`, one per (K, S) bucket,
