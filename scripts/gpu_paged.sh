@@ -69,6 +69,9 @@ stop() {
   tail -2 "/tmp/runs/srv-$1.err" | cut -c1-300
 }
 
+case "${RUNS:-}" in  # structured-output runs: first the engine's grammar rows in graphs, a step ahead, on this GPU
+  *json*) timeout 150 python -m pytest -q -m gpu tests/serve/test_engine_gpu.py -k grammar 2>&1 | tail -1 ;;
+esac
 for run in ${RUNS:-chat-new prefix-new prefix-noprefix}; do
   case ${run%.*} in  # (NAME.2: NAME again, kept apart: an A/B in both orders)
     chat-new) start "$run" "$new"; load "$run" "${CHAT[@]}" ;;
