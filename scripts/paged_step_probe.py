@@ -6,6 +6,7 @@ the llama3-8b-shape step (random bf16 weights) in a CUDA graph, every row at its
 bandwidth (scripts/gpu_rates.py).
 
 Usage: python scripts/paged_step_probe.py OUT.json [--rows 32,64,128,256] [--max-seq 8192] [--variants new,old]
+       [--kv-dtypes bf16,int8,fp8]   (the pool's format: runtime.kv_format; the ceiling counts its bytes)
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def family(name: str) -> str:
 VARIANTS = {"new": (True, 2), "chunks": (True, 4), "old": (False, 4)}  # (PAGED_ROW_CHUNKS, PAGED_FILL_PER_SM)
 
 
-def probe(model, rows: int, max_seq: int, bandwidth: float, variant: str = "new") -> dict:
+def probe(model, rows: int, max_seq: int, bandwidth: float, variant: str = "new", kv_dtype: str = "bf16") -> dict:
     from llamactl.kernels import attention
+    from llamactl.runtime.kv_format import resolve
 
     attention.PAGED_ROW_CHUNKS, attention.PAGED_FILL_PER_SM = VARIANTS[variant]
     rng = random.Random(rows)
     ctx = [rng.randint(200, 1200) for _ in range(rows)]
     need = [-(-(c + 2) // BLOCK) for c in ctx]
-    cache = PagedCache.for_model(model, rows, sum(need) + 1, BLOCK, max_seq)
+    fmt = resolve(kv_dtype, torch.bfloat16, "cuda")
+    cache = PagedCache.for_model(model, rows, sum(need) + 1, BLOCK, max_seq, fmt=fmt)
     ids = list(range(1, sum(need) + 1))
     rng.shuffle(ids)
     tables, at = [], 0
@@ -72,14 +75,14 @@ def probe(model, rows: int, max_seq: int, bandwidth: float, variant: str = "new"
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
             groups[family(ev.name)] += ev.device_time / REPLAYS
     a = model.args
-    kv_bytes = sum(c + 1 for c in ctx) * 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2
+    kv_bytes = sum(c + 1 for c in ctx) * 2 * a.num_hidden_layers * a.num_key_value_heads * fmt.bytes_per_head(a.head_dim)
     emb = model.model.embed_tokens.weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - emb.numel() * emb.element_size()
     if model.lm_head.weight is emb:
         weight_bytes += emb.numel() * emb.element_size()
     ceiling = (kv_bytes + weight_bytes) / bandwidth
     attn_us = groups.get("attention", 0) + groups.get("attention merge", 0)
-    out = {"rows": rows, "variant": variant, "ctx_mean": sum(ctx) / rows, "max_seq": max_seq, "step_ms": round(step_s * 1e3, 3),
+    out = {"rows": rows, "variant": variant, "kv_dtype": fmt.name, "ctx_mean": sum(ctx) / rows, "max_seq": max_seq, "step_ms": round(step_s * 1e3, 3),
            "ceiling_ms": round(ceiling * 1e3, 3), "of_ceiling": round(ceiling / step_s, 3),
            "weight_gb": round(weight_bytes / 1e9, 2), "kv_gb": round(kv_bytes / 1e9, 2),
            "attention_us": round(attn_us, 1),
@@ -96,12 +99,14 @@ def main() -> None:
     ap.add_argument("--rows", default="32,64,128,256")
     ap.add_argument("--max-seq", type=int, default=8192)
     ap.add_argument("--variants", default="new", help=f"attention plans, a comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--kv-dtypes", default="bf16", help="the pool's formats, a comma list of bf16, int8, fp8")
     a = ap.parse_args()
     r = rates()
     model = load_targets([], "llama3-8b", torch.device("cuda"), "bfloat16")[0].model
     runs = []
-    for rows, variant in ((int(x), v) for x in a.rows.split(",") for v in a.variants.split(",")):
-        runs.append(probe(model, rows, a.max_seq, r["copy_bytes_s"], variant))
+    for rows, variant, kv in ((int(x), v, k) for x in a.rows.split(",") for v in a.variants.split(",")
+                              for k in a.kv_dtypes.split(",")):
+        runs.append(probe(model, rows, a.max_seq, r["copy_bytes_s"], variant, kv))
         print(json.dumps(runs[-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump({"rates": r, "torch": torch.__version__, "runs": runs}, f, indent=1)
