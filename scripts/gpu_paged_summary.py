@@ -30,10 +30,11 @@ if row.get("prompt_tokens_mean") and row.get("output_tokens_mean"):
         ceiling_ms = 1000 * (2 * PARAMS + rows * (prompt + out / 2) * KV_TOKEN) / rates["copy_bytes_s"]
         row["decode_step"] = {"rows_mean": rows, "ms_mean": ms, "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / ms}
         # the engine thread's time a decode step: handing out tokens, grammars (wall, and its CPU),
-        # and its CPU in all (the rest of a step's wall time: waiting for the device or the GIL)
+        # its CPU in all, and its waits for the device's tokens (the rest of a step's wall time:
+        # waiting for the GIL or a core)
         row["loop_ms_per_step"] = {k: 1000 * eng.get(f, 0.0) / eng["decode_steps"] for k, f in (
             ("emit", "emit_seconds"), ("grammar", "grammar_seconds"), ("grammar_cpu", "grammar_cpu_seconds"),
-            ("engine_cpu", "thread_cpu_seconds"))}
+            ("engine_cpu", "thread_cpu_seconds"), ("read_wait", "read_wait_seconds"))}
         if eng.get("masked_steps"):  # a constrained step's host part, forward launch to draw launch
             row["loop_ms_per_step"]["masked_host"] = 1000 * eng["masked_host_seconds"] / eng["masked_steps"]
     if eng.get("prefill_seconds"):  # the server's prefill forwards: tokens a second, and of the GEMM rate

@@ -419,9 +419,11 @@ class Engine:
         finished meanwhile (EOS in the step before, cancelled) drops its token."""
         if step is None:
             return
+        waited = time.perf_counter()
         tokens = step.tokens()
         lps = step.logprobs()
         now = time.perf_counter()
+        self.times.read_wait_s += now - waited
         if not step.mixed:  # a mixed step's time is its prefill forward's
             self.times.decode_s += now - max(step.launched, self._last_read)
             self.times.decode_steps += 1

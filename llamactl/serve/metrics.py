@@ -43,6 +43,8 @@ class Metrics:
                              ("spec_proposed", "Proposed tokens the verify steps checked."),
                              ("spec_accepted", "Of those, tokens kept (the acceptance rate: accepted / proposed)."),
                              ("emit_s", "Seconds handing tokens to callers on the engine's thread."),
+                             ("read_wait_s", "Seconds the engine's thread waited for a launched step's tokens "
+                                             "(the device still computing: the rest of its time is the host's)."),
                              ("grammar_s", "Seconds in grammars' matchers on the engine's thread (following "
                                            "tokens, making masks)."),
                              ("grammar_cpu_s", "Of those, the engine thread's CPU seconds (the rest: waiting "

@@ -44,6 +44,7 @@ class EngineTimes:
     decode_steps: int = 0
     decode_rows: int = 0  # summed over steps: rows that received a token
     emit_s: float = 0.0  # handing tokens to the callers (their callbacks run on this thread)
+    read_wait_s: float = 0.0  # waiting for a launched step's tokens (the device still computing them)
     grammar_s: float = 0.0  # in grammars' matchers (following tokens, making masks), wall time on this thread
     grammar_cpu_s: float = 0.0  # of it, this thread's CPU (the rest: waiting for the GIL, the fill's threads)
     masked_steps: int = 0  # decode steps launched in two parts (a grammar's rows: forward, then the draw)

@@ -178,6 +178,7 @@ def test_metrics_are_prometheus_text(server):
     text = server.client.get("/metrics").text
     for name in ("llamactl_requests_running", "llamactl_requests_waiting", "llamactl_generation_tokens_total",
                  "llamactl_engine_decode_seconds", "llamactl_engine_prefill_max_seconds",
+                 "llamactl_engine_read_wait_seconds", "llamactl_engine_masked_host_seconds",
                  "llamactl_time_to_first_token_seconds_bucket", "llamactl_inter_token_latency_seconds_count",
                  'llamactl_requests_finished_total{finish_reason="length"}', 'llamactl_requests_rejected_total{status="400"}'):
         assert name in text, name
