@@ -113,6 +113,11 @@ def load() -> str | None:
     return None
 
 
+def loaded() -> bool:
+    """Whether the CPU kernels are loaded in this process (load() ran and succeeded; this builds nothing)."""
+    return load.cache_info().currsize > 0 and load() is None
+
+
 def has_amx() -> bool:
     """Whether this CPU has AMX tiles for bf16 (oneDNN's bf16 matmul then runs on them)."""
     return "amx_bf16" in cpu_flags().split()

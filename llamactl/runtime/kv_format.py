@@ -72,8 +72,11 @@ def resolve(kv_dtype: str, compute: torch.dtype, device: torch.device | str = "c
 def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (8-bit values [..., D] in fmt.storage, scales [...] float16): x ~ q * scale.
     On the CPU, once llamactl's CPU kernels are loaded, in one pass of theirs (the same numbers)."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _cpu_kernels():
-        return torch.ops.llamactl_cpu.kv_quantize(x.detach().contiguous(), fmt.storage == torch.int8)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        from llamactl.kernels import cpu  # (a model's plan loads them; nothing is built here)
+
+        if cpu.loaded():
+            return torch.ops.llamactl_cpu.kv_quantize(x.detach().contiguous(), fmt.storage == torch.int8)
     return quantize_reference(x, fmt)
 
 
@@ -85,13 +88,6 @@ def quantize_reference(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, to
     if fmt.storage == torch.int8:
         return y.round().clamp(-127, 127).to(torch.int8), scale
     return y.clamp(-fmt.qmax, fmt.qmax).to(fmt.storage), scale
-
-
-def _cpu_kernels() -> bool:
-    """Whether llamactl's CPU kernels are loaded (a model's plan loads them; nothing is built here)."""
-    from llamactl.kernels import cpu
-
-    return cpu.load.cache_info().currsize > 0 and cpu.load() is None
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
