@@ -152,7 +152,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, o_ptr, kn_ptr, 
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         ok = s < end
         at = kv_base + _at(s, ok, b, h, table_ptr, T_ROW, D, HKV, BS, PAGED)  # [BS] row offsets
-        sn = s + BLOCK_S  # the next tile's scales, loaded now
+        # the next tile's scales, loaded now; its offsets are computed again next tile, not carried:
+        # Triton's pipeliner then no longer prefetches K/V with async copies (SASS, 2026-12-08)
+        sn = s + BLOCK_S
         ks_next, vs_next = kv8_scales(ks_ptr, vs_ptr, kv_base + _at(sn, sn < end, b, h, table_ptr, T_ROW, D, HKV, BS,
                                                                     PAGED), sn < end, D, KV8)
         scores = kv_scores(q, k_ptr, ks, at, d, ok, scale * q_factor, PRECISION, KV8, INT8, ASM)  # [BR, BS]
